@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`. Both build .venv
+# from the pinned lock when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_OUT ?= results/demo
+export TF_CPP_MIN_LOG_LEVEL := 2
+
+.PHONY: venv demo test test-all benchmark clean
+
+$(STAMP): requirements.lock setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --no-deps -r requirements.lock
+	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/tff-privacy train --method fedsgd --dataset mnist5k --model lenet \
+	  --clients 10 --rounds 20 --batch-size 32 --server-lr 1.0 --seed 0 \
+	  --capture-rounds 1 --out $(DEMO_OUT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+benchmark: $(STAMP)
+	$(BIN)/python benchmarks/round_overhead.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

@@ -1,0 +1,71 @@
+"""`Algorithm`: what the runner needs to know to drive a federated method.
+
+A method module exposes a TFF-style `build_*` function returning a
+`tff.learning.templates.LearningProcess`, and an `Algorithm` that says how the
+runner feeds it and what its clients upload. New defences plug in here without
+touching the runner:
+
+* per-client configuration (a privacy budget, a region box, attributes) comes
+  from `client_inputs(client_index, round_num)`; the runner adds the returned
+  arrays to every batch of that client, where the method's client work reads
+  them (TFF rejects plain CLIENTS-placed tensors next to a `LearningProcess`'s
+  data);
+* what leaves a client is declared by `upload_kind`, recorded in the update
+  store, so attacks know whether they face a gradient or a model delta;
+* server-side resources (a public data set for the aggregator) are arguments of
+  the method's builder, closed over by its aggregator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import numpy as np
+import tensorflow_federated as tff
+
+UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights")
+LOCAL_DATA = ("one_batch", "epochs")
+
+ProcessBuilder = Callable[[Optional[tff.aggregators.WeightedAggregationFactory]],
+                          tff.learning.templates.LearningProcess]
+ClientInputs = Callable[[int, int], dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """A federated method as the runner sees it.
+
+  Attributes:
+    name: the method's name (`--method`).
+    upload_kind: one of `UPLOAD_KINDS`: what a client sends to the server.
+    local_data: 'one_batch' (each client computes on one batch per round, as
+      in FedSGD) or 'epochs' (each client passes over all its samples
+      `local_epochs` times).
+    build_process: maps an optional model aggregator (the runner passes an
+      upload-capturing wrapper on capture rounds) to the `LearningProcess`.
+    protocol: public facts of the protocol (learning rates, local epochs...)
+      written into every captured record's metadata.
+    client_inputs: optional per-client, per-round inputs for the client work.
+  """
+
+  name: str
+  upload_kind: str
+  local_data: str
+  build_process: ProcessBuilder
+  protocol: dict[str, Any]
+  client_inputs: Optional[ClientInputs] = None
+
+  def __post_init__(self):
+    if self.upload_kind not in UPLOAD_KINDS:
+      raise ValueError(
+          f"upload_kind={self.upload_kind!r}; choose one of {UPLOAD_KINDS}")
+    if self.local_data not in LOCAL_DATA:
+      raise ValueError(f"local_data={self.local_data!r}; choose one of {LOCAL_DATA}")
+
+
+def check_positive(**values: float) -> None:
+  """Raises `ValueError` naming the first argument that is not > 0."""
+  for name, value in values.items():
+    if not value > 0:
+      raise ValueError(f"{name} must be > 0, got {value}")

@@ -1,0 +1,53 @@
+"""FedAvg (McMahan et al. 2017): local SGD epochs, server averages model deltas.
+
+Round t: the server broadcasts w_t; client k runs `local_epochs` passes of
+minibatch SGD (rate `client_learning_rate`) over its data from w_t, reaching
+w_k, and uploads the model delta d_k = w_t - w_k (TFF's sign convention: a
+pseudo-gradient); the server forms the example-weighted mean d and applies
+w_{t+1} = w_t - server_learning_rate * d.
+
+This is TFF's own `build_weighted_fed_avg`; defences enter through
+`model_aggregator`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import tensorflow_federated as tff
+
+from tff_privacy.algorithms.base import Algorithm, check_positive
+
+
+def build_fedavg(
+    model_fn: Callable[[], tff.learning.models.VariableModel],
+    *,
+    client_learning_rate: float = 0.1,
+    server_learning_rate: float = 1.0,
+    model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+) -> tff.learning.templates.LearningProcess:
+  """Builds the FedAvg `LearningProcess` (clients use plain SGD)."""
+  check_positive(client_learning_rate=client_learning_rate,
+                 server_learning_rate=server_learning_rate)
+  return tff.learning.algorithms.build_weighted_fed_avg(
+      model_fn,
+      client_optimizer_fn=tff.learning.optimizers.build_sgdm(client_learning_rate),
+      server_optimizer_fn=tff.learning.optimizers.build_sgdm(server_learning_rate),
+      model_aggregator=model_aggregator or tff.aggregators.MeanFactory())
+
+
+def algorithm(model_fn, *, client_learning_rate: float = 0.1,
+              server_learning_rate: float = 1.0, local_epochs: int = 1,
+              batch_size: int = 32) -> Algorithm:
+  """FedAvg as the runner drives it."""
+  check_positive(local_epochs=local_epochs, batch_size=batch_size)
+  return Algorithm(
+      name="fedavg", upload_kind="model_delta", local_data="epochs",
+      build_process=lambda aggregator: build_fedavg(
+          model_fn, client_learning_rate=client_learning_rate,
+          server_learning_rate=server_learning_rate, model_aggregator=aggregator),
+      protocol={"client_learning_rate": client_learning_rate,
+                "server_learning_rate": server_learning_rate,
+                "local_epochs": local_epochs, "batch_size": batch_size,
+                "client_optimizer": "sgd",
+                "delta_convention": "broadcast_minus_local"})

@@ -1,0 +1,74 @@
+"""Federated data sets: a `tff.simulation.datasets.ClientData` plus a test set."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy.data import partition as partition_lib
+from tff_privacy.data import sources
+
+
+@dataclasses.dataclass(frozen=True)
+class FederatedData:
+  """Training samples split among clients, and a held-out test set.
+
+  `client_data` serves each client's samples as a `tf.data.Dataset` of
+  `OrderedDict(x=..., y=...)` elements; `client_arrays` gives the same samples as
+  numpy arrays for code that batches them itself.
+  """
+
+  source: sources.Source
+  client_indices: tuple[np.ndarray, ...]
+
+  @property
+  def client_ids(self) -> list[str]:
+    return [client_id(i) for i in range(len(self.client_indices))]
+
+  @property
+  def num_clients(self) -> int:
+    return len(self.client_indices)
+
+  def client_arrays(self, client: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = self.client_indices[client]
+    return self.source.x_train[idx], self.source.y_train[idx]
+
+  @property
+  def client_data(self) -> tff.simulation.datasets.ClientData:
+    def dataset_fn(cid: str) -> tf.data.Dataset:
+      x, y = self.client_arrays(int(cid.split("_")[-1]))
+      return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
+    return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
+        self.client_ids, dataset_fn)
+
+  @property
+  def test(self) -> tuple[np.ndarray, np.ndarray]:
+    return self.source.x_test, self.source.y_test
+
+
+def client_id(index: int) -> str:
+  return f"client_{index:04d}"
+
+
+def load(dataset: str, num_clients: int, partition: str = "iid",
+         alpha: float = 0.5, seed: int = 0,
+         data_dir: str | None = None) -> FederatedData:
+  """Loads `dataset` and splits its training set among `num_clients` clients.
+
+  Args:
+    dataset: one of `tff_privacy.data.DATASETS`.
+    num_clients: number of clients (<= number of training samples).
+    partition: 'iid', 'dirichlet' (label skew with concentration `alpha`) or
+      'one_per_client'.
+    alpha: Dirichlet concentration, > 0.
+    seed: seeds the partition.
+    data_dir: `tensorflow_datasets` data directory for the full data sets.
+  """
+  source = sources.load_source(dataset, data_dir=data_dir)
+  parts = partition_lib.partition(source.y_train, num_clients, partition, alpha,
+                                  seed)
+  return FederatedData(source, tuple(parts))

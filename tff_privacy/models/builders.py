@@ -1,0 +1,102 @@
+"""Keras model builders by name.
+
+Every builder takes `input_shape`, `num_classes` and a `seed` that fixes the
+initial weights, and returns an uncompiled `tf.keras.Model` producing logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable
+
+import tensorflow as tf
+
+L = tf.keras.layers
+
+WEIGHT_INITS = ("default", "uniform")
+
+
+def _initializers(weight_init: str, seed: int, uniform_scale: float = 0.5):
+  """Yields (kernel, bias) initializer pairs with distinct, fixed seeds."""
+  if weight_init not in WEIGHT_INITS:
+    raise ValueError(
+        f"weight_init={weight_init!r} is unknown; choose one of {WEIGHT_INITS}")
+  for i in itertools.count():
+    s = seed * 1000 + 2 * i
+    if weight_init == "uniform":
+      yield (tf.keras.initializers.RandomUniform(-uniform_scale, uniform_scale, seed=s),
+             tf.keras.initializers.RandomUniform(-uniform_scale, uniform_scale, seed=s + 1))
+    else:
+      yield tf.keras.initializers.GlorotUniform(seed=s), "zeros"
+
+
+def lenet(input_shape, num_classes, seed: int = 0, activation: str = "sigmoid",
+          weight_init: str = "uniform") -> tf.keras.Model:
+  """The LeNet variant of DLG (Zhu et al. 2019): three 5x5 convolutions with 12
+  channels (strides 2, 2, 1, 'same' padding), sigmoid activations, one dense
+  layer. DLG initialises every weight and bias from U(-0.5, 0.5), which is the
+  default here (`weight_init='uniform'`); `weight_init='default'` gives
+  Glorot-uniform kernels and zero biases."""
+  inits = _initializers(weight_init, seed)
+  layers = [L.InputLayer(input_shape)]
+  for i, stride in enumerate((2, 2, 1), start=1):
+    k, b = next(inits)
+    layers.append(L.Conv2D(12, 5, strides=stride, padding="same",
+                           activation=activation, kernel_initializer=k,
+                           bias_initializer=b, name=f"conv{i}"))
+  k, b = next(inits)
+  layers += [L.Flatten(), L.Dense(num_classes, kernel_initializer=k,
+                                  bias_initializer=b, name="fc")]
+  return tf.keras.Sequential(layers, name="lenet")
+
+
+def cnn(input_shape, num_classes, seed: int = 0, filters: int = 16,
+        dense: int = 64, weight_init: str = "default") -> tf.keras.Model:
+  """A small ReLU CNN: conv(3x3)-maxpool twice, then dense-ReLU and dense."""
+  inits = _initializers(weight_init, seed)
+  layers = [L.InputLayer(input_shape)]
+  for i, f in enumerate((filters, 2 * filters), start=1):
+    k, b = next(inits)
+    layers += [L.Conv2D(f, 3, padding="same", activation="relu",
+                        kernel_initializer=k, bias_initializer=b, name=f"conv{i}"),
+               L.MaxPool2D(2)]
+  k1, b1 = next(inits)
+  k2, b2 = next(inits)
+  layers += [L.Flatten(),
+             L.Dense(dense, activation="relu", kernel_initializer=k1,
+                     bias_initializer=b1, name="fc1"),
+             L.Dense(num_classes, kernel_initializer=k2, bias_initializer=b2,
+                     name="fc2")]
+  return tf.keras.Sequential(layers, name="cnn")
+
+
+def mlp(input_shape, num_classes, seed: int = 0, hidden: tuple[int, ...] = (200, 200),
+        activation: str = "relu", weight_init: str = "default") -> tf.keras.Model:
+  """A multilayer perceptron on the flattened input."""
+  inits = _initializers(weight_init, seed)
+  layers = [L.InputLayer(input_shape), L.Flatten()]
+  for i, units in enumerate(hidden, start=1):
+    k, b = next(inits)
+    layers.append(L.Dense(units, activation=activation, kernel_initializer=k,
+                          bias_initializer=b, name=f"fc{i}"))
+  k, b = next(inits)
+  layers.append(L.Dense(num_classes, kernel_initializer=k, bias_initializer=b,
+                        name=f"fc{len(hidden) + 1}"))
+  return tf.keras.Sequential(layers, name="mlp")
+
+
+MODELS: dict[str, Callable[..., tf.keras.Model]] = {
+    "lenet": lenet,
+    "cnn": cnn,
+    "mlp": mlp,
+}
+
+
+def build(name: str, input_shape, num_classes: int, seed: int = 0,
+          **kwargs) -> tf.keras.Model:
+  """Builds model `name` (one of `MODELS`) with builder keyword `kwargs`."""
+  if name not in MODELS:
+    raise ValueError(f"model={name!r} is unknown; choose one of {sorted(MODELS)}")
+  if num_classes < 2:
+    raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+  return MODELS[name](tuple(input_shape), num_classes, seed=seed, **kwargs)

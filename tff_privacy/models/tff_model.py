@@ -1,0 +1,73 @@
+"""`ModelSpec`: everything needed to rebuild a model, and its TFF wrapper."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy.models import builders
+
+
+def loss_fn() -> tf.keras.losses.Loss:
+  """The training loss of every classifier here: cross-entropy on logits."""
+  return tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """A model builder name with its arguments; serialisable to JSON.
+
+  The update store keeps this so that an attacker can rebuild the architecture
+  the clients trained (a public fact of the protocol).
+  """
+
+  name: str
+  input_shape: tuple[int, ...]
+  num_classes: int
+  kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
+    builders.build(self.name, self.input_shape, self.num_classes, **self.kwargs)
+
+  def keras(self, seed: int = 0) -> tf.keras.Model:
+    return builders.build(self.name, self.input_shape, self.num_classes,
+                          seed=seed, **self.kwargs)
+
+  def initial_weights(self, seed: int) -> list[np.ndarray]:
+    """Trainable weights of a freshly initialised model, fixed by `seed`."""
+    return [v.numpy() for v in self.keras(seed).trainable_variables]
+
+  def variable_names(self) -> list[str]:
+    """Trainable variables as 'layer/weight', in the model's order."""
+    return [v.name.split(":")[0] for v in self.keras().trainable_variables]
+
+  @property
+  def input_spec(self) -> collections.OrderedDict:
+    return collections.OrderedDict(
+        x=tf.TensorSpec((None,) + self.input_shape, tf.float32),
+        y=tf.TensorSpec((None,), tf.int32))
+
+  def tff_model_fn(self):
+    """A no-argument function returning a `tff.learning.models.VariableModel`."""
+    def model_fn():
+      return tff.learning.models.from_keras_model(
+          self.keras(), loss=loss_fn(), input_spec=self.input_spec,
+          metrics=[tf.keras.metrics.SparseCategoricalAccuracy()])
+    return model_fn
+
+  def to_json(self) -> dict[str, Any]:
+    return {"name": self.name, "input_shape": list(self.input_shape),
+            "num_classes": self.num_classes, "kwargs": dict(self.kwargs)}
+
+  @classmethod
+  def from_json(cls, data: dict[str, Any]) -> "ModelSpec":
+    kwargs = {k: tuple(v) if isinstance(v, list) else v
+              for k, v in data.get("kwargs", {}).items()}
+    return cls(data["name"], tuple(data["input_shape"]), int(data["num_classes"]),
+               kwargs)
