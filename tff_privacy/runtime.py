@@ -120,11 +120,13 @@ def start(max_concurrent_computation_calls: int = -1) -> LocalWorker:
 
 
 def stop() -> None:
-  """Stops the worker started by `start`, if any."""
+  """Stops the worker started by `start`, if any; the next computation starts
+  a new one."""
   global _worker
   if _worker is not None:
     _worker.close()
     _worker = None
+    _install_lazy_context()
 
 
 class _StartOnFirstUse(context_base.SyncContext):

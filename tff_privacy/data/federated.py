@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_privacy.data import partition as partition_lib
+from tff_privacy.data import partitioners
 from tff_privacy.data import sources
 
 
@@ -69,6 +69,6 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
     data_dir: `tensorflow_datasets` data directory for the full data sets.
   """
   source = sources.load_source(dataset, data_dir=data_dir)
-  parts = partition_lib.partition(source.y_train, num_clients, partition, alpha,
+  parts = partitioners.partition(source.y_train, num_clients, partition, alpha,
                                   seed)
   return FederatedData(source, tuple(parts))

@@ -81,24 +81,32 @@ def load_lfw_subset(test_fraction: float = 0.2, **_) -> Source:
 
 
 _TFDS_SOURCES = {
-    # name: (tfds builder name, number of classes)
-    "mnist": ("mnist", 10),
-    "fashion_mnist": ("fashion_mnist", 10),
-    "emnist": ("emnist/balanced", 47),
-    "cifar10": ("cifar10", 10),
+    # our name: tensorflow_datasets builder name
+    "mnist": "mnist",
+    "fashion_mnist": "fashion_mnist",
+    "emnist": "emnist/balanced",
+    "cifar10": "cifar10",
 }
+
+
+def _split_arrays(dataset) -> tuple[np.ndarray, np.ndarray]:
+  import tensorflow_datasets as tfds
+  xs, ys = zip(*tfds.as_numpy(dataset.batch(8192)))
+  return np.concatenate(xs), np.concatenate(ys)
 
 
 def load_tfds(name: str, data_dir: str | None = None, **_) -> Source:
   """Loads a full data set through `tensorflow_datasets` (needs internet or a
   prepared `data_dir`)."""
   import tensorflow_datasets as tfds
-  builder_name, num_classes = _TFDS_SOURCES[name]
-  splits = tfds.load(builder_name, split=["train", "test"], batch_size=-1,
-                     as_supervised=True, data_dir=data_dir)
-  (x_tr, y_tr), (x_te, y_te) = tfds.as_numpy(splits)
+  (train, test), info = tfds.load(_TFDS_SOURCES[name], split=["train", "test"],
+                                  as_supervised=True, with_info=True,
+                                  data_dir=data_dir)
+  x_tr, y_tr = _split_arrays(train)
+  x_te, y_te = _split_arrays(test)
   return Source(name, _scaled(x_tr, 255.0), y_tr.astype(np.int32),
-                _scaled(x_te, 255.0), y_te.astype(np.int32), num_classes, 255.0)
+                _scaled(x_te, 255.0), y_te.astype(np.int32),
+                info.features["label"].num_classes, 255.0)
 
 
 _BUNDLED: dict[str, Callable[..., Source]] = {

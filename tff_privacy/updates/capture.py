@@ -31,47 +31,8 @@ class CaptureFactory(tff.aggregators.WeightedAggregationFactory):
 
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     inner = self._inner.create(value_type, weight_type)
-    capacity = self._capacity
-    leaves = tff.structure.flatten(value_type)
-    weight_dtype = weight_type.dtype
-
-    def empty():
-      return (tf.constant(0, tf.int32),
-              [tf.zeros((capacity,) + tuple(t.shape), t.dtype) for t in leaves],
-              tf.zeros((capacity,), weight_dtype))
-
-    @tff.tensorflow.computation
-    def zero():
-      return empty()
-
-    acc_type = zero.type_signature.result
-
-    @tff.tensorflow.computation(acc_type, (value_type, weight_type))
-    def accumulate(acc, value_and_weight):
-      count, buffers, weights = acc
-      value, weight = value_and_weight
-      check = tf.debugging.assert_less(
-          count, capacity, message="more clients than CaptureFactory capacity")
-      with tf.control_dependencies([check]):
-        at = tf.reshape(count, [1, 1])
-      buffers = [tf.tensor_scatter_nd_update(b, at, v[None])
-                 for b, v in zip(buffers, tf.nest.flatten(value))]
-      weights = tf.tensor_scatter_nd_update(weights, at, tf.reshape(weight, [1]))
-      return count + 1, buffers, weights
-
-    @tff.tensorflow.computation(acc_type, acc_type)
-    def merge(a, b):
-      def join(x, y):
-        joined = tf.concat([x[: a[0]], y[: b[0]], tf.zeros_like(x)], axis=0)
-        return tf.ensure_shape(joined[:capacity], x.shape)
-      return (a[0] + b[0], [join(x, y) for x, y in zip(a[1], b[1])],
-              join(a[2], b[2]))
-
-    @tff.tensorflow.computation(acc_type)
-    def report(acc):
-      count, buffers, weights = acc
-      return collections.OrderedDict(
-          num_uploads=count, uploads=buffers, upload_weights=weights)
+    zero, accumulate, merge, report = stacking_computations(
+        value_type, weight_type, self._capacity)
 
     @tff.federated_computation()
     def init_fn():
@@ -91,3 +52,47 @@ class CaptureFactory(tff.aggregators.WeightedAggregationFactory):
           state=output.state, result=output.result, measurements=measurements)
 
     return tff.templates.AggregationProcess(init_fn, next_fn)
+
+
+def stacking_computations(value_type, weight_type, capacity: int):
+  """The (zero, accumulate, merge, report) of a `federated_aggregate` that
+  stacks (value, weight) pairs, in arrival order, into fixed-size buffers."""
+  leaves = tff.structure.flatten(value_type)
+  weight_dtype = weight_type.dtype
+
+  @tff.tensorflow.computation
+  def zero():
+    return (tf.constant(0, tf.int32),
+            [tf.zeros((capacity,) + tuple(t.shape), t.dtype) for t in leaves],
+            tf.zeros((capacity,), weight_dtype))
+
+  acc_type = zero.type_signature.result
+
+  @tff.tensorflow.computation(acc_type, (value_type, weight_type))
+  def accumulate(acc, value_and_weight):
+    count, buffers, weights = acc
+    value, weight = value_and_weight
+    check = tf.debugging.assert_less(
+        count, capacity, message="more clients than CaptureFactory capacity")
+    with tf.control_dependencies([check]):
+      at = tf.reshape(count, [1, 1])
+    buffers = [tf.tensor_scatter_nd_update(b, at, v[None])
+               for b, v in zip(buffers, tf.nest.flatten(value))]
+    weights = tf.tensor_scatter_nd_update(weights, at, tf.reshape(weight, [1]))
+    return count + 1, buffers, weights
+
+  @tff.tensorflow.computation(acc_type, acc_type)
+  def merge(a, b):
+    def join(x, y):
+      joined = tf.concat([x[: a[0]], y[: b[0]], tf.zeros_like(x)], axis=0)
+      return tf.ensure_shape(joined[:capacity], x.shape)
+    return (a[0] + b[0], [join(x, y) for x, y in zip(a[1], b[1])],
+            join(a[2], b[2]))
+
+  @tff.tensorflow.computation(acc_type)
+  def report(acc):
+    count, buffers, weights = acc
+    return collections.OrderedDict(
+        num_uploads=count, uploads=buffers, upload_weights=weights)
+
+  return zero, accumulate, merge, report

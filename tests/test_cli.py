@@ -1,0 +1,92 @@
+"""The `tff-privacy` command end to end, in subprocesses as a user runs it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import worker_children
+
+CLI = [os.path.join(os.path.dirname(sys.executable), "tff-privacy")]
+SMALL = ["--dataset", "digits", "--model", "mlp", "--model-kwargs",
+         '{"hidden": [16]}', "--clients", "4", "--batch-size", "8", "--seed", "1",
+         "--quiet"]
+
+
+def _train(out, *extra, **kwargs):
+  return subprocess.run(CLI + ["train", "--out", str(out)] + SMALL + list(extra),
+                        capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def _orphaned_workers(since: float) -> list[int]:
+  return [p.pid for p in psutil.process_iter(["name", "ppid", "create_time"])
+          if p.info["name"] == "worker_binary" and p.info["ppid"] == 1
+          and p.info["create_time"] >= since]
+
+
+def _metrics(out):
+  with open(os.path.join(out, "metrics.json")) as f:
+    return [{k: v for k, v in m.items() if k != "seconds"} for m in json.load(f)]
+
+
+def test_train_through_a_pipe_finishes_and_leaves_no_worker(tmp_path):
+  start = time.time()
+  # capture_output pipes stdout: a worker that kept it open would hang this.
+  result = _train(tmp_path, "--method", "fedsgd", "--rounds", "2",
+                  "--capture-rounds", "1")
+  assert result.returncode == 0, result.stderr
+  assert "test_accuracy=" in result.stdout and str(tmp_path) in result.stdout
+  for name in ("metrics.json", "config.json", "updates/manifest.json",
+               "updates/round_0001/client_0000.npz", "ground_truth/manifest.json"):
+    assert os.path.exists(tmp_path / name), name
+  assert not _orphaned_workers(start)
+
+
+def test_kill_9_mid_run_then_rerun_resumes_to_identical_metrics(tmp_path):
+  args = ["--method", "fedavg", "--rounds", "6"]
+  reference = tmp_path / "reference"
+  assert _train(reference, *args).returncode == 0
+
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(CLI + ["train", "--out", str(killed)] + SMALL + args,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  deadline = time.time() + 240
+  while time.time() < deadline:
+    try:
+      if len(_metrics(killed)) >= 3:
+        break
+    except (FileNotFoundError, json.JSONDecodeError):
+      pass
+    time.sleep(0.2)
+  workers = worker_children(proc.pid)
+  assert workers, "the CLI should have started a TFF worker"
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  gone, alive = psutil.wait_procs(workers, timeout=15)
+  assert not alive, "the TFF worker outlived its SIGKILLed parent"
+  assert len(_metrics(killed)) < 6
+
+  result = _train(killed, *args)
+  assert result.returncode == 0, result.stderr
+  assert _metrics(killed) == _metrics(reference)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--partition", "dirichlet", "--alpha", "0"], "alpha must be > 0"),
+    (["--rounds", "2", "--capture-rounds", "5"], "capture_rounds must lie in"),
+])
+def test_bad_values_exit_2_naming_the_parameter(tmp_path, extra, message):
+  result = _train(tmp_path, *extra)
+  assert result.returncode == 2
+  assert message in result.stderr
+
+
+def test_unknown_method_is_rejected_by_the_parser(tmp_path):
+  result = _train(tmp_path, "--method", "bogus")
+  assert result.returncode == 2
+  assert "invalid choice: 'bogus'" in result.stderr

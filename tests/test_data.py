@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from tff_privacy import data
+from tff_privacy.data import partitioners as part
+
+
+@pytest.mark.parametrize("name,shape,classes", [
+    ("mnist5k", (28, 28, 1), 10), ("digits", (8, 8, 1), 10),
+    ("lfw_subset", (25, 25, 1), 2)])
+def test_bundled_sources_are_scaled_to_unit_range(name, shape, classes):
+  src = data.load_source(name)
+  assert src.input_shape == shape
+  assert src.num_classes == classes
+  assert src.x_train.dtype == np.float32 and src.y_train.dtype == np.int32
+  assert src.x_train.min() >= 0.0 and src.x_train.max() == pytest.approx(1.0)
+  assert set(np.unique(src.y_train)) == set(range(classes))
+  assert src.value_range == (0.0, 1.0)
+
+
+def test_mnist5k_split_is_stratified_and_disjoint():
+  src = data.load_source("mnist5k")
+  assert len(src.y_train) == 4000 and len(src.y_test) == 1000
+  assert np.all(np.bincount(src.y_test) == 100)
+
+
+def test_unknown_dataset_names_choices():
+  with pytest.raises(ValueError, match="dataset='nope'.*mnist5k"):
+    data.load_source("nope")
+
+
+def test_tfds_loader_reads_through_tensorflow_datasets():
+  with tfds.testing.mock_data(num_examples=12):
+    src = data.load_source("fashion_mnist")
+  assert src.input_shape == (28, 28, 1)
+  assert len(src.y_train) == 12 and src.num_classes == 10
+  assert src.x_train.dtype == np.float32 and src.x_train.max() <= 1.0
+
+
+def test_iid_partition_covers_every_sample_once():
+  labels = np.arange(103) % 10
+  parts = part.iid(labels, 10, seed=1)
+  joined = np.concatenate(parts)
+  assert sorted(joined.tolist()) == list(range(103))
+  assert {len(p) for p in parts} <= {10, 11}
+  assert all(np.array_equal(a, b) for a, b in zip(parts, part.iid(labels, 10, 1)))
+
+
+def test_dirichlet_skews_labels_more_at_small_alpha():
+  labels = np.repeat(np.arange(10), 100)
+
+  def mean_classes(alpha):
+    parts = part.dirichlet(labels, 10, alpha, seed=0)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(1000))
+    return np.mean([len(np.unique(labels[p])) for p in parts])
+
+  assert mean_classes(0.1) < mean_classes(100.0)
+  assert mean_classes(100.0) == 10
+
+
+def test_one_per_client_gives_distinct_single_samples():
+  parts = part.one_per_client(np.zeros(50), 8, seed=0)
+  assert all(len(p) == 1 for p in parts)
+  assert len({int(p[0]) for p in parts}) == 8
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_clients=5000, kind="iid"), "num_clients=5000 exceeds"),
+    (dict(num_clients=0, kind="iid"), "num_clients must be >= 1"),
+    (dict(num_clients=10, kind="dirichlet", alpha=0.0), "alpha must be > 0"),
+    (dict(num_clients=10, kind="dirichlet", alpha=-1), "alpha must be > 0"),
+    (dict(num_clients=10, kind="shards"), "partition='shards'"),
+])
+def test_impossible_partitions_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    part.partition(np.arange(100) % 10, **kwargs)
+
+
+def test_federated_data_serves_client_data():
+  fed = data.load("digits", 5, seed=0)
+  cd = fed.client_data
+  assert cd.client_ids == fed.client_ids
+  ds = cd.create_tf_dataset_for_client(fed.client_ids[2])
+  xs = np.stack([e["x"].numpy() for e in ds])
+  x, y = fed.client_arrays(2)
+  np.testing.assert_array_equal(xs, x)

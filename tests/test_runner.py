@@ -1,0 +1,114 @@
+import glob
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_privacy import io, models, runner
+from tff_privacy.updates import GroundTruthStore, UpdateStore
+
+SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
+             clients=4, batch_size=8, seed=3)
+
+
+def _without_timing(history):
+  return [{k: v for k, v in m.items() if k != "seconds"} for m in history]
+
+
+@pytest.fixture(scope="module")
+def fedsgd_run(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("fedsgd"))
+  config = runner.RunConfig(out=out, method="fedsgd", rounds=3,
+                            capture_rounds=(2,), **SMALL)
+  return config, runner.run(config, progress=False)
+
+
+def test_metrics_json_and_tensorboard(fedsgd_run):
+  config, history = fedsgd_run
+  saved = io.read_json(os.path.join(config.out, "metrics.json"))
+  assert saved == history
+  assert [m["round"] for m in saved] == [1, 2, 3]
+  for m in saved:
+    assert {"round", "test_accuracy", "test_loss", "seconds"} <= set(m)
+    assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_loss"] > 0
+  assert glob.glob(os.path.join(config.out, "tensorboard", "events.out.tfevents.*"))
+
+
+def test_captured_upload_is_the_gradient_of_the_true_batch(fedsgd_run):
+  config, _ = fedsgd_run
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  assert store.rounds() == [2] and store.clients(2) == [0, 1, 2, 3]
+  for client in store.clients(2):
+    record = store.read(2, client)
+    x, y = truth.read(2, client)
+    assert len(y) == config.batch_size == record.weight
+    assert record.upload_kind == "gradient"
+    model = record.model_spec.keras()
+    for v, w in zip(model.trainable_variables, record.broadcast):
+      v.assign(w)
+    with tf.GradientTape() as tape:
+      loss = models.loss_fn()(y, model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    for got, want in zip(record.upload, grads):
+      np.testing.assert_allclose(got, want.numpy(), atol=2e-6)
+
+
+def test_resumed_run_ends_with_identical_metrics(fedsgd_run, tmp_path):
+  config, history = fedsgd_run
+  out = str(tmp_path / "resumed")
+  first = runner.run(runner.RunConfig(**{**vars(config), "out": out, "rounds": 2}),
+                     progress=False)
+  assert len(first) == 2
+  resumed = runner.run(runner.RunConfig(**{**vars(config), "out": out}),
+                       progress=False)
+  assert _without_timing(resumed) == _without_timing(history)
+  # a finished run re-run does no more rounds
+  again = runner.run(runner.RunConfig(**{**vars(config), "out": out}), progress=False)
+  assert again == resumed
+
+
+def test_other_config_in_same_folder_is_refused(fedsgd_run):
+  config, _ = fedsgd_run
+  with pytest.raises(ValueError, match="differs in seed"):
+    runner.run(runner.RunConfig(**{**vars(config), "seed": 4}), progress=False)
+
+
+def test_fedavg_learns_digits(tmp_path):
+  config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=4,
+                            local_epochs=2, **{**SMALL, "model_kwargs": {}})
+  history = runner.run(config, progress=False)
+  assert history[-1]["test_accuracy"] > 0.8
+  assert history[-1]["test_loss"] < history[0]["test_loss"]
+
+
+def test_client_sampling_is_seeded_and_in_range():
+  config = runner.RunConfig(out="unused", clients=10, clients_per_round=4, seed=1)
+  a, b = runner.sample_clients(config, 5), runner.sample_clients(config, 5)
+  np.testing.assert_array_equal(a, b)
+  assert len(set(a.tolist())) == 4 and a.min() >= 0 and a.max() < 10
+  assert not np.array_equal(a, runner.sample_clients(config, 6)) or \
+      not np.array_equal(a, runner.sample_clients(config, 7))
+
+
+def test_client_inputs_join_every_batch():
+  x = np.zeros((5, 2), np.float32)
+  y = np.arange(5, dtype=np.int32)
+  ds = runner.client_dataset(x, y, 2, {"budget": np.float32(0.5)})
+  batches = list(ds)
+  assert [len(b["y"]) for b in batches] == [2, 2, 1]
+  assert all(float(b["budget"]) == 0.5 for b in batches)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rounds=0), "rounds must be >= 1"),
+    (dict(clients_per_round=11, clients=10), "clients_per_round must be in"),
+    (dict(capture_rounds=(0, 3)), "capture_rounds must lie in"),
+    (dict(method="fedprox"), "method='fedprox'"),
+    (dict(dataset="imagenet"), "dataset='imagenet'"),
+    (dict(batch_size=0), "batch_size must be >= 1"),
+])
+def test_bad_config_raises(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    runner.RunConfig(out="unused", **kwargs)

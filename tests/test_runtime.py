@@ -1,0 +1,46 @@
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import psutil
+import tensorflow_federated as tff
+
+from conftest import worker_children
+from tff_privacy import runtime
+
+
+@tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+def _mean(x):
+  return tff.federated_mean(x)
+
+
+def test_worker_starts_on_first_use_and_restarts_after_stop():
+  runtime.stop()
+  assert not worker_children()
+  assert _mean([1.0, 2.0, 6.0]) == 3.0
+  first = runtime.start()
+  assert runtime.start() is first
+  assert [p.pid for p in worker_children()] == [first.process.pid]
+  runtime.stop()
+  assert first.process.poll() is not None and not worker_children()
+  assert _mean([1.0, 3.0]) == 2.0  # a fresh worker
+  assert len(worker_children()) == 1
+
+
+def test_worker_dies_with_a_sigkilled_parent():
+  script = textwrap.dedent("""
+      import sys, time
+      from tff_privacy import runtime
+      print(runtime.start().process.pid, flush=True)
+      time.sleep(600)
+  """)
+  parent = subprocess.Popen([sys.executable, "-c", script],
+                            stdout=subprocess.PIPE, text=True)
+  worker = psutil.Process(int(parent.stdout.readline()))
+  assert worker.is_running()
+  parent.send_signal(signal.SIGKILL)
+  parent.wait()
+  worker.wait(timeout=15)
+  assert not worker.is_running()
