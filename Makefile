@@ -19,7 +19,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/tff-privacy train --method fedsgd --dataset mnist5k --model lenet \
-	  --clients 10 --rounds 20 --batch-size 32 --server-lr 1.0 --seed 0 \
+	  --clients 10 --rounds 20 --batch-size 32 --seed 0 \
 	  --capture-rounds 1 --out $(DEMO_OUT)
 
 test: $(STAMP)

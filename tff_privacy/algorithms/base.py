@@ -13,7 +13,13 @@ touching the runner:
 * what leaves a client is declared by `upload_kind`, recorded in the update
   store, so attacks know whether they face a gradient or a model delta;
 * server-side resources (a public data set for the aggregator) are arguments of
-  the method's builder, closed over by its aggregator.
+  the method's builder, closed over by its aggregator;
+* private per-client state kept across rounds (HyperFL's classifier and
+  embedding) cannot travel through a `LearningProcess`, whose outputs are all
+  SERVER-placed: such a method builds a `tff.templates.IterativeProcess` that
+  takes and returns the state CLIENTS-placed, and the runner keeps it per
+  client id next to the server checkpoint. No method here needs it yet; the
+  first one that does adds that branch to the runner.
 """
 
 from __future__ import annotations
