@@ -18,9 +18,7 @@ $(STAMP): requirements.lock setup.py
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/tff-privacy train --method fedsgd --dataset mnist5k --model lenet \
-	  --clients 10 --rounds 20 --batch-size 32 --seed 0 \
-	  --capture-rounds 1 --out $(DEMO_OUT)
+	$(BIN)/tff-privacy demo --out $(DEMO_OUT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests

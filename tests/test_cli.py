@@ -90,3 +90,32 @@ def test_unknown_method_is_rejected_by_the_parser(tmp_path):
   result = _train(tmp_path, "--method", "bogus")
   assert result.returncode == 2
   assert "invalid choice: 'bogus'" in result.stderr
+
+
+def test_attack_command_writes_scores_and_figure(tmp_path):
+  run = tmp_path / "run"
+  trained = subprocess.run(
+      CLI + ["train", "--out", str(run), "--method", "fedsgd", "--dataset",
+             "digits", "--model", "lenet", "--clients", "3", "--partition",
+             "one_per_client", "--batch-size", "1", "--rounds", "1",
+             "--capture-rounds", "1", "--quiet"],
+      capture_output=True, text=True, timeout=300)
+  assert trained.returncode == 0, trained.stderr
+  out = tmp_path / "attack"
+  result = subprocess.run(
+      CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",
+             "--client", "all", "--attack", "idlg", "--iterations", "200",
+             "--out", str(out)], capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  with open(out / "attack.json") as f:
+    report = json.load(f)
+  assert report["clients"] == [0, 1, 2] and len(report["samples"]) == 3
+  for sample in report["samples"]:
+    assert {"mse", "psnr", "ssim", "recovered_label", "true_label"} <= set(sample)
+  assert report["mean"]["ssim"] > 0.9  # undefended single-sample gradients leak
+  assert (out / "reconstructions.png").stat().st_size > 1000
+  wrong = subprocess.run(
+      CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",
+             "--attack", "dlg", "--tv-weight", "0.1", "--out", str(out)],
+      capture_output=True, text=True, timeout=300)
+  assert wrong.returncode == 2 and "--tv-weight does not apply" in wrong.stderr

@@ -92,11 +92,16 @@ MODELS: dict[str, Callable[..., tf.keras.Model]] = {
 }
 
 
-def build(name: str, input_shape, num_classes: int, seed: int = 0,
-          **kwargs) -> tf.keras.Model:
-  """Builds model `name` (one of `MODELS`) with builder keyword `kwargs`."""
+def check(name: str, num_classes: int) -> None:
+  """Raises `ValueError` for an unknown model name or fewer than 2 classes."""
   if name not in MODELS:
     raise ValueError(f"model={name!r} is unknown; choose one of {sorted(MODELS)}")
   if num_classes < 2:
     raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+
+
+def build(name: str, input_shape, num_classes: int, seed: int = 0,
+          **kwargs) -> tf.keras.Model:
+  """Builds model `name` (one of `MODELS`) with builder keyword `kwargs`."""
+  check(name, num_classes)
   return MODELS[name](tuple(input_shape), num_classes, seed=seed, **kwargs)

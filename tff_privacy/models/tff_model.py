@@ -33,7 +33,7 @@ class ModelSpec:
 
   def __post_init__(self):
     object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
-    builders.build(self.name, self.input_shape, self.num_classes, **self.kwargs)
+    builders.check(self.name, self.num_classes)
 
   def keras(self, seed: int = 0) -> tf.keras.Model:
     return builders.build(self.name, self.input_shape, self.num_classes,

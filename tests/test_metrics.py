@@ -1,0 +1,44 @@
+import numpy as np
+import pytest
+from skimage import metrics as skm
+
+from tff_privacy import metrics
+from tff_privacy.metrics import report
+
+
+def test_scores_match_scikit_image_and_clip_to_range():
+  rng = np.random.default_rng(0)
+  a = rng.random((2, 28, 28, 1))
+  b = a + rng.normal(0, 0.1, a.shape)
+  scores = metrics.image_scores(a, b, (0.0, 1.0))
+  bc = np.clip(b, 0, 1)
+  assert scores[0]["mse"] == pytest.approx(np.mean((a[0] - bc[0]) ** 2))
+  assert scores[1]["psnr"] == pytest.approx(
+      skm.peak_signal_noise_ratio(a[1], bc[1], data_range=1.0))
+  assert scores[0]["ssim"] == pytest.approx(
+      skm.structural_similarity(a[0, ..., 0], bc[0, ..., 0], data_range=1.0))
+
+
+def test_exact_reconstruction_scores_perfectly_and_psnr_is_capped():
+  a = np.random.default_rng(1).random((1, 8, 8, 1))
+  s = metrics.image_scores(a, a.copy(), (0.0, 1.0))[0]
+  assert s == {"mse": 0.0, "psnr": metrics.PSNR_CAP_DB, "ssim": 1.0}
+
+
+def test_matching_undoes_a_permutation():
+  x = np.random.default_rng(2).random((5, 4, 4, 1))
+  perm = np.array([3, 0, 4, 1, 2])
+  shuffled = x[perm]
+  matched = shuffled[metrics.match_by_mse(x, shuffled)]
+  np.testing.assert_array_equal(matched, x)
+
+
+def test_label_accuracy_counts_multisets():
+  rows = [{"round": 1, "client": 0, "true_label": t, "recovered_label": r}
+          for t, r in [(1, 2), (2, 1), (3, 3), (4, 5)]]
+  assert report.label_count_accuracy(rows) == 0.75
+
+
+def test_lpips_refuses_to_invent_a_value():
+  with pytest.raises(RuntimeError, match="LPIPS is not available"):
+    metrics.image.lpips(None, None)

@@ -1,0 +1,90 @@
+"""The client's computation as a differentiable function of input and weights.
+
+Attacks need d(upload)/d(input) through the exact arithmetic the client ran:
+one gradient (FedSGD) or several local SGD steps (FedAvg). Keras layers hold
+their weights in variables, so this module re-applies a model's layers to
+weights passed as tensors. It covers the layer types of
+`tff_privacy.models` and raises for anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from tff_privacy.models import loss_fn
+
+L = tf.keras.layers
+_PASS_THROUGH = (L.InputLayer, L.Dropout)
+
+
+def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
+            return_features: bool = False):
+  """Logits of `model` at trainable `weights` on `x`; with `return_features`,
+  also the input of the last layer (the penultimate features)."""
+  i = 0
+  h = x
+  features = x
+  for layer in model.layers:
+    features = h
+    if isinstance(layer, _PASS_THROUGH):
+      continue
+    if isinstance(layer, L.Conv2D):
+      kernel, bias = weights[i], weights[i + 1] if layer.use_bias else None
+      i += 2 if layer.use_bias else 1
+      h = tf.nn.conv2d(h, kernel, strides=layer.strides,
+                       padding=layer.padding.upper(), dilations=layer.dilation_rate)
+      h = layer.activation(h + bias if bias is not None else h)
+    elif isinstance(layer, L.Dense):
+      kernel, bias = weights[i], weights[i + 1] if layer.use_bias else None
+      i += 2 if layer.use_bias else 1
+      h = tf.matmul(h, kernel)
+      h = layer.activation(h + bias if bias is not None else h)
+    elif isinstance(layer, (L.MaxPool2D, L.Flatten, L.Activation)):
+      h = layer(h)
+    else:
+      raise ValueError(f"layer {layer.name} ({type(layer).__name__}) is not "
+                       "supported by the attacks' functional forward pass")
+  if i != len(weights):
+    raise ValueError(f"model uses {i} weight tensors, {len(weights)} were given")
+  return (h, features) if return_features else h
+
+
+def batch_loss(model, weights, x, y_soft) -> tf.Tensor:
+  """Mean cross-entropy of soft (or one-hot) labels `y_soft` on logits."""
+  logits = forward(model, weights, x)
+  return tf.reduce_mean(
+      tf.nn.softmax_cross_entropy_with_logits(labels=y_soft, logits=logits))
+
+
+def simulate_upload(model, weights, x, y_soft, upload_kind: str,
+                    protocol: dict, num_examples: int | None = None):
+  """What a client holding (x, y_soft) would upload from broadcast `weights`.
+
+  'gradient': the gradient of the mean loss over the batch (FedSGD).
+  'model_delta': w0 - wK after `local_epochs` passes of minibatch SGD with
+  `client_learning_rate` and `batch_size` over the samples in the order given
+  (FedAvg; TFF's sign convention).
+  """
+  if upload_kind == "gradient":
+    with tf.GradientTape() as tape:
+      tape.watch(weights)
+      loss = batch_loss(model, weights, x, y_soft)
+    return tape.gradient(loss, weights)
+  if upload_kind == "model_delta":
+    lr = protocol["client_learning_rate"]
+    bs = protocol["batch_size"]
+    n = int(x.shape[0]) if num_examples is None else num_examples
+    current = list(weights)
+    for _ in range(protocol.get("local_epochs", 1)):
+      for start in range(0, n, bs):
+        with tf.GradientTape() as tape:
+          tape.watch(current)
+          loss = batch_loss(model, current, x[start:start + bs],
+                            y_soft[start:start + bs])
+        grads = tape.gradient(loss, current)
+        current = [w - lr * g for w, g in zip(current, grads)]
+    return [w0 - w for w0, w in zip(weights, current)]
+  raise ValueError(f"upload_kind={upload_kind!r} cannot be simulated; "
+                   "supported: 'gradient', 'model_delta'")

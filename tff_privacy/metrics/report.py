@@ -1,0 +1,83 @@
+"""Scoring attack outputs against the clients' true samples, and the figure.
+
+This is the only place that reads the ground-truth store.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from tff_privacy import io
+from tff_privacy.metrics.image import image_scores, match_by_mse, summarize
+from tff_privacy.updates import GroundTruthStore
+
+
+def score(reconstructions: Sequence[Any], truth: GroundTruthStore,
+          value_range) -> tuple[list[dict[str, Any]], list[tuple[np.ndarray, np.ndarray]]]:
+  """Per-sample scores (after MSE matching within each client's batch) and
+  the aligned (true, reconstructed) image pairs for the figure."""
+  rows, pairs = [], []
+  for rec in reconstructions:
+    x_true, y_true = truth.read(rec.round_num, rec.client_index)
+    lo, hi = value_range
+    perm = match_by_mse(x_true, np.clip(rec.x, lo, hi))
+    x_rec, labels = rec.x[perm], np.asarray(rec.labels)[perm]
+    for i, s in enumerate(image_scores(x_true, x_rec, value_range)):
+      rows.append({"round": rec.round_num, "client": rec.client_index,
+                   "sample": i, **s, "recovered_label": int(labels[i]),
+                   "true_label": int(y_true[i]),
+                   "attack_objective": rec.objective})
+      pairs.append((x_true[i], x_rec[i]))
+  return rows, pairs
+
+
+def label_count_accuracy(rows: Sequence[dict[str, Any]]) -> float:
+  """Share of true labels recovered, as multisets per client (order-free)."""
+  hits = total = 0
+  for client in {(r["round"], r["client"]) for r in rows}:
+    mine = [r for r in rows if (r["round"], r["client"]) == client]
+    true = sorted(r["true_label"] for r in mine)
+    got = sorted(r["recovered_label"] for r in mine)
+    remaining = list(got)
+    for label in true:
+      if label in remaining:
+        remaining.remove(label)
+        hits += 1
+    total += len(true)
+  return hits / total if total else float("nan")
+
+
+def mean_scores(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+  means = summarize([{k: r[k] for k in ("mse", "psnr", "ssim")} for r in rows])
+  means["label_accuracy"] = label_count_accuracy(rows)
+  return means
+
+
+def save_figure(pairs: Sequence[tuple[np.ndarray, np.ndarray]], path: str,
+                value_range, max_columns: int = 16, title: str = "") -> None:
+  """Originals (top row) above reconstructions (bottom row), as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  pairs = list(pairs)[:max_columns]
+  lo, hi = value_range
+  fig, axes = plt.subplots(2, len(pairs), figsize=(1.2 * len(pairs) + 0.6, 2.8),
+                           squeeze=False)
+  for j, (a, b) in enumerate(pairs):
+    for i, img in enumerate((a, b)):
+      ax = axes[i][j]
+      img = np.clip(img, lo, hi)
+      ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray",
+                vmin=lo, vmax=hi)
+      ax.set_xticks([])
+      ax.set_yticks([])
+  axes[0][0].set_ylabel("original")
+  axes[1][0].set_ylabel("reconstructed")
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  with io.atomic_path(path) as tmp:
+    fig.savefig(tmp, format="png", dpi=100)
+  plt.close(fig)
