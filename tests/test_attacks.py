@@ -68,6 +68,16 @@ def test_idlg_inverts_a_single_gradient(digits):
   assert s["ssim"] > 0.9 and s["mse"] < 1e-3
 
 
+def test_dlg_recovers_image_and_label_jointly(digits):
+  # Needs the labels' second-order gradient, which TF's fused cross-entropy
+  # op drops; the attack's loss is written out so that this works.
+  x, y = digits
+  rec = _record(x[3:4], y[3:4])
+  out = attacks.DLG(iterations=300)([rec])[0]
+  assert out.labels.tolist() == [y[3]]
+  assert metrics.image_scores(x[3:4], out.x, (0, 1))[0]["ssim"] > 0.9
+
+
 def test_inverting_gradients_inverts_a_single_gradient(digits):
   x, y = digits
   rec = _record(x[5:6], y[5:6])
@@ -111,3 +121,26 @@ def test_attacks_validate_their_arguments():
     attacks.DLG(init="zeros")
   with pytest.raises(ValueError, match="attack='gan'"):
     attacks.build("gan")
+
+
+def test_pooling_gives_fixed_length_maxima():
+  from tff_privacy.attacks import attribute
+  upload = [np.arange(10.0).reshape(2, 5), np.array([-1.0, 7.0])]
+  np.testing.assert_array_equal(attribute.pooled(upload, 4), [2, 5, 8, 9])
+  with pytest.raises(ValueError, match="length=20 exceeds"):
+    attribute.pooled(upload, 20)
+
+
+def test_attribute_adversaries_beat_chance_on_a_leaky_signal():
+  from tff_privacy.attacks import attribute
+  rng = np.random.default_rng(0)
+  attrs = rng.integers(0, 2, 400)
+  feats = rng.normal(size=(400, 16)).astype(np.float32)
+  feats[:, 3] += 2.0 * attrs  # the attribute leaks into one coordinate
+  rates = attribute.attack_success_rates(feats[:300], attrs[:300], feats[300:],
+                                         attrs[300:])
+  chance = attribute.chance_rate(attrs[300:])
+  assert set(rates) == set(attribute.ADVERSARIES)
+  assert all(rate > chance + 0.15 for rate in rates.values()), (rates, chance)
+  with pytest.raises(ValueError, match="adversary='knn'"):
+    attribute.build_adversary("knn")

@@ -52,10 +52,14 @@ def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
 
 
 def batch_loss(model, weights, x, y_soft) -> tf.Tensor:
-  """Mean cross-entropy of soft (or one-hot) labels `y_soft` on logits."""
+  """Mean cross-entropy of soft (or one-hot) labels `y_soft` on logits.
+
+  Written out rather than with the fused `tf.nn.softmax_cross_entropy_with_
+  logits`, whose second-order gradient ignores the labels: DLG differentiates
+  the weight gradient with respect to its dummy labels.
+  """
   logits = forward(model, weights, x)
-  return tf.reduce_mean(
-      tf.nn.softmax_cross_entropy_with_logits(labels=y_soft, logits=logits))
+  return tf.reduce_mean(-tf.reduce_sum(y_soft * tf.nn.log_softmax(logits), -1))
 
 
 def simulate_upload(model, weights, x, y_soft, upload_kind: str,
