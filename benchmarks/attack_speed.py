@@ -10,6 +10,10 @@ CNN (computed here, as a client would).
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 import argparse
 import time
 

@@ -13,6 +13,10 @@ Prints the median seconds per round of each and their ratio (TFF / plain TF).
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 import argparse
 import collections
 import statistics

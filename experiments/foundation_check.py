@@ -12,9 +12,12 @@
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess

@@ -22,8 +22,10 @@ def _record(x, y, spec=SPEC, upload_kind="gradient", protocol=None, seed=0):
   meta = {"method": "test", "upload_kind": upload_kind, "model": spec.to_json(),
           "dataset": "digits", "value_range": [0.0, 1.0], "raw_max": 16.0,
           "protocol": protocol}
+  # TFF weighs a FedAvg client by the examples of every local epoch
+  epochs = protocol.get("local_epochs", 1) if upload_kind == "model_delta" else 1
   return UpdateRecord(1, 0, "client_0000", [u.numpy() for u in upload],
-                      float(len(y)), broadcast, meta)
+                      float(len(y) * epochs), broadcast, meta)
 
 
 @pytest.fixture(scope="module")

@@ -42,3 +42,16 @@ def test_label_accuracy_counts_multisets():
 def test_lpips_refuses_to_invent_a_value():
   with pytest.raises(RuntimeError, match="LPIPS is not available"):
     metrics.image.lpips(None, None)
+
+
+def test_feature_mse_compares_penultimate_features():
+  from tff_privacy import models
+  spec = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": (16,)})
+  model, weights = spec.keras(), spec.initial_weights(0)
+  rng = np.random.default_rng(3)
+  a, b = rng.random((1, 8, 8, 1)), rng.random((1, 8, 8, 1))
+  assert metrics.feature_mse(model, weights, a, a) == 0.0
+  hidden = np.maximum(a.reshape(1, -1) @ weights[0] + weights[1], 0)
+  hidden_b = np.maximum(b.reshape(1, -1) @ weights[0] + weights[1], 0)
+  assert metrics.feature_mse(model, weights, a, b) == pytest.approx(
+      np.mean((hidden - hidden_b) ** 2), rel=1e-5)

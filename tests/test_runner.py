@@ -75,12 +75,20 @@ def test_other_config_in_same_folder_is_refused(fedsgd_run):
     runner.run(runner.RunConfig(**{**vars(config), "seed": 4}), progress=False)
 
 
-def test_fedavg_learns_digits(tmp_path):
+def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=4,
-                            local_epochs=2, **{**SMALL, "model_kwargs": {}})
+                            local_epochs=2, capture_rounds=(1,),
+                            **{**SMALL, "model_kwargs": {}})
   history = runner.run(config, progress=False)
   assert history[-1]["test_accuracy"] > 0.8
   assert history[-1]["test_loss"] < history[0]["test_loss"]
+  record = UpdateStore(os.path.join(config.out, "updates")).read(1, 0)
+  x, _ = GroundTruthStore(os.path.join(config.out, "ground_truth")).read(1, 0)
+  assert record.upload_kind == "model_delta"
+  assert record.metadata["protocol"]["local_epochs"] == 2
+  assert record.weight == 2 * len(x)  # TFF counts every local epoch's examples
+  from tff_privacy.attacks import Target
+  assert Target.from_record(record).num_examples == len(x)
 
 
 def test_client_sampling_is_seeded_and_in_range():

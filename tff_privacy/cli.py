@@ -92,7 +92,8 @@ def _train(args) -> int:
   return 0
 
 
-_ATTACK_FLAGS = ("iterations", "restarts", "lr", "tv_weight", "init", "history")
+_ATTACK_FLAGS = ("iterations", "restarts", "lr", "tv_weight", "init", "history",
+                 "tolerance")
 
 
 def _attack_parser(sub) -> None:
@@ -106,7 +107,9 @@ def _attack_parser(sub) -> None:
                  help="a captured client index, or 'all' (default)")
   p.add_argument("--attack", choices=sorted(attacks.ATTACKS), default="ig")
   p.add_argument("--iterations", type=int)
-  p.add_argument("--restarts", type=int, help="(ig) random restarts")
+  p.add_argument("--restarts", type=int, help="random restarts, best kept")
+  p.add_argument("--tolerance", type=float,
+                 help="(dlg, idlg) stop when the gradient max-norm is below this")
   p.add_argument("--lr", type=float, help="(ig) Adam learning rate")
   p.add_argument("--tv-weight", type=float, help="(ig) total-variation weight")
   p.add_argument("--history", type=int, help="(dlg, idlg) L-BFGS history")

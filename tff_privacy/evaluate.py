@@ -1,8 +1,8 @@
 """Attack a run's captured uploads and score the reconstructions.
 
 The attack sees only the update store; scoring reads the ground-truth store.
-Writes `attack.json` (per-sample MSE, PSNR, SSIM, recovered and true label,
-and their means) and `reconstructions.png` (originals above reconstructions).
+Writes `attack.json` (per-sample MSE, PSNR, SSIM, feature MSE, recovered and
+true label, and their means) and `reconstructions.png` (originals above reconstructions).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   value_range = tuple(records[0].metadata["value_range"])
   truth = GroundTruthStore(ground_truth or os.path.join(
       os.path.dirname(os.path.abspath(updates)), "ground_truth"))
-  rows, pairs = report.score(reconstructions, truth, value_range)
+  rows, pairs = report.score(reconstructions, records, truth, value_range)
   result = {"attack": attack,
             "params": {k: v for k, v in vars(inversion).items()
                        if not k.startswith("_")},

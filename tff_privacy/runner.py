@@ -190,14 +190,17 @@ class Run:
     return self._processes[capture]
 
   def round_data(self, round_num: int):
-    """Per sampled client: (index, x, y, dataset) in the order it trains."""
+    """Per sampled client: (index, x, y, dataset). The dataset holds the
+    samples in the order the client trains on them (every local epoch); x and
+    y are its distinct samples in their first-epoch order (the ground truth)."""
     out = []
     for client in sample_clients(self.config, round_num):
       x, y = self.fed.client_arrays(client)
       order = local_order(len(y), self.algorithm, self.config, round_num, client)
       extra = (self.algorithm.client_inputs(int(client), round_num)
                if self.algorithm.client_inputs else None)
-      out.append((int(client), x[order], y[order],
+      distinct = order[: min(len(y), len(order))]
+      out.append((int(client), x[distinct], y[distinct],
                   client_dataset(x[order], y[order], self.config.batch_size, extra)))
     return out
 

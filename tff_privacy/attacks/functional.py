@@ -68,8 +68,9 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
 
   'gradient': the gradient of the mean loss over the batch (FedSGD).
   'model_delta': w0 - wK after `local_epochs` passes of minibatch SGD with
-  `client_learning_rate` and `batch_size` over the samples in the order given
-  (FedAvg; TFF's sign convention).
+  `client_learning_rate` and `batch_size` over the samples in the order given,
+  the same order in every epoch since an attacker cannot know the client's
+  shuffling (FedAvg; TFF's sign convention).
   """
   if upload_kind == "gradient":
     with tf.GradientTape() as tape:

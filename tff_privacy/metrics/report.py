@@ -10,21 +10,30 @@ from typing import Any, Sequence
 import numpy as np
 
 from tff_privacy import io
-from tff_privacy.metrics.image import image_scores, match_by_mse, summarize
+from tff_privacy.metrics.image import (feature_mse, image_scores, match_by_mse,
+                                       summarize)
 from tff_privacy.updates import GroundTruthStore
 
 
-def score(reconstructions: Sequence[Any], truth: GroundTruthStore,
+def score(reconstructions: Sequence[Any], records: Sequence[Any],
+          truth: GroundTruthStore,
           value_range) -> tuple[list[dict[str, Any]], list[tuple[np.ndarray, np.ndarray]]]:
   """Per-sample scores (after MSE matching within each client's batch) and
-  the aligned (true, reconstructed) image pairs for the figure."""
+  the aligned (true, reconstructed) image pairs for the figure.
+
+  `records` are the attacked `UpdateRecord`s, in the same order; their
+  broadcast model gives the features of the feature MSE.
+  """
   rows, pairs = [], []
-  for rec in reconstructions:
+  for rec, record in zip(reconstructions, records):
     x_true, y_true = truth.read(rec.round_num, rec.client_index)
     lo, hi = value_range
     perm = match_by_mse(x_true, np.clip(rec.x, lo, hi))
     x_rec, labels = rec.x[perm], np.asarray(rec.labels)[perm]
+    model = record.model_spec.keras()
     for i, s in enumerate(image_scores(x_true, x_rec, value_range)):
+      s["feature_mse"] = feature_mse(model, record.broadcast, x_true[i:i + 1],
+                                     np.clip(x_rec[i:i + 1], lo, hi))
       rows.append({"round": rec.round_num, "client": rec.client_index,
                    "sample": i, **s, "recovered_label": int(labels[i]),
                    "true_label": int(y_true[i]),
@@ -50,7 +59,8 @@ def label_count_accuracy(rows: Sequence[dict[str, Any]]) -> float:
 
 
 def mean_scores(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-  means = summarize([{k: r[k] for k in ("mse", "psnr", "ssim")} for r in rows])
+  means = summarize([{k: r[k] for k in ("mse", "psnr", "ssim", "feature_mse")}
+                     for r in rows])
   means["label_accuracy"] = label_count_accuracy(rows)
   return means
 

@@ -1,0 +1,143 @@
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy import dp
+from tff_privacy.dp import accounting
+
+CLIPS = [1.0, 0.5, 2.0]
+SIGMAS = [0.5, 2.0, 1.0]
+SHAPES = [(40, 50), (1000,), (30, 20)]
+
+
+def _run(query, records, global_state=None):
+  """Sums `records` through `query`; returns (noised sum, state, event)."""
+  state = global_state if global_state is not None else query.initial_global_state()
+  params = query.derive_sample_params(state)
+  sample = query.initial_sample_state(records[0])
+  for r in records:
+    sample = query.accumulate_record(params, sample, r)
+  return query.get_noised_result(sample, state)
+
+
+def _zeros():
+  return [tf.zeros(s) for s in SHAPES]
+
+
+def test_layerwise_clipping_bounds_every_layer():
+  query = dp.LayerwiseGaussianQuery(CLIPS, [0.0] * 3)
+  rng = np.random.default_rng(0)
+  params = query.derive_sample_params(query.initial_global_state())
+  for scale in (0.01, 1.0, 100.0):
+    record = [tf.constant(rng.normal(0, scale, s), tf.float32) for s in SHAPES]
+    clipped = query.preprocess_record(params, record)
+    for c, original, v in zip(CLIPS, record, clipped):
+      norm = float(tf.norm(v))
+      assert norm <= c * (1 + 1e-6)
+      if float(tf.norm(original)) <= c:  # small layers pass unchanged
+        np.testing.assert_allclose(v, original, rtol=1e-6)
+
+
+def test_layerwise_noise_std_is_clip_times_multiplier():
+  query = dp.LayerwiseGaussianQuery(CLIPS, SIGMAS, seed=7)
+  noised, _, event = _run(query, [_zeros()])
+  for v, c, s in zip(noised, CLIPS, SIGMAS):
+    # >= 600 samples per layer: the sample std has relative error ~1/sqrt(2n)
+    # <= 3%, so 10% is a > 3 sigma tolerance
+    assert float(tf.math.reduce_std(v)) == pytest.approx(c * s, rel=0.1)
+    assert abs(float(tf.reduce_mean(v))) < 4 * c * s / np.sqrt(v.shape.num_elements())
+  assert isinstance(event, dp_accounting.ComposedDpEvent)
+  assert [float(e.noise_multiplier) for e in event.events] == pytest.approx(SIGMAS)
+
+
+def test_laplace_noise_std_is_sqrt2_times_scale():
+  query = dp.LaplaceSumQuery(norm_clip=1.0, scale=0.3, seed=1)
+  noised, _, event = _run(query, [[tf.zeros((200, 100))]])
+  assert float(tf.math.reduce_std(noised[0])) == pytest.approx(np.sqrt(2) * 0.3, rel=0.05)
+  assert float(event.noise_multiplier) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("norm,measure", [("l1", lambda v: np.abs(v).sum()),
+                                          ("l2", lambda v: np.sqrt((v ** 2).sum()))])
+def test_laplace_query_clips_in_its_norm(norm, measure):
+  query = dp.LaplaceSumQuery(norm_clip=2.0, scale=0.0, norm=norm)
+  record = [tf.fill((10,), 3.0), tf.fill((4, 4), -1.0)]
+  clipped = query.preprocess_record(query.derive_sample_params(
+      query.initial_global_state()), record)
+  total = measure(np.concatenate([np.ravel(v) for v in clipped]))
+  assert total == pytest.approx(2.0, rel=1e-5)
+
+
+def test_noise_is_reproducible_fresh_and_seedable():
+  query = dp.LayerwiseGaussianQuery(CLIPS, SIGMAS, seed=3)
+  a, state_after, _ = _run(query, [_zeros()])
+  b, _, _ = _run(query, [_zeros()])
+  c, _, _ = _run(query, [_zeros()], state_after)  # the next round's noise
+  for x, y, z in zip(a, b, c):
+    np.testing.assert_array_equal(x, y)
+    assert not np.allclose(x, z)
+  client = dp.with_seed(query, query.initial_global_state(), 12345)
+  d, _, _ = _run(query, [_zeros()], client)
+  assert not np.allclose(a[0], d[0])
+  layers = [v.numpy().ravel()[:100] for v in d]
+  assert not np.allclose(layers[0] / CLIPS[0] / SIGMAS[0],
+                         layers[2][:100] / CLIPS[2] / SIGMAS[2])
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: dp.LayerwiseGaussianQuery([1.0, 0.0], [1.0, 1.0]), "l2_norm_clips must be > 0"),
+    (lambda: dp.LayerwiseGaussianQuery([1.0], [-1.0]), "noise_multipliers must be >= 0"),
+    (lambda: dp.LayerwiseGaussianQuery([1.0], [1.0, 2.0]), "1 entries but"),
+    (lambda: dp.LaplaceSumQuery(0.0, 1.0), "norm_clip must be > 0"),
+    (lambda: dp.LaplaceSumQuery(1.0, -1.0), "scale must be >= 0"),
+    (lambda: dp.LaplaceSumQuery(1.0, 1.0, norm="linf"), "norm='linf'"),
+])
+def test_invalid_parameters_name_themselves(build, match):
+  with pytest.raises(ValueError, match=match):
+    build()
+
+
+def test_accountant_agrees_with_dp_accounting():
+  direct = dp_accounting.rdp.RdpAccountant()
+  direct.compose(dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.1)), 20))
+  assert accounting.gaussian_epsilon(1.1, 20, 1e-5, 0.1) == pytest.approx(
+      direct.get_epsilon(1e-5))
+  pld = dp_accounting.pld.PLDAccountant()
+  pld.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.LaplaceDpEvent(2.0), 5))
+  assert accounting.laplace_epsilon(2.0, 5, 1e-5) == pytest.approx(pld.get_epsilon(1e-5))
+  # one Laplace step with b = 2C is a (0.5, 0)-DP mechanism
+  assert accounting.laplace_epsilon(2.0, 1, 1e-9) == pytest.approx(0.5, abs=0.01)
+  assert accounting.laplace_pure_epsilon(2.0, 5) == 2.5
+  assert accounting.simple_composition([0.5, 1.0], [1e-5, 0.0]) == (1.5, 1e-5)
+
+
+def test_layerwise_event_is_accounted_per_round():
+  query = dp.LayerwiseGaussianQuery(CLIPS, SIGMAS)
+  _, _, event = _run(query, [_zeros()])
+  eps = accounting.epsilon(dp_accounting.SelfComposedDpEvent(event, 10), 1e-5)
+  # composing layers is at least as costly as the least noisy layer alone
+  assert eps >= accounting.gaussian_epsilon(min(SIGMAS), 10, 1e-5)
+
+
+@pytest.mark.parametrize("delta", [0.0, 1.0, -0.1])
+def test_accounting_rejects_bad_delta(delta):
+  with pytest.raises(ValueError, match="delta must lie in"):
+    accounting.gaussian_epsilon(1.0, 1, delta)
+
+
+def test_tff_differentially_private_factory_accepts_the_layerwise_query():
+  query = dp.LayerwiseGaussianQuery([1.0, 1.0], [0.0, 0.0])
+  factory = tff.aggregators.DifferentiallyPrivateFactory(query)
+  value_type = tff.StructWithPythonType(
+      [tff.TensorType(np.float32, [3]), tff.TensorType(np.float32, [2])], list)
+  process = factory.create(value_type)
+  values = [[np.full(3, 10.0, np.float32), np.array([0.3, 0.4], np.float32)],
+            [np.zeros(3, np.float32), np.zeros(2, np.float32)]]
+  out = process.next(process.initialize(), values)
+  # the first layer is clipped to norm 1 before the sum, the second is within
+  # its bound and passes unchanged; no noise
+  np.testing.assert_allclose(np.linalg.norm(out.result[0]), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(out.result[1], [0.3, 0.4], rtol=1e-6)

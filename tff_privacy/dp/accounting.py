@@ -1,0 +1,83 @@
+"""Privacy accounting: what a run spent, through `dp_accounting`.
+
+* Gaussian mechanisms (plain, sampled, composed, per-layer) compose over rounds
+  with the RDP accountant (default) or the PLD accountant.
+* Laplace mechanisms are handled by the PLD accountant only (dp_accounting's
+  RDP accountant does not support them); `laplace_pure_epsilon` gives the pure
+  epsilon of k-fold composition, k / noise_multiplier.
+* `simple_composition` is the basic theorem: epsilons and deltas add up.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import dp_accounting
+
+ACCOUNTANTS = ("rdp", "pld")
+
+
+def _check(delta: float) -> None:
+  if not 0 < delta < 1:
+    raise ValueError(f"delta must lie in (0, 1), got {delta}")
+
+
+def _accountant(name: str):
+  if name == "rdp":
+    return dp_accounting.rdp.RdpAccountant()
+  if name == "pld":
+    return dp_accounting.pld.PLDAccountant()
+  raise ValueError(f"accountant={name!r}; choose one of {ACCOUNTANTS}")
+
+
+def epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str = "rdp") -> float:
+  """Epsilon at `delta` of `event` (e.g. a composed event over rounds)."""
+  _check(delta)
+  acc = _accountant(accountant)
+  if not acc.supports(event):
+    raise ValueError(f"the {accountant} accountant cannot account for {event}")
+  acc.compose(event)
+  return float(acc.get_epsilon(delta))
+
+
+def gaussian_epsilon(noise_multiplier: float, rounds: int, delta: float,
+                     sampling_probability: float = 1.0,
+                     accountant: str = "rdp") -> float:
+  """Epsilon of `rounds` Gaussian steps (Poisson-sampled when q < 1)."""
+  if rounds < 1:
+    raise ValueError(f"rounds must be >= 1, got {rounds}")
+  if not 0 < sampling_probability <= 1:
+    raise ValueError(f"sampling_probability must lie in (0, 1], got "
+                     f"{sampling_probability}")
+  if not noise_multiplier > 0:
+    raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+  step = dp_accounting.GaussianDpEvent(noise_multiplier)
+  if sampling_probability < 1:
+    step = dp_accounting.PoissonSampledDpEvent(sampling_probability, step)
+  return epsilon(dp_accounting.SelfComposedDpEvent(step, rounds), delta, accountant)
+
+
+def laplace_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float:
+  """Epsilon at `delta` of `rounds` Laplace steps (PLD accountant)."""
+  if not noise_multiplier > 0:
+    raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+  step = dp_accounting.LaplaceDpEvent(noise_multiplier)
+  return epsilon(dp_accounting.SelfComposedDpEvent(step, rounds), delta, "pld")
+
+
+def laplace_pure_epsilon(noise_multiplier: float, rounds: int) -> float:
+  """Pure epsilon of `rounds` Laplace steps: each costs 1 / noise_multiplier."""
+  if not noise_multiplier > 0:
+    raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+  return rounds / noise_multiplier
+
+
+def simple_composition(epsilons: Sequence[float],
+                       deltas: Sequence[float] | None = None) -> tuple[float, float]:
+  """Basic composition: (sum of epsilons, sum of deltas)."""
+  if any(e < 0 for e in epsilons):
+    raise ValueError(f"epsilons must be >= 0, got {list(epsilons)}")
+  deltas = list(deltas) if deltas is not None else [0.0] * len(epsilons)
+  if len(deltas) != len(epsilons):
+    raise ValueError("epsilons and deltas differ in length")
+  return float(sum(epsilons)), float(sum(deltas))
