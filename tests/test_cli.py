@@ -113,6 +113,8 @@ def test_attack_command_writes_scores_and_figure(tmp_path):
   for sample in report["samples"]:
     assert {"mse", "psnr", "ssim", "recovered_label", "true_label"} <= set(sample)
   assert report["mean"]["ssim"] > 0.9  # undefended single-sample gradients leak
+  assert report["lpips"].startswith("not computed") and "lpips" not in report["mean"]
+  assert "lpips: not computed" in result.stdout
   assert (out / "reconstructions.png").stat().st_size > 1000
   wrong = subprocess.run(
       CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",

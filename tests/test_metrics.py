@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 from skimage import metrics as skm
 
+from conftest import fake_lpips_weights
 from tff_privacy import metrics
 from tff_privacy.metrics import report
 
@@ -39,9 +40,23 @@ def test_label_accuracy_counts_multisets():
   assert report.label_count_accuracy(rows) == 0.75
 
 
-def test_lpips_refuses_to_invent_a_value():
-  with pytest.raises(RuntimeError, match="LPIPS is not available"):
-    metrics.image.lpips(None, None)
+def test_lpips_runs_only_from_a_weights_file(tmp_path):
+  from tff_privacy.metrics import lpips
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    lpips.load_weights(str(tmp_path / "missing.npz"))
+  arrays = fake_lpips_weights(tmp_path / "w.npz")
+  weights = lpips.load_weights(str(tmp_path / "w.npz"))
+  rng = np.random.default_rng(1)
+  a, b = rng.random((2, 28, 28, 1)), rng.random((2, 28, 28, 1))
+  d_same = lpips.lpips(a, a, weights)
+  d_diff = lpips.lpips(a, b, weights)
+  np.testing.assert_allclose(d_same, 0.0, atol=1e-6)
+  assert np.all(d_diff > 1e-4)
+  np.testing.assert_allclose(d_diff, lpips.lpips(b, a, weights), rtol=1e-5)
+  del arrays["lin3"]
+  np.savez(tmp_path / "bad.npz", **arrays)
+  with pytest.raises(ValueError, match="lack 'lin3'"):
+    lpips.load_weights(str(tmp_path / "bad.npz"))
 
 
 def test_feature_mse_compares_penultimate_features():

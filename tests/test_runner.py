@@ -120,3 +120,21 @@ def test_client_inputs_join_every_batch():
 def test_bad_config_raises(kwargs, match):
   with pytest.raises(ValueError, match=match):
     runner.RunConfig(out="unused", **kwargs)
+
+
+def test_attack_round_reports_lpips_only_with_weights(fedsgd_run, tmp_path):
+  from conftest import fake_lpips_weights
+  from tff_privacy import evaluate
+  config, _ = fedsgd_run
+  updates = os.path.join(config.out, "updates")
+  plain = evaluate.attack_round(updates, 2, str(tmp_path / "a"), "ig", [0],
+                                {"iterations": 5})
+  assert plain["lpips"].startswith("not computed")
+  assert all("lpips" not in row for row in plain["samples"])
+  fake_lpips_weights(tmp_path / "w.npz")
+  with_weights = evaluate.attack_round(updates, 2, str(tmp_path / "b"), "ig", [0],
+                                       {"iterations": 5},
+                                       lpips_weights=str(tmp_path / "w.npz"))
+  assert len(with_weights["samples"]) == config.batch_size
+  assert all(row["lpips"] >= 0 for row in with_weights["samples"])
+  assert np.isfinite(with_weights["mean"]["lpips"])

@@ -116,6 +116,8 @@ def _attack_parser(sub) -> None:
   p.add_argument("--init", choices=attacks.inversion.INITS)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--device", help="TensorFlow device, e.g. /GPU:0 or /CPU:0")
+  p.add_argument("--lpips-weights",
+                 help="LPIPS (AlexNet) weights .npz; without it LPIPS is not computed")
   p.add_argument("--out", required=True)
 
 
@@ -133,12 +135,13 @@ def _attack(args) -> int:
   clients = None if args.client == "all" else [_client_index(args.client)]
   result = evaluate.attack_round(args.updates, args.round, args.out, args.attack,
                                  clients, kwargs, args.device, args.seed,
-                                 args.ground_truth)
+                                 args.ground_truth, args.lpips_weights)
   m = result["mean"]
   print(f"attack={args.attack} records={len(result['clients'])} "
         f"samples={len(result['samples'])} mse={m['mse']:.4f} "
         f"psnr={m['psnr']:.2f} ssim={m['ssim']:.4f} "
         f"label_accuracy={m['label_accuracy']:.2f} seconds={result['seconds']:.1f}")
+  print(f"lpips: {m['lpips']:.4f}" if "lpips" in m else f"lpips: {result['lpips']}")
   print(f"results in {args.out}: attack.json, reconstructions.png")
   return 0
 

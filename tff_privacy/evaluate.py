@@ -11,8 +11,10 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from tff_privacy import attacks, io
-from tff_privacy.metrics import report
+from tff_privacy.metrics import lpips, report
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
@@ -20,8 +22,13 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                  clients: Optional[Sequence[int]] = None,
                  attack_kwargs: Optional[dict[str, Any]] = None,
                  device: Optional[str] = None, seed: int = 0,
-                 ground_truth: Optional[str] = None) -> dict[str, Any]:
-  """Runs `attack` on the captured `clients` (default all) of `round_num`."""
+                 ground_truth: Optional[str] = None,
+                 lpips_weights: Optional[str] = None) -> dict[str, Any]:
+  """Runs `attack` on the captured `clients` (default all) of `round_num`.
+
+  LPIPS is added only when `lpips_weights` names a weights file (see
+  `tff_privacy.metrics.lpips`); otherwise the report says it was not computed.
+  """
   store = UpdateStore(updates)
   clients = list(clients) if clients is not None else store.clients(round_num)
   records = [store.read(round_num, c) for c in clients]
@@ -33,6 +40,17 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   truth = GroundTruthStore(ground_truth or os.path.join(
       os.path.dirname(os.path.abspath(updates)), "ground_truth"))
   rows, pairs = report.score(reconstructions, records, truth, value_range)
+  means = report.mean_scores(rows)
+  lpips_note = ("not computed: needs pretrained AlexNet and LPIPS weights; "
+                "pass a weights file to compute it")
+  if lpips_weights:
+    weights = lpips.load_weights(lpips_weights)
+    distances = lpips.lpips(np.stack([p[0] for p in pairs]),
+                            np.stack([p[1] for p in pairs]), weights, value_range)
+    for row, d in zip(rows, distances):
+      row["lpips"] = float(d)
+    means["lpips"] = float(np.mean(distances))
+    lpips_note = f"computed with weights from {os.path.abspath(lpips_weights)}"
   result = {"attack": attack,
             "params": {k: v for k, v in vars(inversion).items()
                        if not k.startswith("_")},
@@ -40,8 +58,7 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "clients": clients, "device": device or "default",
             "seconds": seconds, "method": records[0].metadata["method"],
             "upload_kind": records[0].upload_kind,
-            "mean": report.mean_scores(rows), "samples": rows,
-            "lpips": "not computed: needs pretrained network weights"}
+            "mean": means, "samples": rows, "lpips": lpips_note}
   io.write_json(os.path.join(out, "attack.json"), result)
   report.save_figure(pairs, os.path.join(out, "reconstructions.png"), value_range,
                      title=f"{attack} on {result['method']} round {round_num}")

@@ -9,7 +9,7 @@ true samples by the assignment of least total MSE (Hungarian method).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -68,16 +68,3 @@ def feature_mse(model: tf.keras.Model, weights, x_true: np.ndarray,
 def summarize(scores: Sequence[dict[str, float]]) -> dict[str, float]:
   """Mean of each score over images."""
   return {k: float(np.mean([s[k] for s in scores])) for k in scores[0]} if scores else {}
-
-
-def lpips(x_true, x_rec, weights_path: Optional[str] = None):
-  """LPIPS needs pretrained network weights, which this package cannot fetch.
-
-  Raises with an explanation unless a weights file is given; no value is ever
-  invented.
-  """
-  raise RuntimeError(
-      "LPIPS is not available: it needs pretrained AlexNet/VGG weights and "
-      + ("loading a user-supplied LPIPS weights file is not implemented yet"
-         if weights_path else "no weights path was given")
-      + "; MSE, PSNR and SSIM are reported instead")
