@@ -114,6 +114,15 @@ def test_best_iterate_is_kept_not_the_last(digits):
   assert float(best) <= start_loss + 1e-6
 
 
+def test_unknown_device_is_refused_not_silently_replaced(digits):
+  x, y = digits
+  rec = _record(x[:1], y[:1])
+  with pytest.raises(ValueError, match="device='/GPU:7' is not available"):
+    attacks.InvertingGradients(iterations=1)([rec], device="/GPU:7")
+  out = attacks.InvertingGradients(iterations=1)([rec], device="/CPU:0")
+  assert out[0].x.shape == (1, 8, 8, 1)
+
+
 def test_attacks_validate_their_arguments():
   with pytest.raises(ValueError, match="iterations must be >= 1"):
     attacks.InvertingGradients(iterations=0)

@@ -200,7 +200,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   try:
     return {"train": _train, "attack": _attack, "demo": _demo}[args.command](args)
-  except ValueError as e:
+  except (ValueError, FileNotFoundError) as e:
     print(f"tff-privacy {args.command}: error: {e}", file=sys.stderr)
     return 2
   finally:

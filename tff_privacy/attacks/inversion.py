@@ -115,6 +115,20 @@ def total_variation(x: tf.Tensor) -> tf.Tensor:
   return dx + dy
 
 
+def check_device(device: Optional[str]) -> None:
+  """Raises `ValueError` if `device` is not one TensorFlow can see (TF would
+  otherwise fall back to another device silently)."""
+  if device is None:
+    return
+  def kind_and_index(name: str) -> str:  # '/job:x/device:GPU:0' -> 'GPU:0'
+    return name.split("device:")[-1].lstrip("/").upper()
+
+  seen = [kind_and_index(d.name) for d in tf.config.list_logical_devices()]
+  if kind_and_index(device) not in seen:
+    raise ValueError(f"device={device!r} is not available; TensorFlow sees "
+                     f"{', '.join(seen)}")
+
+
 def _initial(shape, init: str, value_range, rng: np.random.Generator) -> tf.Tensor:
   if init == "randn":
     return tf.constant(rng.standard_normal(shape), tf.float32)
@@ -137,6 +151,7 @@ class GradientInversion(abc.ABC):
   def __call__(self, records: Sequence[UpdateRecord], device: Optional[str] = None,
                seed: int = 0) -> list[Reconstruction]:
     """Attacks every record, on `device` (e.g. '/GPU:0') or TF's choice."""
+    check_device(device)
     out = []
     for record in records:
       with tf.device(device):
