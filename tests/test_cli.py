@@ -79,6 +79,9 @@ def test_kill_9_mid_run_then_rerun_resumes_to_identical_metrics(tmp_path):
 @pytest.mark.parametrize("extra,message", [
     (["--partition", "dirichlet", "--alpha", "0"], "alpha must be > 0"),
     (["--rounds", "2", "--capture-rounds", "5"], "capture_rounds must lie in"),
+    (["--defense", "ldp_gaussian", "--clip", "1", "--sparsity", "0.5"],
+     "--sparsity does not apply to --defense ldp_gaussian"),
+    (["--defense", "sparsification", "--sparsity", "1.5"], "p must lie in [0, 1)"),
 ])
 def test_bad_values_exit_2_naming_the_parameter(tmp_path, extra, message):
   result = _train(tmp_path, *extra)

@@ -138,3 +138,38 @@ def test_attack_round_reports_lpips_only_with_weights(fedsgd_run, tmp_path):
   assert len(with_weights["samples"]) == config.batch_size
   assert all(row["lpips"] >= 0 for row in with_weights["samples"])
   assert np.isfinite(with_weights["mean"]["lpips"])
+
+
+@pytest.mark.parametrize("defense,kwargs", [
+    ("ldp_gaussian", {"clip": 0.5, "noise_multiplier": 0.5}),
+    ("sparsification", {"p": 0.9}),
+])
+def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
+  from tff_privacy import defenses
+  from tff_privacy.algorithms.defended import client_seed
+  config = runner.RunConfig(out=str(tmp_path), method="fedsgd", rounds=2,
+                            capture_rounds=(2,), defense=defense,
+                            defense_kwargs=kwargs, **SMALL)
+  history = runner.run(config, progress=False)
+  if defense == "ldp_gaussian":  # local DP of each client over both rounds
+    from tff_privacy.dp import accounting
+    assert history[-1]["epsilon"] == pytest.approx(
+        accounting.gaussian_epsilon(0.5, 2, config.dp_delta))
+  else:
+    assert "epsilon" not in history[-1]
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  transform = defenses.build(defense, **kwargs)
+  for client in store.clients(2):
+    record = store.read(2, client)
+    assert record.metadata["defense"]["name"] == defense
+    x, y = truth.read(2, client)
+    model = record.model_spec.keras()
+    for v, w in zip(model.trainable_variables, record.broadcast):
+      v.assign(w)
+    with tf.GradientTape() as tape:
+      loss = models.loss_fn()(y, model(x))
+    grads = tape.gradient(loss, model.trainable_variables)
+    want = transform.apply(grads, client_seed(config.seed, 2, client))
+    for got, w in zip(record.upload, want):
+      np.testing.assert_allclose(got, w.numpy(), atol=2e-6)

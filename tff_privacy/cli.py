@@ -33,7 +33,7 @@ def parse_rounds(text: str) -> tuple[int, ...]:
 
 
 def _train_parser(sub) -> None:
-  from tff_privacy import algorithms, data, models  # deferred: imports TF
+  from tff_privacy import algorithms, data, defenses, models  # deferred: TF
   p = sub.add_parser("train", help="train a federated method, capturing uploads")
   p.add_argument("--config", help="JSON file of RunConfig fields; flags override")
   p.add_argument("--out", help="output folder (required here or in --config)")
@@ -55,7 +55,42 @@ def _train_parser(sub) -> None:
   p.add_argument("--seed", type=int)
   p.add_argument("--capture-rounds", type=parse_rounds,
                  help="rounds whose uploads are written to OUT/updates, e.g. 1,5")
+  p.add_argument("--defense", choices=sorted(defenses.DEFENSES),
+                 help="client-side defence applied to every upload")
+  p.add_argument("--clip", type=float,
+                 help="(ldp_gaussian, ldp_laplace, dp_clip) clipping bound B")
+  p.add_argument("--noise-multiplier", type=float,
+                 help="(ldp_gaussian, ldp_laplace) noise std or scale over B")
+  p.add_argument("--laplace-norm", choices=("l1", "l2"),
+                 help="(ldp_laplace) norm of the clipping (default l2)")
+  p.add_argument("--sparsity", type=float,
+                 help="(sparsification) fraction p of entries zeroed, in [0, 1)")
+  p.add_argument("--dp-delta", type=float,
+                 help="delta at which DP runs report epsilon (default 1e-5)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+# --flag -> keyword of the defence's constructor
+_DEFENSE_FLAGS = {"clip": "clip", "noise_multiplier": "noise_multiplier",
+                  "laplace_norm": "norm", "sparsity": "p"}
+
+
+def _defense_kwargs(args) -> dict:
+  import inspect
+
+  from tff_privacy import defenses
+  given = {flag: getattr(args, flag) for flag in _DEFENSE_FLAGS
+           if getattr(args, flag) is not None}
+  if given and not args.defense:
+    raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --defense")
+  if not args.defense:
+    return {}
+  accepted = inspect.signature(defenses.DEFENSES[args.defense]).parameters
+  for flag in given:
+    if _DEFENSE_FLAGS[flag] not in accepted:
+      raise ValueError(f"--{flag.replace('_', '-')} does not apply to "
+                       f"--defense {args.defense}")
+  return {_DEFENSE_FLAGS[flag]: value for flag, value in given.items()}
 
 
 def _config_from_args(args):
@@ -67,10 +102,13 @@ def _config_from_args(args):
   for name in ("out", "method", "dataset", "data_dir", "model", "model_kwargs",
                "clients", "clients_per_round", "rounds", "batch_size",
                "local_epochs", "client_lr", "server_lr", "partition", "alpha",
-               "seed", "capture_rounds"):
+               "seed", "capture_rounds", "defense", "dp_delta"):
     value = getattr(args, name)
     if value is not None:
       fields[name] = value
+  kwargs = _defense_kwargs(args)
+  if kwargs:
+    fields["defense_kwargs"] = kwargs
   if "out" not in fields:
     raise ValueError("--out is required (or 'out' in --config)")
   unknown = sorted(set(fields) - set(RunConfig.__dataclass_fields__))
@@ -84,9 +122,12 @@ def _train(args) -> int:
   config = _config_from_args(args)
   history = runner.run(config, progress=not args.quiet)
   last = history[-1] if history else {}
+  privacy = (f" epsilon={last['epsilon']:.4g} delta={last['delta']:g}"
+             if "epsilon" in last else "")
   print(f"method={config.method} dataset={config.dataset} model={config.model} "
-        f"rounds={last.get('round')} test_accuracy={last.get('test_accuracy'):.4f} "
-        f"test_loss={last.get('test_loss'):.4f}")
+        f"defense={config.defense} rounds={last.get('round')} "
+        f"test_accuracy={last.get('test_accuracy'):.4f} "
+        f"test_loss={last.get('test_loss'):.4f}{privacy}")
   print(f"results in {config.out}: metrics.json, tensorboard/"
         + (", updates/manifest.json, ground_truth/" if config.capture_rounds else ""))
   return 0

@@ -24,12 +24,14 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
+import dp_accounting
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 import tqdm
 
-from tff_privacy import algorithms, data, io, models, runtime
+from tff_privacy import algorithms, data, defenses, io, models, runtime
+from tff_privacy.dp import accounting
 from tff_privacy.updates import CaptureFactory, GroundTruthStore, UpdateStore
 
 _EVAL_BATCH = 1000
@@ -56,6 +58,9 @@ class RunConfig:
   seed: int = 0
   capture_rounds: tuple[int, ...] = ()
   data_dir: Optional[str] = None
+  defense: Optional[str] = None  # a client-side defence, see tff_privacy.defenses
+  defense_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+  dp_delta: float = 1e-5  # delta at which DP runs report their epsilon
 
   def __post_init__(self):
     object.__setattr__(self, "capture_rounds",
@@ -77,6 +82,11 @@ class RunConfig:
     if self.dataset not in data.DATASETS:
       raise ValueError(f"dataset={self.dataset!r} is unknown; choose one of "
                        f"{', '.join(data.DATASETS)}")
+    if self.defense is not None and self.defense not in defenses.DEFENSES:
+      raise ValueError(f"defense={self.defense!r} is unknown; choose one of "
+                       f"{sorted(defenses.DEFENSES)}")
+    if not 0 < self.dp_delta < 1:
+      raise ValueError(f"dp_delta must lie in (0, 1), got {self.dp_delta}")
 
   @property
   def sampled_per_round(self) -> int:
@@ -167,7 +177,10 @@ class Run:
                          config.alpha, config.seed, config.data_dir)
     self.spec = models.ModelSpec(config.model, self.fed.source.input_shape,
                                  self.fed.source.num_classes, config.model_kwargs)
-    hparams = {"batch_size": config.batch_size}
+    defense = (defenses.build(config.defense, **config.defense_kwargs)
+               if config.defense else None)
+    hparams = {"batch_size": config.batch_size, "defense": defense,
+               "seed": config.seed}
     if config.server_lr is not None:
       hparams["server_learning_rate"] = config.server_lr
     if config.method == "fedavg":
@@ -204,10 +217,27 @@ class Run:
                   client_dataset(x[order], y[order], self.config.batch_size, extra)))
     return out
 
+  def privacy_spent(self, rounds: int) -> dict[str, float]:
+    """(epsilon, delta) of the clients' DP mechanism composed over `rounds`
+    rounds (each client's local DP; an upper bound when clients are sampled,
+    since a client joins at most every round). Empty for non-DP methods."""
+    if self.algorithm.dp_event is None:
+      return {}
+    num_params = sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
+    event = self.algorithm.dp_event(num_params)
+    if event is None:
+      return {}
+    delta = self.config.dp_delta
+    accountant = "pld" if isinstance(event, dp_accounting.LaplaceDpEvent) else "rdp"
+    eps = accounting.epsilon(dp_accounting.SelfComposedDpEvent(event, rounds),
+                             delta, accountant)
+    return {"epsilon": eps, "delta": delta}
+
   def run_metadata(self) -> dict[str, Any]:
     src = self.fed.source
     return {"method": self.algorithm.name,
             "upload_kind": self.algorithm.upload_kind,
+            "defense": self.algorithm.defense,
             "model": self.spec.to_json(), "dataset": src.name,
             "value_range": list(src.value_range), "raw_max": src.raw_max,
             "protocol": self.algorithm.protocol}
@@ -265,6 +295,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     train = output.metrics["client_work"]["train"]
     entry["train_loss"] = float(train["loss"])
     entry["train_accuracy"] = float(train["sparse_categorical_accuracy"])
+    entry.update(r.privacy_spent(round_num))
     if capture:
       _write_capture(r, round_num, broadcast, clients,
                      output.metrics["aggregator"]["captured"])

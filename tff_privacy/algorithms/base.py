@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+import dp_accounting
 import numpy as np
 import tensorflow_federated as tff
 
@@ -53,6 +54,11 @@ class Algorithm:
     protocol: public facts of the protocol (learning rates, local epochs...)
       written into every captured record's metadata.
     client_inputs: optional per-client, per-round inputs for the client work.
+    defense: the client-side defence's name and parameters, if any (public:
+      written into the records' metadata).
+    dp_event: maps the model's number of parameters to the DP event of one
+      client's upload in one round, for methods whose clients run a DP
+      mechanism; the runner composes it over rounds.
   """
 
   name: str
@@ -61,6 +67,8 @@ class Algorithm:
   build_process: ProcessBuilder
   protocol: dict[str, Any]
   client_inputs: Optional[ClientInputs] = None
+  defense: Optional[dict[str, Any]] = None
+  dp_event: Optional[Callable[[int], Optional[dp_accounting.DpEvent]]] = None
 
   def __post_init__(self):
     if self.upload_kind not in UPLOAD_KINDS:
@@ -75,3 +83,15 @@ def check_positive(**values: float) -> None:
   for name, value in values.items():
     if not value > 0:
       raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def defense_fields(defense, seed: int) -> dict[str, Any]:
+  """The `Algorithm` fields for a client-side `UpdateDefense` (or none):
+  its metadata, its DP event and the per-client noise seeds."""
+  if defense is None:
+    return {}
+  from tff_privacy.algorithms.defended import SEED_KEY, client_seed
+  return {"defense": {"name": defense.name, **defense.params()},
+          "dp_event": defense.dp_event,
+          "client_inputs": lambda client, round_num: {
+              SEED_KEY: client_seed(seed, round_num, client)}}

@@ -6,8 +6,9 @@ w_k, and uploads the model delta d_k = w_t - w_k (TFF's sign convention: a
 pseudo-gradient); the server forms the example-weighted mean d and applies
 w_{t+1} = w_t - server_learning_rate * d.
 
-This is TFF's own `build_weighted_fed_avg`; defences enter through
-`model_aggregator`.
+This is TFF's own `build_weighted_fed_avg`; server-side defences enter
+through `model_aggregator`, client-side ones (`defense`) wrap TFF's model-delta
+client work (see `tff_privacy.algorithms.defended`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Callable, Optional
 
 import tensorflow_federated as tff
 
-from tff_privacy.algorithms.base import Algorithm, check_positive
+from tff_privacy.algorithms import defended
+from tff_privacy.algorithms.base import Algorithm, check_positive, defense_fields
+from tff_privacy.defenses import UpdateDefense
 
 
 def build_fedavg(
@@ -25,29 +28,42 @@ def build_fedavg(
     client_learning_rate: float = 0.1,
     server_learning_rate: float = 1.0,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+    defense: Optional[UpdateDefense] = None,
 ) -> tff.learning.templates.LearningProcess:
-  """Builds the FedAvg `LearningProcess` (clients use plain SGD)."""
+  """Builds the FedAvg `LearningProcess` (clients use plain SGD); with
+  `defense`, every client transforms its model delta before uploading it."""
   check_positive(client_learning_rate=client_learning_rate,
                  server_learning_rate=server_learning_rate)
-  return tff.learning.algorithms.build_weighted_fed_avg(
-      model_fn,
-      client_optimizer_fn=tff.learning.optimizers.build_sgdm(client_learning_rate),
-      server_optimizer_fn=tff.learning.optimizers.build_sgdm(server_learning_rate),
-      model_aggregator=model_aggregator or tff.aggregators.MeanFactory())
+  client_optimizer = tff.learning.optimizers.build_sgdm(client_learning_rate)
+  server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
+  if defense is None:
+    return tff.learning.algorithms.build_weighted_fed_avg(
+        model_fn, client_optimizer_fn=client_optimizer,
+        server_optimizer_fn=server_optimizer,
+        model_aggregator=model_aggregator or tff.aggregators.MeanFactory())
+  client_work = defended.with_update_defense(
+      tff.learning.templates.build_model_delta_client_work(
+          model_fn, client_optimizer, tff.learning.ClientWeighting.NUM_EXAMPLES),
+      defense)
+  return defended.compose_defended(model_fn, client_work, server_optimizer,
+                                   model_aggregator)
 
 
 def algorithm(model_fn, *, client_learning_rate: float = 0.1,
               server_learning_rate: float = 1.0, local_epochs: int = 1,
-              batch_size: int = 32) -> Algorithm:
+              batch_size: int = 32, defense: Optional[UpdateDefense] = None,
+              seed: int = 0) -> Algorithm:
   """FedAvg as the runner drives it."""
   check_positive(local_epochs=local_epochs, batch_size=batch_size)
   return Algorithm(
       name="fedavg", upload_kind="model_delta", local_data="epochs",
       build_process=lambda aggregator: build_fedavg(
           model_fn, client_learning_rate=client_learning_rate,
-          server_learning_rate=server_learning_rate, model_aggregator=aggregator),
+          server_learning_rate=server_learning_rate, model_aggregator=aggregator,
+          defense=defense),
       protocol={"client_learning_rate": client_learning_rate,
                 "server_learning_rate": server_learning_rate,
                 "local_epochs": local_epochs, "batch_size": batch_size,
                 "client_optimizer": "sgd",
-                "delta_convention": "broadcast_minus_local"})
+                "delta_convention": "broadcast_minus_local"},
+      **defense_fields(defense, seed))

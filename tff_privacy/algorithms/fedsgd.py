@@ -6,7 +6,9 @@ forms the example-weighted mean g and applies w_{t+1} = w_t -
 server_learning_rate * g. The single-batch gradient is exactly what
 gradient-inversion attacks (DLG, iDLG, Inverting Gradients) invert.
 
-This is TFF's own `build_fed_sgd`; defences enter through `model_aggregator`.
+This is TFF's own `build_fed_sgd`; server-side defences enter through
+`model_aggregator`, client-side ones (`defense`) wrap TFF's FedSGD client work
+(see `tff_privacy.algorithms.defended`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Callable, Optional
 
 import tensorflow_federated as tff
 
-from tff_privacy.algorithms.base import Algorithm, check_positive
+# TFF exports no builder for FedSGD's client work alone; this is the one its
+# `build_fed_sgd` composes (TFF is pinned, see requirements.lock).
+from tensorflow_federated.python.learning.algorithms.fed_sgd import (
+    _build_fed_sgd_client_work as build_fed_sgd_client_work)
+
+from tff_privacy.algorithms import defended
+from tff_privacy.algorithms.base import Algorithm, check_positive, defense_fields
+from tff_privacy.defenses import UpdateDefense
 
 
 def build_fedsgd(
@@ -23,24 +32,34 @@ def build_fedsgd(
     *,
     server_learning_rate: float = 0.1,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+    defense: Optional[UpdateDefense] = None,
 ) -> tff.learning.templates.LearningProcess:
-  """Builds the FedSGD `LearningProcess`."""
+  """Builds the FedSGD `LearningProcess`; with `defense`, every client
+  transforms its gradient before uploading it (its data carries a 'seed')."""
   check_positive(server_learning_rate=server_learning_rate)
-  return tff.learning.algorithms.build_fed_sgd(
-      model_fn,
-      server_optimizer_fn=tff.learning.optimizers.build_sgdm(server_learning_rate),
-      model_aggregator=model_aggregator or tff.aggregators.MeanFactory())
+  server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
+  if defense is None:
+    return tff.learning.algorithms.build_fed_sgd(
+        model_fn, server_optimizer_fn=server_optimizer,
+        model_aggregator=model_aggregator or tff.aggregators.MeanFactory())
+  client_work = defended.with_update_defense(
+      build_fed_sgd_client_work(model_fn, tff.learning.metrics.sum_then_finalize),
+      defense)
+  return defended.compose_defended(model_fn, client_work, server_optimizer,
+                                   model_aggregator)
 
 
 def algorithm(model_fn, *, server_learning_rate: float = 0.1,
-              batch_size: int = 32) -> Algorithm:
+              batch_size: int = 32, defense: Optional[UpdateDefense] = None,
+              seed: int = 0) -> Algorithm:
   """FedSGD as the runner drives it: one batch per client and round."""
   check_positive(batch_size=batch_size)
   return Algorithm(
       name="fedsgd", upload_kind="gradient", local_data="one_batch",
       build_process=lambda aggregator: build_fedsgd(
           model_fn, server_learning_rate=server_learning_rate,
-          model_aggregator=aggregator),
+          model_aggregator=aggregator, defense=defense),
       protocol={"server_learning_rate": server_learning_rate,
                 "batch_size": batch_size, "local_steps": 1,
-                "gradient_of": "mean loss over the batch"})
+                "gradient_of": "mean loss over the batch"},
+      **defense_fields(defense, seed))

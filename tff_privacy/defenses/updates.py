@@ -50,8 +50,9 @@ class UpdateDefense(abc.ABC):
     """The defence's parameters, for run metadata."""
     return {k.lstrip("_"): v for k, v in vars(self).items()}
 
-  def dp_event(self) -> Optional[dp_accounting.DpEvent]:
-    """The DP event of one application, if the defence is a DP mechanism."""
+  def dp_event(self, num_params: int) -> Optional[dp_accounting.DpEvent]:
+    """The DP event of one application to an update of `num_params` entries,
+    if the defence is a DP mechanism."""
     return None
 
 
@@ -79,7 +80,7 @@ class LocalGaussian(UpdateDefense):
   def apply(self, update, seed):
     return list(run_local_query(self._query(), list(update), seed)[0])
 
-  def dp_event(self):
+  def dp_event(self, num_params: int):
     return (dp_accounting.GaussianDpEvent(self.noise_multiplier)
             if self.noise_multiplier > 0 else None)
 
@@ -103,6 +104,14 @@ class LocalLaplace(UpdateDefense):
   def apply(self, update, seed):
     query = LaplaceSumQuery(self.clip, self.clip * self.noise_multiplier, self.norm)
     return list(run_local_query(query, list(update), seed)[0])
+
+  def dp_event(self, num_params: int):
+    """Laplace mechanism with noise multiplier b / (L1 sensitivity): the L1
+    sensitivity is the clip for norm 'l1' and sqrt(d) times it for 'l2'."""
+    if self.noise_multiplier == 0:
+      return None
+    scale = math.sqrt(num_params) if self.norm == "l2" else 1.0
+    return dp_accounting.LaplaceDpEvent(self.noise_multiplier / scale)
 
 
 class Sparsification(UpdateDefense):

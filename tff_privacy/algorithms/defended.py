@@ -1,0 +1,89 @@
+"""Client-side defences inside TFF client work.
+
+`with_update_defense` wraps any `ClientWorkProcess` so that each client
+transforms its update with an `UpdateDefense` before it is returned, i.e.
+before it leaves the client: the aggregator, the update store and any
+eavesdropper see only the defended update. The client's noise seed travels in
+its data (a 'seed' entry in every batch, see `Algorithm.client_inputs`), so a
+run is reproducible while every client and round gets fresh noise.
+
+`compose_defended` builds the full `LearningProcess` around such a client
+work with TFF's own distributor, aggregator and optimizer finalizer, the same
+parts TFF's `build_fed_sgd` and `build_weighted_fed_avg` compose.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy.defenses import UpdateDefense
+
+SEED_KEY = "seed"
+SEED_TYPE = tff.TensorType(np.int64, [2])
+
+
+def client_seed(run_seed: int, round_num: int, client: int) -> np.ndarray:
+  """The stateless-RNG seed of one client in one round."""
+  state = np.random.SeedSequence([run_seed, round_num, client]).generate_state(2)
+  return state.astype(np.int64)
+
+
+def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
+                        defense: UpdateDefense) -> tff.learning.templates.ClientWorkProcess:
+  """`inner` whose clients upload `defense.apply(update, seed)`."""
+  state_type, weights_type, data_type = inner.next.type_signature.parameter
+  element = data_type.member.element
+  names = [name for name, _ in tff.structure.iter_elements(element)]
+  seeded_element = collections.OrderedDict(
+      [(k, element[k]) for k in names] + [(SEED_KEY, SEED_TYPE)])
+  seeded_data_type = tff.SequenceType(seeded_element)
+  update_type = inner.next.type_signature.result.result.member.update
+
+  @tff.tensorflow.computation(seeded_data_type)
+  def strip_seed(dataset):
+    return dataset.map(lambda b: collections.OrderedDict((k, b[k]) for k in names))
+
+  @tff.tensorflow.computation(seeded_data_type)
+  def seed_of(dataset):
+    return dataset.reduce(tf.zeros([2], tf.int64), lambda _, b: b[SEED_KEY])
+
+  @tff.tensorflow.computation(update_type, SEED_TYPE)
+  def defend(update, seed):
+    return defense.apply(list(update), seed)
+
+  @tff.federated_computation(state_type, weights_type,
+                             tff.FederatedType(seeded_data_type, tff.CLIENTS))
+  def next_fn(state, weights, data):
+    output = inner.next(state, weights, tff.federated_map(strip_seed, data))
+    update = tff.federated_map(
+        defend, (output.result.update, tff.federated_map(seed_of, data)))
+    result = tff.federated_zip(tff.learning.templates.ClientResult(
+        update=update, update_weight=output.result.update_weight))
+    return tff.templates.MeasuredProcessOutput(output.state, result,
+                                               output.measurements)
+
+  return tff.learning.templates.ClientWorkProcess(inner.initialize, next_fn)
+
+
+def compose_defended(model_fn: Callable, client_work, server_optimizer,
+                     model_aggregator) -> tff.learning.templates.LearningProcess:
+  """A `LearningProcess` around `client_work`, composed from TFF's parts."""
+
+  @tff.tensorflow.computation()
+  def initial_model_weights_fn():
+    return tff.learning.models.ModelWeights.from_model(model_fn())
+
+  weights_type = initial_model_weights_fn.type_signature.result
+  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
+      weights_type.trainable, tff.TensorType(np.float32))
+  return tff.learning.templates.compose_learning_process(
+      initial_model_weights_fn,
+      tff.learning.templates.build_broadcast_process(weights_type),
+      client_work, aggregator,
+      tff.learning.templates.build_apply_optimizer_finalizer(
+          server_optimizer, weights_type))
