@@ -12,6 +12,16 @@ SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
              clients=4, batch_size=8, seed=3)
 
 
+def _true_gradient(record, x, y):
+  """The gradient a client holding (x, y) computes at the record's broadcast."""
+  model = record.model_spec.keras()
+  for v, w in zip(model.trainable_variables, record.broadcast):
+    v.assign(w)
+  with tf.GradientTape() as tape:
+    loss = models.loss_fn()(y, model(x))
+  return tape.gradient(loss, model.trainable_variables)
+
+
 def _without_timing(history):
   return [{k: v for k, v in m.items() if k != "seconds"} for m in history]
 
@@ -45,12 +55,7 @@ def test_captured_upload_is_the_gradient_of_the_true_batch(fedsgd_run):
     x, y = truth.read(2, client)
     assert len(y) == config.batch_size == record.weight
     assert record.upload_kind == "gradient"
-    model = record.model_spec.keras()
-    for v, w in zip(model.trainable_variables, record.broadcast):
-      v.assign(w)
-    with tf.GradientTape() as tape:
-      loss = models.loss_fn()(y, model(x))
-    grads = tape.gradient(loss, model.trainable_variables)
+    grads = _true_gradient(record, x, y)
     for got, want in zip(record.upload, grads):
       np.testing.assert_allclose(got, want.numpy(), atol=2e-6)
 
@@ -164,12 +169,7 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
     record = store.read(2, client)
     assert record.metadata["defense"]["name"] == defense
     x, y = truth.read(2, client)
-    model = record.model_spec.keras()
-    for v, w in zip(model.trainable_variables, record.broadcast):
-      v.assign(w)
-    with tf.GradientTape() as tape:
-      loss = models.loss_fn()(y, model(x))
-    grads = tape.gradient(loss, model.trainable_variables)
+    grads = _true_gradient(record, x, y)
     want = transform.apply(grads, client_seed(config.seed, 2, client))
     for got, w in zip(record.upload, want):
       np.testing.assert_allclose(got, w.numpy(), atol=2e-6)
