@@ -173,3 +173,26 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
     want = transform.apply(grads, client_seed(config.seed, 2, client))
     for got, w in zip(record.upload, want):
       np.testing.assert_allclose(got, w.numpy(), atol=2e-6)
+
+
+def test_dp_fedavg_records_clipped_updates_and_is_reproducible(tmp_path):
+  from tff_privacy.dp import accounting
+  kwargs = {"clip": 0.05, "noise_multiplier": 1.0}
+  config = runner.RunConfig(out=str(tmp_path / "a"), method="fedsgd", rounds=2,
+                            capture_rounds=(2,), defense="dp_fedavg",
+                            defense_kwargs=kwargs, **SMALL)
+  history = runner.run(config, progress=False)
+  again = runner.run(runner.RunConfig(**{**vars(config), "out": str(tmp_path / "b")}),
+                     progress=False)
+  assert _without_timing(again) == _without_timing(history)  # seeded server noise
+  assert history[-1]["epsilon"] == pytest.approx(
+      accounting.gaussian_epsilon(1.0, 2, config.dp_delta))
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  for client in store.clients(2):
+    record = store.read(2, client)
+    assert record.metadata["defense"] == {"name": "dp_fedavg", **kwargs}
+    grads = _true_gradient(record, *truth.read(2, client))
+    clipped, _ = tf.clip_by_global_norm(grads, 0.05)
+    for got, want in zip(record.upload, clipped):  # clipped, not noised
+      np.testing.assert_allclose(got, want.numpy(), atol=1e-7)

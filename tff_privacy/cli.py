@@ -58,9 +58,9 @@ def _train_parser(sub) -> None:
   p.add_argument("--defense", choices=sorted(defenses.DEFENSES),
                  help="client-side defence applied to every upload")
   p.add_argument("--clip", type=float,
-                 help="(ldp_gaussian, ldp_laplace, dp_clip) clipping bound B")
+                 help="(ldp_gaussian, ldp_laplace, dp_clip, dp_fedavg) clipping bound B")
   p.add_argument("--noise-multiplier", type=float,
-                 help="(ldp_gaussian, ldp_laplace) noise std or scale over B")
+                 help="(ldp_gaussian, ldp_laplace, dp_fedavg) noise std or scale over B")
   p.add_argument("--laplace-norm", choices=("l1", "l2"),
                  help="(ldp_laplace) norm of the clipping (default l2)")
   p.add_argument("--sparsity", type=float,

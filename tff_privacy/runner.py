@@ -179,8 +179,11 @@ class Run:
                                  self.fed.source.num_classes, config.model_kwargs)
     defense = (defenses.build(config.defense, **config.defense_kwargs)
                if config.defense else None)
-    hparams = {"batch_size": config.batch_size, "defense": defense,
-               "seed": config.seed}
+    # Server-side defences replace the aggregator; client-side ones go into
+    # the method's client work.
+    self.central = defense if isinstance(defense, defenses.DPFedAvg) else None
+    hparams = {"batch_size": config.batch_size, "seed": config.seed,
+               "defense": None if self.central else defense}
     if config.server_lr is not None:
       hparams["server_learning_rate"] = config.server_lr
     if config.method == "fedavg":
@@ -196,9 +199,11 @@ class Run:
     Both share one state type, so either can run any round.
     """
     if capture not in self._processes:
-      aggregator = (CaptureFactory(tff.aggregators.MeanFactory(),
-                                   self.config.sampled_per_round)
-                    if capture else None)
+      n = self.config.sampled_per_round
+      inner = (self.central.aggregator(n, self.config.seed) if self.central
+               else tff.aggregators.MeanFactory())
+      view = self.central.server_view if self.central else None
+      aggregator = CaptureFactory(inner, n, view) if capture else inner
       self._processes[capture] = self.algorithm.build_process(aggregator)
     return self._processes[capture]
 
@@ -218,13 +223,18 @@ class Run:
     return out
 
   def privacy_spent(self, rounds: int) -> dict[str, float]:
-    """(epsilon, delta) of the clients' DP mechanism composed over `rounds`
-    rounds (each client's local DP; an upper bound when clients are sampled,
-    since a client joins at most every round). Empty for non-DP methods."""
-    if self.algorithm.dp_event is None:
-      return {}
-    num_params = sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
-    event = self.algorithm.dp_event(num_params)
+    """(epsilon, delta) spent after `rounds` rounds. Local DP: each client's
+    mechanism composed over every round (an upper bound when clients are
+    sampled). Central DP-FedAvg: user-level, with the sampling rate. Empty
+    for runs without a DP mechanism."""
+    if self.central:
+      event = self.central.dp_event(self.config.sampled_per_round /
+                                    self.config.clients)
+    elif self.algorithm.dp_event:
+      num_params = sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
+      event = self.algorithm.dp_event(num_params)
+    else:
+      event = None
     if event is None:
       return {}
     delta = self.config.dp_delta
@@ -237,7 +247,9 @@ class Run:
     src = self.fed.source
     return {"method": self.algorithm.name,
             "upload_kind": self.algorithm.upload_kind,
-            "defense": self.algorithm.defense,
+            "defense": (self.algorithm.defense or
+                        ({"name": self.central.name, **self.central.params()}
+                         if self.central else None)),
             "model": self.spec.to_json(), "dataset": src.name,
             "value_range": list(src.value_range), "raw_max": src.raw_max,
             "protocol": self.algorithm.protocol}

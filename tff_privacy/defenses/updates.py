@@ -138,9 +138,3 @@ class Sparsification(UpdateDefense):
 DEFENSES = {cls.name: cls for cls in (LocalGaussian, LocalLaplace, ClipOnly,
                                       Sparsification)}
 
-
-def build(name: str, **kwargs) -> UpdateDefense:
-  """Defence `name` (one of `DEFENSES`) with its parameters."""
-  if name not in DEFENSES:
-    raise ValueError(f"defense={name!r} is unknown; choose one of {sorted(DEFENSES)}")
-  return DEFENSES[name](**kwargs)

@@ -23,16 +23,25 @@ class CaptureFactory(tff.aggregators.WeightedAggregationFactory):
   """
 
   def __init__(self, inner: tff.aggregators.WeightedAggregationFactory,
-               capacity: int):
+               capacity: int, server_view=None):
+    """`server_view`, if given, maps a client's value (list of tensors) to
+    what the server receives of it when `inner` transforms values on the
+    clients first (e.g. DP-FedAvg's clipping); that is what gets recorded."""
     if capacity < 1:
       raise ValueError(f"capacity must be >= 1, got {capacity}")
     self._inner = inner
     self._capacity = capacity
+    self._server_view = server_view
 
   def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
     inner = self._inner.create(value_type, weight_type)
     zero, accumulate, merge, report = stacking_computations(
         value_type, weight_type, self._capacity)
+    view = self._server_view
+
+    @tff.tensorflow.computation(value_type)
+    def seen_by_server(value):
+      return view(value) if view is not None else value
 
     @tff.federated_computation()
     def init_fn():
@@ -45,7 +54,8 @@ class CaptureFactory(tff.aggregators.WeightedAggregationFactory):
     def next_fn(state, value, weight):
       output = inner.next(state, value, weight)
       captured = tff.federated_aggregate(
-          tff.federated_zip((value, weight)), zero(), accumulate, merge, report)
+          tff.federated_zip((tff.federated_map(seen_by_server, value), weight)),
+          zero(), accumulate, merge, report)
       measurements = tff.federated_zip(collections.OrderedDict(
           inner=output.measurements, captured=captured))
       return tff.templates.MeasuredProcessOutput(
