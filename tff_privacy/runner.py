@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import os
 import time
 from typing import Any, Optional, Sequence
@@ -222,19 +223,23 @@ class Run:
                   client_dataset(x[order], y[order], self.config.batch_size, extra)))
     return out
 
+  @functools.cached_property
+  def round_dp_event(self) -> Optional[dp_accounting.DpEvent]:
+    """The DP event of one round, if the run uses a DP mechanism."""
+    if self.central:
+      return self.central.dp_event(self.config.sampled_per_round /
+                                   self.config.clients)
+    if self.algorithm.dp_event:
+      num_params = sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
+      return self.algorithm.dp_event(num_params)
+    return None
+
   def privacy_spent(self, rounds: int) -> dict[str, float]:
     """(epsilon, delta) spent after `rounds` rounds. Local DP: each client's
     mechanism composed over every round (an upper bound when clients are
     sampled). Central DP-FedAvg: user-level, with the sampling rate. Empty
     for runs without a DP mechanism."""
-    if self.central:
-      event = self.central.dp_event(self.config.sampled_per_round /
-                                    self.config.clients)
-    elif self.algorithm.dp_event:
-      num_params = sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
-      event = self.algorithm.dp_event(num_params)
-    else:
-      event = None
+    event = self.round_dp_event
     if event is None:
       return {}
     delta = self.config.dp_delta
