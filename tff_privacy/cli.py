@@ -43,20 +43,22 @@ def _train_parser(sub) -> None:
   p.add_argument("--model", choices=sorted(models.MODELS))
   p.add_argument("--model-kwargs", type=json.loads,
                  help='model builder arguments as JSON, e.g. \'{"weight_init": "default"}\'')
-  p.add_argument("--clients", type=int)
-  p.add_argument("--clients-per-round", type=int)
-  p.add_argument("--rounds", type=int)
-  p.add_argument("--batch-size", type=int)
-  p.add_argument("--local-epochs", type=int)
-  p.add_argument("--client-lr", type=float)
-  p.add_argument("--server-lr", type=float)
+  p.add_argument("--clients", type=int, help="number of clients (default 10)")
+  p.add_argument("--clients-per-round", type=int, help="default: all")
+  p.add_argument("--rounds", type=int, help="default 20")
+  p.add_argument("--batch-size", type=int, help="default 32")
+  p.add_argument("--local-epochs", type=int, help="(fedavg) default 1")
+  p.add_argument("--client-lr", type=float, help="(fedavg) default 0.1")
+  p.add_argument("--server-lr", type=float,
+                 help="default: 0.1 for fedsgd, 1.0 for fedavg")
   p.add_argument("--partition", choices=data.PARTITIONS)
   p.add_argument("--alpha", type=float, help="Dirichlet concentration (> 0)")
   p.add_argument("--seed", type=int)
   p.add_argument("--capture-rounds", type=parse_rounds,
                  help="rounds whose uploads are written to OUT/updates, e.g. 1,5")
   p.add_argument("--defense", choices=sorted(defenses.DEFENSES),
-                 help="client-side defence applied to every upload")
+                 help="defence: applied by every client to its upload, or by "
+                 "the server's aggregator for dp_fedavg")
   p.add_argument("--clip", type=float,
                  help="(ldp_gaussian, ldp_laplace, dp_clip, dp_fedavg) clipping bound B")
   p.add_argument("--noise-multiplier", type=float,
