@@ -61,41 +61,39 @@ def test_batch_label_counts_are_recovered(digits):
   assert sorted(got.tolist()) == sorted(y[:6].tolist())
 
 
-def test_idlg_inverts_a_single_gradient(digits):
+def _invert_one(attack, digits, i, **record_kwargs):
+  """Attacks the upload of sample i alone; returns (recovered labels, scores)."""
   x, y = digits
-  rec = _record(x[3:4], y[3:4])
-  out = attacks.IDLG(iterations=200)([rec])[0]
-  assert out.labels.tolist() == [y[3]]
-  s = metrics.image_scores(x[3:4], out.x, (0, 1))[0]
+  out = attack([_record(x[i:i + 1], y[i:i + 1], **record_kwargs)])[0]
+  return out.labels.tolist(), metrics.image_scores(x[i:i + 1], out.x, (0, 1))[0]
+
+
+def test_idlg_inverts_a_single_gradient(digits):
+  labels, s = _invert_one(attacks.IDLG(iterations=200), digits, 3)
+  assert labels == [digits[1][3]]
   assert s["ssim"] > 0.9 and s["mse"] < 1e-3
 
 
 def test_dlg_recovers_image_and_label_jointly(digits):
   # Needs the labels' second-order gradient, which TF's fused cross-entropy
   # op drops; the attack's loss is written out so that this works.
-  x, y = digits
-  rec = _record(x[3:4], y[3:4])
-  out = attacks.DLG(iterations=300)([rec])[0]
-  assert out.labels.tolist() == [y[3]]
-  assert metrics.image_scores(x[3:4], out.x, (0, 1))[0]["ssim"] > 0.9
+  labels, s = _invert_one(attacks.DLG(iterations=300), digits, 3)
+  assert labels == [digits[1][3]]
+  assert s["ssim"] > 0.9
 
 
 def test_inverting_gradients_inverts_a_single_gradient(digits):
-  x, y = digits
-  rec = _record(x[5:6], y[5:6])
-  attack = attacks.InvertingGradients(iterations=400)
-  out = attack([rec])[0]
-  assert out.labels.tolist() == [y[5]]
-  assert metrics.image_scores(x[5:6], out.x, (0, 1))[0]["ssim"] > 0.8
+  labels, s = _invert_one(attacks.InvertingGradients(iterations=400), digits, 5)
+  assert labels == [digits[1][5]]
+  assert s["ssim"] > 0.8
 
 
 def test_inverting_gradients_simulates_local_steps_for_model_deltas(digits):
-  x, y = digits
   protocol = {"client_learning_rate": 0.1, "batch_size": 1, "local_epochs": 2}
-  rec = _record(x[7:8], y[7:8], upload_kind="model_delta", protocol=protocol)
-  out = attacks.InvertingGradients(iterations=400)([rec])[0]
-  assert out.labels.tolist() == [y[7]]
-  assert metrics.image_scores(x[7:8], out.x, (0, 1))[0]["ssim"] > 0.8
+  labels, s = _invert_one(attacks.InvertingGradients(iterations=400), digits, 7,
+                          upload_kind="model_delta", protocol=protocol)
+  assert labels == [digits[1][7]]
+  assert s["ssim"] > 0.8
 
 
 def test_best_iterate_is_kept_not_the_last(digits):

@@ -31,6 +31,8 @@ import dp_accounting
 import numpy as np
 import tensorflow_federated as tff
 
+from tff_privacy.algorithms.defended import SEED_KEY, client_seed
+
 UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights")
 LOCAL_DATA = ("one_batch", "epochs")
 
@@ -90,7 +92,6 @@ def defense_fields(defense, seed: int) -> dict[str, Any]:
   its metadata, its DP event and the per-client noise seeds."""
   if defense is None:
     return {}
-  from tff_privacy.algorithms.defended import SEED_KEY, client_seed
   return {"defense": {"name": defense.name, **defense.params()},
           "dp_event": defense.dp_event,
           "client_inputs": lambda client, round_num: {

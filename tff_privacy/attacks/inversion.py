@@ -74,6 +74,12 @@ class Target:
     lo, hi = self.record.metadata["value_range"]
     return float(lo), float(hi)
 
+  def recovered_labels(self) -> np.ndarray:
+    """Labels inferred analytically from the upload (`recover_labels`)."""
+    return recover_labels(self.model, self.record.broadcast, self.record.upload,
+                          self.num_examples, self.record.upload_kind,
+                          self.record.metadata["protocol"], self.value_range)
+
   def simulate(self, x, y_soft):
     return functional.simulate_upload(
         self.model, self.broadcast, x, y_soft, self.record.upload_kind,
@@ -267,10 +273,7 @@ class IDLG(DLG):
   name = "idlg"
 
   def _labels(self, target: Target) -> np.ndarray:
-    return recover_labels(target.model, target.record.broadcast,
-                          target.record.upload, target.num_examples,
-                          target.record.upload_kind,
-                          target.record.metadata["protocol"], target.value_range)
+    return target.recovered_labels()
 
 
 class InvertingGradients(GradientInversion):
@@ -346,10 +349,7 @@ class InvertingGradients(GradientInversion):
     return optimize
 
   def reconstruct(self, target: Target, seed: int) -> Reconstruction:
-    labels = recover_labels(target.model, target.record.broadcast,
-                            target.record.upload, target.num_examples,
-                            target.record.upload_kind,
-                            target.record.metadata["protocol"], target.value_range)
+    labels = target.recovered_labels()
     y_soft = tf.one_hot(labels, target.num_classes)
     optimize = self.function(target, self._build)
     best_x, best_loss = None, np.inf
