@@ -3,6 +3,7 @@ import pytest
 import tensorflow as tf
 
 from tff_privacy import defenses
+from tff_privacy.models import ModelSpec, functional
 
 SHAPES = [(30, 40), (40,), (40, 10)]
 
@@ -79,7 +80,7 @@ def test_bad_parameters_name_themselves(name, kwargs, match):
 
 @pytest.mark.parametrize("defense", [
     defenses.LocalGaussian(1.0, 1.0), defenses.LocalLaplace(1.0, 1.0),
-    defenses.ClipOnly(1.0), defenses.Sparsification(0.5)])
+    defenses.ClipOnly(1.0), defenses.Sparsification(0.5), defenses.LDPFed()])
 def test_defenses_trace_into_graphs_with_the_same_result(defense):
   # Client work runs them inside TFF computations, i.e. in graph mode.
   u = _update()
@@ -87,3 +88,109 @@ def test_defenses_trace_into_graphs_with_the_same_result(defense):
   graph = tf.function(lambda update, s: defense.apply(update, s))(u, seed)
   for a, b in zip(graph, defense.apply(u, seed)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _lenet_gradient(spec, x, y):
+  model = spec.keras(seed=1)
+  weights = [tf.constant(v) for v in model.trainable_variables]
+  with tf.GradientTape() as tape:
+    tape.watch(weights)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        y, functional.forward(model, weights, x)))
+  return model, weights, tape.gradient(loss, weights)
+
+
+@pytest.fixture(scope="module")
+def lenet_client():
+  spec = ModelSpec("lenet", (12, 12, 1), 4)
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.uniform(0, 1, (3, 12, 12, 1)), tf.float32)
+  y = tf.constant([0, 3, 1], tf.int32)
+  model, weights, grads = _lenet_gradient(spec, x, y)
+  view = defenses.ClientView(
+      weights, tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(2))
+  return spec, model, x, grads, view
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 0.9])
+def test_soteria_changes_only_the_defended_layer(lenet_client, p):
+  spec, model, _, grads, view = lenet_client
+  soteria = defenses.build("soteria", spec, p=p)
+  out = soteria.apply(grads, None, view)
+  k = functional.kernel_index(model, "fc")
+  for i, (a, b) in enumerate(zip(out, grads)):
+    if i != k:
+      np.testing.assert_array_equal(a, b)
+  width = grads[k].shape[0]  # 3 * 3 * 12 features feed the dense layer
+  zero_rows = np.flatnonzero(~out[k].numpy().any(axis=1))
+  assert len(zero_rows) == width - int(np.ceil((1 - p) * width))
+  kept = np.setdiff1d(np.arange(width), zero_rows)
+  np.testing.assert_array_equal(out[k].numpy()[kept], grads[k].numpy()[kept])
+
+
+def test_soteria_prunes_the_features_with_the_largest_iota(lenet_client):
+  spec, model, x, grads, view = lenet_client
+  soteria = defenses.Soteria(spec, p=0.5)
+  scores = soteria.feature_scores(view.weights, x).numpy()
+  # brute force: one input gradient per sample and feature
+  s = np.zeros(scores.shape)
+  for b in range(x.shape[0]):
+    xb = x[b:b + 1]
+    for i in range(s.size):
+      with tf.GradientTape() as tape:
+        tape.watch(xb)
+        _, r = functional.forward(model, view.weights, xb, tap="fc")
+        r_i = r[0, i]
+      s[i] += np.linalg.norm(tape.gradient(r_i, xb)) / (float(r_i) + 0.1)
+  np.testing.assert_allclose(scores, s, rtol=1e-4)
+  mask = soteria.mask(view).numpy()
+  # pruned: smallest s, i.e. largest iota = r / ||d r / d x||
+  assert s[mask == 0].max() <= s[mask == 1].min()
+
+
+def test_ldp_fed_outputs_the_ordinal_cldp_distribution():
+  d = defenses.LDPFed(alpha=0.5, clip=0.01, precision=3)
+  values = [tf.fill([20000], 0.0234)]  # 23.4 grid units, in range
+  out = d.apply(values, tf.constant([1, 2], tf.int64))[0].numpy()
+  units = np.round(out * 1000).astype(int)
+  np.testing.assert_allclose(out * 1000, units, atol=1e-3)  # on the grid
+  assert units.min() >= -10 and units.max() <= 10  # clipped to [-c, c]
+  grid = np.arange(-10, 11)
+  want = np.exp(-0.5 * np.abs(10 - grid) / 2)  # 0.0234 clips to 10 units
+  want /= want.sum()
+  got = np.bincount(units + 10, minlength=21) / units.size
+  # 20,000 draws: standard error of each frequency <= 0.0035
+  np.testing.assert_allclose(got, want, atol=0.015)
+
+
+def test_ldp_fed_shares_exactly_the_requested_fraction():
+  d = defenses.LDPFed(alpha=50.0, clip=0.05, precision=3, fraction=0.25)
+  u = [tf.fill([30, 40], 0.03), tf.fill([40], -0.03)]
+  out = d.apply(u, tf.constant([3, 4], tf.int64))
+  flat = np.concatenate([v.numpy().ravel() for v in out])
+  # alpha = 50: shared entries come out at +-0.03, never at 0
+  assert np.count_nonzero(flat) == int(np.ceil(0.25 * 1240))
+  np.testing.assert_allclose(np.abs(flat[flat != 0]), 0.03, atol=1e-6)
+  assert d.pure_epsilon(1240) == pytest.approx(310 * 50.0 * 2 * 50)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(alpha=0.0), "alpha must be > 0"),
+    (dict(clip=-1.0), "clip must be > 0"),
+    (dict(precision=1.5), "precision must be an integer"),
+    (dict(fraction=0.0), r"fraction must lie in \(0, 1\]"),
+    (dict(clip=0.0001, precision=3), "clip \\* 10\\*\\*precision must be >= 1"),
+])
+def test_ldp_fed_bad_parameters_name_themselves(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    defenses.build("ldp_fed", **kwargs)
+
+
+def test_soteria_bad_parameters_name_themselves():
+  spec = ModelSpec("cnn", (8, 8, 1), 3)
+  with pytest.raises(ValueError, match=r"p must lie in \[0, 1\)"):
+    defenses.build("soteria", spec, p=1.0)
+  with pytest.raises(ValueError, match="layer='conv1' is not a dense layer"):
+    defenses.build("soteria", spec, layer="conv1")
+  with pytest.raises(ValueError, match="needs the model's ModelSpec"):
+    defenses.build("soteria")

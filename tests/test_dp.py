@@ -141,3 +141,17 @@ def test_tff_differentially_private_factory_accepts_the_layerwise_query():
   # its bound and passes unchanged; no noise
   np.testing.assert_allclose(np.linalg.norm(out.result[0]), 1.0, rtol=1e-5)
   np.testing.assert_allclose(out.result[1], [0.3, 0.4], rtol=1e-6)
+
+
+def test_rounds_epsilon_picks_the_accountant_per_event():
+  gauss = dp_accounting.PoissonSampledDpEvent(0.5, dp_accounting.GaussianDpEvent(1.1))
+  rdp = dp_accounting.rdp.RdpAccountant()
+  rdp.compose(dp_accounting.SelfComposedDpEvent(gauss, 7))
+  assert accounting.rounds_epsilon(gauss, 7, 1e-5) == (
+      pytest.approx(rdp.get_epsilon(1e-5)), 1e-5)
+  laplace = dp_accounting.LaplaceDpEvent(2.0)
+  assert accounting.rounds_epsilon(laplace, 5, 1e-5) == (
+      pytest.approx(accounting.laplace_epsilon(2.0, 5, 1e-5)), 1e-5)
+  # far beyond the PLD's reach: the pure bound, delta 0
+  assert accounting.rounds_epsilon(dp_accounting.LaplaceDpEvent(1e-4), 3, 1e-5) == (
+      pytest.approx(3e4), 0.0)

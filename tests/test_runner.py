@@ -148,6 +148,8 @@ def test_attack_round_reports_lpips_only_with_weights(fedsgd_run, tmp_path):
 @pytest.mark.parametrize("defense,kwargs", [
     ("ldp_gaussian", {"clip": 0.5, "noise_multiplier": 0.5}),
     ("sparsification", {"p": 0.9}),
+    ("soteria", {"p": 0.5}),
+    ("ldp_fed", {"alpha": 1.0, "clip": 0.05, "precision": 3}),
 ])
 def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
   from tff_privacy import defenses
@@ -160,17 +162,23 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
     from tff_privacy.dp import accounting
     assert history[-1]["epsilon"] == pytest.approx(
         accounting.gaussian_epsilon(0.5, 2, config.dp_delta))
+  elif defense == "ldp_fed":  # pure epsilon, basic composition
+    num_params = 64 * 16 + 16 + 16 * 10 + 10
+    assert history[-1]["epsilon"] == pytest.approx(2 * num_params * 1.0 * 2 * 50)
+    assert history[-1]["delta"] == 0.0
   else:
     assert "epsilon" not in history[-1]
   store = UpdateStore(os.path.join(config.out, "updates"))
   truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
-  transform = defenses.build(defense, **kwargs)
   for client in store.clients(2):
     record = store.read(2, client)
+    transform = defenses.build(defense, record.model_spec, **kwargs)
     assert record.metadata["defense"]["name"] == defense
     x, y = truth.read(2, client)
     grads = _true_gradient(record, x, y)
-    want = transform.apply(grads, client_seed(config.seed, 2, client))
+    view = defenses.ClientView([tf.constant(w) for w in record.broadcast],
+                               tf.data.Dataset.from_tensors({"x": x, "y": y}))
+    want = transform.apply(grads, client_seed(config.seed, 2, client), view)
     for got, w in zip(record.upload, want):
       np.testing.assert_allclose(got, w.numpy(), atol=2e-6)
 

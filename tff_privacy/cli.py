@@ -59,40 +59,51 @@ def _train_parser(sub) -> None:
   p.add_argument("--defense", choices=sorted(defenses.DEFENSES),
                  help="defence: applied by every client to its upload, or by "
                  "the server's aggregator for dp_fedavg")
-  p.add_argument("--clip", type=float,
-                 help="(ldp_gaussian, ldp_laplace, dp_clip, dp_fedavg) clipping bound B")
-  p.add_argument("--noise-multiplier", type=float,
-                 help="(ldp_gaussian, ldp_laplace, dp_fedavg) noise std or scale over B")
-  p.add_argument("--laplace-norm", choices=("l1", "l2"),
-                 help="(ldp_laplace) norm of the clipping (default l2)")
-  p.add_argument("--sparsity", type=float,
-                 help="(sparsification) fraction p of entries zeroed, in [0, 1)")
+  for flag, (_, names, kind, text) in _DEFENSE_FLAGS.items():
+    extra = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
+    p.add_argument("--" + flag.replace("_", "-"), help=f"({', '.join(names)}) {text}",
+                   **extra)
   p.add_argument("--dp-delta", type=float,
                  help="delta at which DP runs report epsilon (default 1e-5)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-# --flag -> keyword of the defence's constructor
-_DEFENSE_FLAGS = {"clip": "clip", "noise_multiplier": "noise_multiplier",
-                  "laplace_norm": "norm", "sparsity": "p"}
+# --flag -> (keyword of the defence's constructor, defences taking it,
+#            type or choices, help)
+_DEFENSE_FLAGS = {
+    "clip": ("clip", ("ldp_gaussian", "ldp_laplace", "dp_clip", "dp_fedavg", "ldp_fed"),
+             float, "clipping bound B (ldp_fed: values clipped to [-B, B])"),
+    "noise_multiplier": ("noise_multiplier", ("ldp_gaussian", "ldp_laplace", "dp_fedavg"),
+                         float, "noise std or scale over B"),
+    "laplace_norm": ("norm", ("ldp_laplace",), ("l1", "l2"),
+                     "norm of the clipping (default l2)"),
+    "sparsity": ("p", ("sparsification",), float,
+                 "fraction p of entries zeroed, in [0, 1)"),
+    "prune_rate": ("p", ("soteria",), float,
+                   "fraction p of the defended layer's representation pruned, "
+                   "in [0, 1) (default 0.8)"),
+    "defended_layer": ("layer", ("soteria",), str,
+                       "dense layer to defend (default: the first)"),
+    "cldp_alpha": ("alpha", ("ldp_fed",), float, "alpha of alpha-CLDP (default 1)"),
+    "cldp_precision": ("precision", ("ldp_fed",), int,
+                       "decimal digits of the output grid (default 3)"),
+    "share_fraction": ("fraction", ("ldp_fed",), float,
+                       "fraction of entries each client shares, in (0, 1] "
+                       "(default 1)"),
+}
 
 
 def _defense_kwargs(args) -> dict:
-  import inspect
-
-  from tff_privacy import defenses
   given = {flag: getattr(args, flag) for flag in _DEFENSE_FLAGS
            if getattr(args, flag) is not None}
   if given and not args.defense:
     raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --defense")
-  if not args.defense:
-    return {}
-  accepted = inspect.signature(defenses.DEFENSES[args.defense]).parameters
   for flag in given:
-    if _DEFENSE_FLAGS[flag] not in accepted:
+    if args.defense not in _DEFENSE_FLAGS[flag][1]:
       raise ValueError(f"--{flag.replace('_', '-')} does not apply to "
-                       f"--defense {args.defense}")
-  return {_DEFENSE_FLAGS[flag]: value for flag, value in given.items()}
+                       f"--defense {args.defense}; it applies to "
+                       f"{', '.join(_DEFENSE_FLAGS[flag][1])}")
+  return {_DEFENSE_FLAGS[flag][0]: value for flag, value in given.items()}
 
 
 def _config_from_args(args):

@@ -54,6 +54,9 @@ class RunConfig:
   local_epochs: int = 1
   client_lr: float = 0.1
   server_lr: Optional[float] = None  # None: the method's default
+  # further keyword arguments of the method's `algorithm` (e.g. FedEM's
+  # perturb_steps, rho_max); see tff_privacy.algorithms
+  method_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   partition: str = "iid"
   alpha: float = 0.5
   seed: int = 0
@@ -178,7 +181,7 @@ class Run:
                          config.alpha, config.seed, config.data_dir)
     self.spec = models.ModelSpec(config.model, self.fed.source.input_shape,
                                  self.fed.source.num_classes, config.model_kwargs)
-    defense = (defenses.build(config.defense, **config.defense_kwargs)
+    defense = (defenses.build(config.defense, self.spec, **config.defense_kwargs)
                if config.defense else None)
     # Server-side defences replace the aggregator; client-side ones go into
     # the method's client work.
@@ -190,6 +193,7 @@ class Run:
     if config.method == "fedavg":
       hparams.update(client_learning_rate=config.client_lr,
                      local_epochs=config.local_epochs)
+    hparams.update(config.method_kwargs)
     self.algorithm = algorithms.get(config.method, self.spec.tff_model_fn(),
                                     **hparams)
     self._processes: dict[bool, tff.learning.templates.LearningProcess] = {}
@@ -224,28 +228,36 @@ class Run:
     return out
 
   @functools.cached_property
+  def _num_params(self) -> int:
+    return sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
+
+  @functools.cached_property
   def round_dp_event(self) -> Optional[dp_accounting.DpEvent]:
-    """The DP event of one round, if the run uses a DP mechanism."""
+    """The DP event of one round, if the run uses a DP mechanism that
+    `dp_accounting` models."""
     if self.central:
       return self.central.dp_event(self.config.sampled_per_round /
                                    self.config.clients)
     if self.algorithm.dp_event:
-      num_params = sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
-      return self.algorithm.dp_event(num_params)
+      return self.algorithm.dp_event(self._num_params)
     return None
 
   def privacy_spent(self, rounds: int) -> dict[str, float]:
     """(epsilon, delta) spent after `rounds` rounds. Local DP: each client's
     mechanism composed over every round (an upper bound when clients are
-    sampled). Central DP-FedAvg: user-level, with the sampling rate. Empty
-    for runs without a DP mechanism."""
+    sampled), see `accounting.rounds_epsilon`; pure-DP mechanisms outside
+    `dp_accounting` (LDP-Fed) by the basic composition theorem, with delta
+    0. Central DP-FedAvg: user-level, with the sampling rate. Empty for runs
+    without a DP mechanism."""
     event = self.round_dp_event
     if event is None:
-      return {}
-    delta = self.config.dp_delta
-    accountant = "pld" if isinstance(event, dp_accounting.LaplaceDpEvent) else "rdp"
-    eps = accounting.epsilon(dp_accounting.SelfComposedDpEvent(event, rounds),
-                             delta, accountant)
+      pure = (self.algorithm.pure_epsilon(self._num_params)
+              if self.algorithm.pure_epsilon else None)
+      if pure is None:
+        return {}
+      eps, delta = accounting.simple_composition([pure] * rounds)
+      return {"epsilon": eps, "delta": delta}
+    eps, delta = accounting.rounds_epsilon(event, rounds, self.config.dp_delta)
     return {"epsilon": eps, "delta": delta}
 
   def run_metadata(self) -> dict[str, Any]:

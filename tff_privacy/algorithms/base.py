@@ -61,6 +61,8 @@ class Algorithm:
     dp_event: maps the model's number of parameters to the DP event of one
       client's upload in one round, for methods whose clients run a DP
       mechanism; the runner composes it over rounds.
+    pure_epsilon: the same for pure-DP mechanisms that `dp_accounting` does
+      not model: maps the number of parameters to one round's epsilon.
   """
 
   name: str
@@ -71,6 +73,7 @@ class Algorithm:
   client_inputs: Optional[ClientInputs] = None
   defense: Optional[dict[str, Any]] = None
   dp_event: Optional[Callable[[int], Optional[dp_accounting.DpEvent]]] = None
+  pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
 
   def __post_init__(self):
     if self.upload_kind not in UPLOAD_KINDS:
@@ -94,5 +97,6 @@ def defense_fields(defense, seed: int) -> dict[str, Any]:
     return {}
   return {"defense": {"name": defense.name, **defense.params()},
           "dp_event": defense.dp_event,
+          "pure_epsilon": defense.pure_epsilon,
           "client_inputs": lambda client, round_num: {
               SEED_KEY: client_seed(seed, round_num, client)}}

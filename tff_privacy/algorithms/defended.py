@@ -3,7 +3,9 @@
 `with_update_defense` wraps any `ClientWorkProcess` so that each client
 transforms its update with an `UpdateDefense` before it is returned, i.e.
 before it leaves the client: the aggregator, the update store and any
-eavesdropper see only the defended update. The client's noise seed travels in
+eavesdropper see only the defended update. Defences with
+`needs_client_view` (Soteria) also receive the broadcast weights and the
+client's data set as a `ClientView`. The client's noise seed travels in
 its data (a 'seed' entry in every batch, see `Algorithm.client_inputs`), so a
 run is reproducible while every client and round gets fresh noise.
 
@@ -21,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_privacy.defenses import UpdateDefense
+from tff_privacy.defenses import ClientView, UpdateDefense
 
 SEED_KEY = "seed"
 SEED_TYPE = tff.TensorType(np.int64, [2])
@@ -52,16 +54,26 @@ def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
   def seed_of(dataset):
     return dataset.reduce(tf.zeros([2], tf.int64), lambda _, b: b[SEED_KEY])
 
-  @tff.tensorflow.computation(update_type, SEED_TYPE)
-  def defend(update, seed):
-    return defense.apply(list(update), seed)
+  if defense.needs_client_view:
+    @tff.tensorflow.computation(update_type, SEED_TYPE, weights_type.member,
+                                data_type.member)
+    def defend(update, seed, weights, dataset):
+      view = ClientView(list(weights.trainable), dataset)
+      return defense.apply(list(update), seed, view)
+  else:
+    @tff.tensorflow.computation(update_type, SEED_TYPE)
+    def defend(update, seed):
+      return defense.apply(list(update), seed)
 
   @tff.federated_computation(state_type, weights_type,
                              tff.FederatedType(seeded_data_type, tff.CLIENTS))
   def next_fn(state, weights, data):
-    output = inner.next(state, weights, tff.federated_map(strip_seed, data))
-    update = tff.federated_map(
-        defend, (output.result.update, tff.federated_map(seed_of, data)))
+    stripped = tff.federated_map(strip_seed, data)
+    output = inner.next(state, weights, stripped)
+    args = (output.result.update, tff.federated_map(seed_of, data))
+    if defense.needs_client_view:
+      args += (weights, stripped)
+    update = tff.federated_map(defend, args)
     result = tff.federated_zip(tff.learning.templates.ClientResult(
         update=update, update_weight=output.result.update_weight))
     return tff.templates.MeasuredProcessOutput(output.state, result,

@@ -1,54 +1,15 @@
 """The client's computation as a differentiable function of input and weights.
 
 Attacks need d(upload)/d(input) through the exact arithmetic the client ran:
-one gradient (FedSGD) or several local SGD steps (FedAvg). Keras layers hold
-their weights in variables, so this module re-applies a model's layers to
-weights passed as tensors. It covers the layer types of
-`tff_privacy.models` and raises for anything else.
+one gradient (FedSGD) or several local SGD steps (FedAvg), built on the
+functional forward pass of `tff_privacy.models.functional`.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import tensorflow as tf
 
-from tff_privacy.models import loss_fn
-
-L = tf.keras.layers
-_PASS_THROUGH = (L.InputLayer, L.Dropout)
-
-
-def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
-            return_features: bool = False):
-  """Logits of `model` at trainable `weights` on `x`; with `return_features`,
-  also the input of the last layer (the penultimate features)."""
-  i = 0
-  h = x
-  features = x
-  for layer in model.layers:
-    features = h
-    if isinstance(layer, _PASS_THROUGH):
-      continue
-    if isinstance(layer, L.Conv2D):
-      kernel, bias = weights[i], weights[i + 1] if layer.use_bias else None
-      i += 2 if layer.use_bias else 1
-      h = tf.nn.conv2d(h, kernel, strides=layer.strides,
-                       padding=layer.padding.upper(), dilations=layer.dilation_rate)
-      h = layer.activation(h + bias if bias is not None else h)
-    elif isinstance(layer, L.Dense):
-      kernel, bias = weights[i], weights[i + 1] if layer.use_bias else None
-      i += 2 if layer.use_bias else 1
-      h = tf.matmul(h, kernel)
-      h = layer.activation(h + bias if bias is not None else h)
-    elif isinstance(layer, (L.MaxPool2D, L.Flatten, L.Activation)):
-      h = layer(h)
-    else:
-      raise ValueError(f"layer {layer.name} ({type(layer).__name__}) is not "
-                       "supported by the attacks' functional forward pass")
-  if i != len(weights):
-    raise ValueError(f"model uses {i} weight tensors, {len(weights)} were given")
-  return (h, features) if return_features else h
+from tff_privacy.models.functional import forward
 
 
 def batch_loss(model, weights, x, y_soft) -> tf.Tensor:

@@ -12,11 +12,18 @@ makes the noise reproducible per (run, round, client).
 * `ClipOnly` ('dp_clip'): clip to L2 norm B, no noise (FedEM's DP-clip).
 * `Sparsification` ('sparsification'): keep exactly the ceil((1 - p) d) entries
   of largest magnitude among all d entries, zero the rest (phi_s).
+
+Defences that look at more than the update (Soteria needs the client's data
+and the broadcast model) set `needs_client_view`; the client work then passes
+a `ClientView` to `apply`. Those that need the architecture set
+`needs_model_spec` and receive the `ModelSpec` as `model` when built.
+Soteria and LDP-Fed live in their own modules.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from typing import Any, Optional, Sequence
 
@@ -37,13 +44,25 @@ def run_local_query(query: dp_query.DPQuery, record, seed):
   return result, event
 
 
+@dataclasses.dataclass
+class ClientView:
+  """What a data-dependent defence sees on the client: the broadcast model's
+  trainable weights and the client's local data set (batches of 'x', 'y')."""
+
+  weights: list[tf.Tensor]
+  dataset: tf.data.Dataset
+
+
 class UpdateDefense(abc.ABC):
   """A transformation applied by the client to its update."""
 
   name = "defense"
+  needs_client_view = False
+  needs_model_spec = False
 
   @abc.abstractmethod
-  def apply(self, update: Sequence[tf.Tensor], seed) -> list[tf.Tensor]:
+  def apply(self, update: Sequence[tf.Tensor], seed,
+            client: Optional[ClientView] = None) -> list[tf.Tensor]:
     """The update the client uploads instead of `update`."""
 
   def params(self) -> dict[str, Any]:
@@ -52,16 +71,22 @@ class UpdateDefense(abc.ABC):
 
   def dp_event(self, num_params: int) -> Optional[dp_accounting.DpEvent]:
     """The DP event of one application to an update of `num_params` entries,
-    if the defence is a DP mechanism."""
+    if the defence is a DP mechanism that `dp_accounting` models."""
+    return None
+
+  def pure_epsilon(self, num_params: int) -> Optional[float]:
+    """The pure-DP epsilon of one application, for DP mechanisms that
+    `dp_accounting` does not model (composed over rounds by the basic
+    theorem)."""
     return None
 
 
-def _positive(name: str, value: float) -> None:
+def check_positive(name: str, value: float) -> None:
   if not value > 0:
     raise ValueError(f"{name} must be > 0, got {value}")
 
 
-def _non_negative(name: str, value: float) -> None:
+def check_non_negative(name: str, value: float) -> None:
   if not value >= 0:
     raise ValueError(f"{name} must be >= 0, got {value}")
 
@@ -70,14 +95,14 @@ class LocalGaussian(UpdateDefense):
   name = "ldp_gaussian"
 
   def __init__(self, clip: float, noise_multiplier: float):
-    _positive("clip", clip)
-    _non_negative("noise_multiplier", noise_multiplier)
+    check_positive("clip", clip)
+    check_non_negative("noise_multiplier", noise_multiplier)
     self.clip, self.noise_multiplier = clip, noise_multiplier
 
   def _query(self):
     return SeededGaussianSumQuery(self.clip, self.clip * self.noise_multiplier)
 
-  def apply(self, update, seed):
+  def apply(self, update, seed, client=None):
     return list(run_local_query(self._query(), list(update), seed)[0])
 
   def dp_event(self, num_params: int):
@@ -96,12 +121,12 @@ class LocalLaplace(UpdateDefense):
   name = "ldp_laplace"
 
   def __init__(self, clip: float, noise_multiplier: float, norm: str = "l2"):
-    _positive("clip", clip)
-    _non_negative("noise_multiplier", noise_multiplier)
+    check_positive("clip", clip)
+    check_non_negative("noise_multiplier", noise_multiplier)
     LaplaceSumQuery(clip, clip * noise_multiplier, norm)  # validates norm
     self.clip, self.noise_multiplier, self.norm = clip, noise_multiplier, norm
 
-  def apply(self, update, seed):
+  def apply(self, update, seed, client=None):
     query = LaplaceSumQuery(self.clip, self.clip * self.noise_multiplier, self.norm)
     return list(run_local_query(query, list(update), seed)[0])
 
@@ -114,19 +139,29 @@ class LocalLaplace(UpdateDefense):
     return dp_accounting.LaplaceDpEvent(self.noise_multiplier / scale)
 
 
+def check_fraction(name: str, value: float) -> None:
+  if not 0 <= value < 1:
+    raise ValueError(f"{name} must lie in [0, 1), got {value}")
+
+
+def top_fraction_mask(scores: tf.Tensor, fraction: float) -> tf.Tensor:
+  """1 at the ceil(fraction * n) largest of the n `scores`, 0 elsewhere."""
+  keep = int(math.ceil(fraction * scores.shape.num_elements()))
+  _, index = tf.math.top_k(scores, k=keep)
+  return tf.scatter_nd(index[:, None], tf.ones([keep], scores.dtype),
+                       tf.shape(scores))
+
+
 class Sparsification(UpdateDefense):
   name = "sparsification"
 
   def __init__(self, p: float):
-    if not 0 <= p < 1:
-      raise ValueError(f"p must lie in [0, 1), got {p}")
+    check_fraction("p", p)
     self.p = p
 
-  def apply(self, update, seed=None):
+  def apply(self, update, seed=None, client=None):
     flat = tf.concat([tf.reshape(u, [-1]) for u in update], 0)
-    keep = int(math.ceil((1 - self.p) * flat.shape.num_elements()))
-    _, index = tf.math.top_k(tf.abs(flat), k=keep)
-    mask = tf.scatter_nd(index[:, None], tf.ones([keep], flat.dtype), tf.shape(flat))
+    mask = top_fraction_mask(tf.abs(flat), 1 - self.p)
     out, start = [], 0
     for u in update:
       n = u.shape.num_elements()

@@ -6,6 +6,8 @@
   RDP accountant does not support them); `laplace_pure_epsilon` gives the pure
   epsilon of k-fold composition, k / noise_multiplier.
 * `simple_composition` is the basic theorem: epsilons and deltas add up.
+* `rounds_epsilon` is what a run reports: one round's event composed over
+  the rounds, through the accountant that suits it.
 """
 
 from __future__ import annotations
@@ -81,3 +83,24 @@ def simple_composition(epsilons: Sequence[float],
   if len(deltas) != len(epsilons):
     raise ValueError("epsilons and deltas differ in length")
   return float(sum(epsilons)), float(sum(deltas))
+
+
+# Above this per-step epsilon (1 / noise multiplier) the PLD accountant's
+# discretisation needs more memory than a machine has (tens of GiB), while
+# the pure-DP bound is already far from any meaningful guarantee.
+PLD_MAX_LAPLACE_EPSILON = 10.0
+
+
+def rounds_epsilon(event: dp_accounting.DpEvent, rounds: int,
+                   delta: float) -> tuple[float, float]:
+  """(epsilon, delta) of `event` composed over `rounds` rounds.
+
+  Gaussian events (possibly sampled): RDP at `delta`. Laplace events: PLD at
+  `delta`, or, when one step's epsilon exceeds `PLD_MAX_LAPLACE_EPSILON`, the
+  pure bound rounds / noise_multiplier with delta 0.
+  """
+  if isinstance(event, dp_accounting.LaplaceDpEvent):
+    if 1 / event.noise_multiplier > PLD_MAX_LAPLACE_EPSILON:
+      return laplace_pure_epsilon(event.noise_multiplier, rounds), 0.0
+    return laplace_epsilon(event.noise_multiplier, rounds, delta), delta
+  return epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, "rdp"), delta

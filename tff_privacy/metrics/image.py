@@ -58,7 +58,7 @@ def feature_mse(model: tf.keras.Model, weights, x_true: np.ndarray,
   """FedEM's 'feature MSE', read here as the mean squared difference between
   the penultimate-layer features (the input of the last layer) of the true
   samples and of their reconstructions under the attacked (broadcast) model."""
-  from tff_privacy.attacks.functional import forward
+  from tff_privacy.models.functional import forward
   w = [tf.constant(v) for v in weights]
   _, f_true = forward(model, w, tf.constant(x_true, tf.float32), return_features=True)
   _, f_rec = forward(model, w, tf.constant(x_rec, tf.float32), return_features=True)

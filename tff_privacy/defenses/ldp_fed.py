@@ -1,0 +1,84 @@
+"""LDP-Fed (Truex et al., EdgeSys 2020): condensed local DP on every upload.
+
+LDP-Fed's LDP module perturbs each uploaded parameter with alpha-CLDP's
+ordinal mechanism (Gursoy et al. 2019), an exponential mechanism over a
+discretised range, after its selection module has chosen which parameters a
+client shares. Reading of the published mechanism, per client and round:
+
+1. selection: a uniformly random `fraction` of the update's entries is shared
+   (LDP-Fed's random k-parameter selection with k = fraction * d); the others
+   are sent as 0. Default 1.0: every entry is shared.
+2. range and precision: each shared value is clipped to [-c, c] and expressed
+   in units of 10^-precision, so the output universe is the integers
+   U = {-c 10^rho, ..., c 10^rho}.
+3. ordinal alpha-CLDP: value v (in those units, not rounded) is replaced by
+   y in U drawn with Pr[y] proportional to exp(-alpha |v - y| / 2), and
+   y 10^-rho is uploaded.
+
+Privacy: alpha-CLDP bounds Pr[y | v] / Pr[y | v'] by exp(alpha |v - v'|);
+since |v - v'| <= 2 c 10^rho, each shared entry is pure
+(2 alpha c 10^rho)-LDP, and a round of k shared entries costs k times that
+(`pure_epsilon`; the basic composition theorem, as LDP-Fed composes).
+Sampling is a categorical draw over U per entry (memory: entries x |U|).
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from tff_privacy.defenses.updates import (UpdateDefense, check_positive,
+                                          top_fraction_mask)
+
+
+class LDPFed(UpdateDefense):
+  name = "ldp_fed"
+
+  def __init__(self, alpha: float = 1.0, clip: float = 0.05, precision: int = 3,
+               fraction: float = 1.0):
+    check_positive("alpha", alpha)
+    check_positive("clip", clip)
+    if not (isinstance(precision, int) and 0 <= precision <= 6):
+      raise ValueError(f"precision must be an integer in [0, 6], got {precision!r}")
+    if not 0 < fraction <= 1:
+      raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+    if clip * 10 ** precision < 1:
+      raise ValueError(f"clip * 10**precision must be >= 1 so that the range "
+                       f"holds more than one value; got clip={clip}, "
+                       f"precision={precision}")
+    self.alpha, self.clip, self.precision = alpha, clip, precision
+    self.fraction = fraction
+
+  @property
+  def _half_width(self) -> int:
+    return int(round(self.clip * 10 ** self.precision))
+
+  def _perturb(self, values: tf.Tensor, seed) -> tf.Tensor:
+    """Ordinal alpha-CLDP of a flat vector of values."""
+    unit = 10.0 ** -self.precision
+    scaled = tf.clip_by_value(values, -self.clip, self.clip) / unit
+    universe = tf.range(-self._half_width, self._half_width + 1, dtype=tf.float32)
+    logits = -self.alpha * tf.abs(scaled[:, None] - universe[None, :]) / 2
+    index = tf.random.stateless_categorical(logits, 1, seed)[:, 0]
+    return tf.gather(universe, index) * unit
+
+  def apply(self, update, seed, client=None):
+    noise_seed, select_seed = tf.unstack(
+        tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2))
+    flat = tf.concat([tf.reshape(u, [-1]) for u in update], 0)
+    noised = self._perturb(flat, noise_seed)
+    if self.fraction < 1:
+      shared = top_fraction_mask(
+          tf.random.stateless_uniform(tf.shape(flat), select_seed), self.fraction)
+      noised = noised * shared
+    out, start = [], 0
+    for u in update:
+      n = u.shape.num_elements()
+      out.append(tf.reshape(noised[start:start + n], tf.shape(u)))
+      start += n
+    return out
+
+  def pure_epsilon(self, num_params: int) -> float:
+    shared = math.ceil(self.fraction * num_params)
+    return shared * self.alpha * 2 * self._half_width

@@ -1,0 +1,82 @@
+"""Soteria (Sun et al., CVPR 2021), as RECUP-FL Sec. 3.1 item (4) states it.
+
+A fully connected "defended" layer L maps the representation r in R^l that
+the feature extractor computes from input x to the classifier. For each
+element r_i the client measures how strongly the input drives it,
+iota_i = ||r_i (nabla_x r_i)^-1||, and prunes the p*l elements with the
+largest iota. As in Soteria's reference code and RECUP-FL's
+phi_sot(grad, p) = M (.) grad, the pruning acts on L's update only: the rows i
+of L's kernel gradient (the weights that read a pruned r_i) are zeroed, and
+every other tensor of the update is the client's own.
+
+Reading of the details:
+* iota_i is ranked through its inverse s_i = sum_b ||nabla_{x_b} r_{b,i}||_2 /
+  (r_{b,i} + 0.1), summed over the client's samples b, as Soteria's reference
+  code does (0.1 keeps the ratio finite where a ReLU or sigmoid feature is
+  close to 0); the largest iota are the smallest s.
+* Exactly l - ceil((1 - p) l) rows are pruned, the same rounding as
+  `Sparsification`.
+* The defended layer defaults to the model's first dense layer, whose input
+  is the convolutional representation (Soteria's choice on LeNet); the
+  Jacobian is taken under the broadcast model the client received.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import tensorflow as tf
+
+from tff_privacy.defenses.updates import (ClientView, UpdateDefense,
+                                          check_fraction, top_fraction_mask)
+from tff_privacy.models import ModelSpec
+from tff_privacy.models import functional
+
+
+class Soteria(UpdateDefense):
+  name = "soteria"
+  needs_client_view = True
+  needs_model_spec = True
+
+  def __init__(self, model: ModelSpec, p: float = 0.8, layer: Optional[str] = None):
+    check_fraction("p", p)
+    with tf.Graph().as_default():  # no eager Keras state before TFF traces
+      dense = functional.dense_layers(model.keras())
+    layer = layer or dense[0]
+    if layer not in dense:
+      raise ValueError(f"layer={layer!r} is not a dense layer of {model.name}; "
+                       f"choose one of {dense}")
+    self.model, self.p, self.layer = model, p, layer
+
+  def params(self):
+    return {"p": self.p, "layer": self.layer}
+
+  def feature_scores(self, weights, x: tf.Tensor, model=None) -> tf.Tensor:
+    """s_i = sum_b ||d r_{b,i} / d x_b|| / (r_{b,i} + 0.1) for one batch."""
+    model = model or self.model.keras()
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      _, r = functional.forward(model, weights, x, tap=self.layer)
+    jacobian = tape.batch_jacobian(r, x)
+    per_input = tf.norm(tf.reshape(jacobian, tf.concat([tf.shape(r), [-1]], 0)),
+                        axis=-1)
+    return tf.reduce_sum(per_input / (r + 0.1), axis=0)
+
+  def mask(self, client: ClientView) -> tf.Tensor:
+    """1 for the kept elements of r, 0 for the pruned ones."""
+    model = self.model.keras()
+    weights = list(client.weights)
+    width = weights[functional.kernel_index(model, self.layer)].shape[0]
+    scores = client.dataset.reduce(
+        tf.zeros([width]),
+        lambda total, batch: total + self.feature_scores(weights, batch["x"], model))
+    # keep the largest s_i, i.e. prune the largest iota_i
+    return top_fraction_mask(scores, 1 - self.p)
+
+  def apply(self, update, seed=None, client: Optional[ClientView] = None):
+    if client is None:
+      raise ValueError("soteria needs the client's data and model (a ClientView)")
+    index = functional.kernel_index(self.model.keras(), self.layer)
+    out = list(update)
+    out[index] = out[index] * self.mask(client)[:, None]
+    return out

@@ -1,0 +1,80 @@
+"""A Keras model's forward pass as a function of weights passed as tensors.
+
+Attacks differentiate a client's upload with respect to its input through the
+exact arithmetic the client ran, and client-side defences (Soteria, FedEM)
+evaluate the broadcast model inside TFF computations without building Keras
+variables. Keras layers hold their weights in variables, so this module
+re-applies a model's layers to given weight tensors. It covers the layer types
+of `tff_privacy.models` and raises for anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import tensorflow as tf
+
+L = tf.keras.layers
+_PASS_THROUGH = (L.InputLayer, L.Dropout)
+_WEIGHTED = (L.Conv2D, L.Dense)
+
+
+def _apply(layer, weights, i, h):
+  """Layer `layer` on `h` with weights from `weights[i:]`; returns (out, next i)."""
+  if isinstance(layer, _WEIGHTED):
+    kernel = weights[i]
+    bias = weights[i + 1] if layer.use_bias else None
+    i += 2 if layer.use_bias else 1
+    if isinstance(layer, L.Conv2D):
+      h = tf.nn.conv2d(h, kernel, strides=layer.strides,
+                       padding=layer.padding.upper(), dilations=layer.dilation_rate)
+    else:
+      h = tf.matmul(h, kernel)
+    return layer.activation(h + bias if bias is not None else h), i
+  if isinstance(layer, (L.MaxPool2D, L.Flatten, L.Activation)):
+    return layer(h), i
+  raise ValueError(f"layer {layer.name} ({type(layer).__name__}) is not "
+                   "supported by the functional forward pass")
+
+
+def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
+            tap: Optional[str] = None, return_features: bool = False):
+  """Logits of `model` at trainable `weights` on `x`.
+
+  With `tap` (a layer name), returns (logits, the input of that layer); with
+  `return_features`, (logits, the input of the last layer), i.e. the
+  penultimate features.
+  """
+  if return_features:
+    tap = model.layers[-1].name
+  if tap is not None and tap not in [layer.name for layer in model.layers]:
+    raise ValueError(f"tap={tap!r} is not a layer of {model.name}; layers: "
+                     f"{[layer.name for layer in model.layers]}")
+  i, h, tapped = 0, x, None
+  for layer in model.layers:
+    if layer.name == tap:
+      tapped = h
+    if not isinstance(layer, _PASS_THROUGH):
+      h, i = _apply(layer, weights, i, h)
+  if i != len(weights):
+    raise ValueError(f"model uses {i} weight tensors, {len(weights)} were given")
+  return h if tap is None else (h, tapped)
+
+
+def dense_layers(model: tf.keras.Model) -> list[str]:
+  """Names of the model's fully connected layers, input to output."""
+  return [layer.name for layer in model.layers if isinstance(layer, L.Dense)]
+
+
+def kernel_index(model: tf.keras.Model, layer_name: str) -> int:
+  """Position of `layer_name`'s kernel among the trainable weights."""
+  i = 0
+  for layer in model.layers:
+    if layer.name == layer_name:
+      if not isinstance(layer, _WEIGHTED):
+        raise ValueError(f"layer {layer_name!r} has no kernel")
+      return i
+    if isinstance(layer, _WEIGHTED):
+      i += 2 if layer.use_bias else 1
+  raise ValueError(f"layer={layer_name!r} is not a layer of {model.name}; "
+                   f"dense layers: {dense_layers(model)}")
