@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 import pytest
 
@@ -82,11 +83,29 @@ def test_kill_9_mid_run_then_rerun_resumes_to_identical_metrics(tmp_path):
     (["--defense", "ldp_gaussian", "--clip", "1", "--sparsity", "0.5"],
      "--sparsity does not apply to --defense ldp_gaussian"),
     (["--defense", "sparsification", "--sparsity", "1.5"], "p must lie in [0, 1)"),
+    (["--defense", "soteria", "--prune-rate", "1.0"], "p must lie in [0, 1)"),
+    (["--defense", "ldp_fed", "--cldp-alpha", "0"], "alpha must be > 0"),
+    (["--method", "fedsgd", "--perturb-steps", "3"],
+     "--perturb-steps apply to --method fedem only"),
+    (["--method", "fedem", "--rho-min", "0.5", "--rho-max", "0.1"],
+     "rho_min must lie in [0, rho_max=0.1]"),
 ])
 def test_bad_values_exit_2_naming_the_parameter(tmp_path, extra, message):
   result = _train(tmp_path, *extra)
   assert result.returncode == 2
   assert message in result.stderr
+
+
+def test_fedem_flags_reach_the_method(tmp_path):
+  result = _train(tmp_path, "--method", "fedem", "--rounds", "1",
+                  "--perturb-steps", "2", "--rho-max", "0.05", "--perturb-norm", "l2",
+                  "--capture-rounds", "1")
+  assert result.returncode == 0, result.stderr
+  with open(os.path.join(tmp_path, "updates", "manifest.json")) as f:
+    manifest = json.load(f)
+  protocol = manifest["run"]["protocol"]
+  assert (protocol["perturb_steps"], protocol["rho_max"], protocol["norm"]) == (
+      2, 0.05, "l2")
 
 
 def test_unknown_method_is_rejected_by_the_parser(tmp_path):
@@ -119,6 +138,10 @@ def test_attack_command_writes_scores_and_figure(tmp_path):
   assert report["lpips"].startswith("not computed") and "lpips" not in report["mean"]
   assert "lpips: not computed" in result.stdout
   assert (out / "reconstructions.png").stat().st_size > 1000
+  with np.load(out / "reconstructions.npz") as arrays:
+    assert arrays["original"].shape == arrays["reconstructed"].shape == (3, 8, 8, 1)
+    mse = ((arrays["original"] - arrays["reconstructed"]) ** 2).mean(axis=(1, 2, 3))
+  np.testing.assert_allclose(mse, [s["mse"] for s in report["samples"]], rtol=1e-4)
   wrong = subprocess.run(
       CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",
              "--attack", "dlg", "--tv-weight", "0.1", "--out", str(out)],

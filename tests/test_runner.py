@@ -38,6 +38,10 @@ def test_metrics_json_and_tensorboard(fedsgd_run):
   config, history = fedsgd_run
   saved = io.read_json(os.path.join(config.out, "metrics.json"))
   assert saved == history
+  run = runner.Run(config)
+  final = runner.load_model_weights(config.out, run.spec)
+  assert runner.Evaluator(run.spec, *run.fed.test)(final) == {
+      k: history[-1][k] for k in ("test_accuracy", "test_loss")}
   assert [m["round"] for m in saved] == [1, 2, 3]
   for m in saved:
     assert {"round", "test_accuracy", "test_loss", "seconds"} <= set(m)

@@ -63,6 +63,12 @@ def _train_parser(sub) -> None:
     extra = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
     p.add_argument("--" + flag.replace("_", "-"), help=f"({', '.join(names)}) {text}",
                    **extra)
+  p.add_argument("--method-kwargs", type=json.loads,
+                 help="further method parameters as JSON, e.g. "
+                 "'{\"perturb_steps\": 10}'")
+  for flag, (_, kind, text) in _METHOD_FLAGS.items():
+    extra = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
+    p.add_argument("--" + flag.replace("_", "-"), help=f"(fedem) {text}", **extra)
   p.add_argument("--dp-delta", type=float,
                  help="delta at which DP runs report epsilon (default 1e-5)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -91,6 +97,32 @@ _DEFENSE_FLAGS = {
                        "fraction of entries each client shares, in (0, 1] "
                        "(default 1)"),
 }
+
+
+# FedEM's --flag -> (keyword of `algorithms.fedem.algorithm`, type or choices,
+# help)
+_METHOD_FLAGS = {
+    "perturb_steps": ("perturb_steps", int, "N, perturbation iterations (default 5)"),
+    "perturb_lr": ("perturb_lr", float, "alpha_u, sign step on the perturbation "
+                   "(default 0.01)"),
+    "local_model_lr": ("model_lr", float, "eta_u, step of the local model copy "
+                       "(default 0.01)"),
+    "rho_min": ("rho_min", float, "lower bound of each sample's perturbation "
+                "norm (default 0)"),
+    "rho_max": ("rho_max", float, "upper bound of each sample's perturbation "
+                "norm on [0, 1] data (default 8/255)"),
+    "perturb_norm": ("norm", ("linf", "l2"), "norm of the bounds (default linf)"),
+}
+
+
+def _method_kwargs(args, method: str) -> dict:
+  given = {_METHOD_FLAGS[flag][0]: getattr(args, flag) for flag in _METHOD_FLAGS
+           if getattr(args, flag) is not None}
+  if given and method != "fedem":
+    flags = ", ".join("--" + f.replace("_", "-") for f in _METHOD_FLAGS
+                      if getattr(args, f) is not None)
+    raise ValueError(f"{flags} apply to --method fedem only")
+  return {**(args.method_kwargs or {}), **given}
 
 
 def _defense_kwargs(args) -> dict:
@@ -122,6 +154,10 @@ def _config_from_args(args):
   kwargs = _defense_kwargs(args)
   if kwargs:
     fields["defense_kwargs"] = kwargs
+  method_kwargs = _method_kwargs(
+      args, fields.get("method", RunConfig.__dataclass_fields__["method"].default))
+  if method_kwargs:
+    fields["method_kwargs"] = {**fields.get("method_kwargs", {}), **method_kwargs}
   if "out" not in fields:
     raise ValueError("--out is required (or 'out' in --config)")
   unknown = sorted(set(fields) - set(RunConfig.__dataclass_fields__))

@@ -2,7 +2,9 @@
 
 The attack sees only the update store; scoring reads the ground-truth store.
 Writes `attack.json` (per-sample MSE, PSNR, SSIM, feature MSE, recovered and
-true label, and their means) and `reconstructions.png` (originals above reconstructions).
+true label, and their means), `reconstructions.png` (originals above
+reconstructions) and `reconstructions.npz` (the matched 'original' and
+'reconstructed' images, in `attack.json`'s sample order).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "upload_kind": records[0].upload_kind,
             "mean": means, "samples": rows, "lpips": lpips_note}
   io.write_json(os.path.join(out, "attack.json"), result)
+  io.write_npz(os.path.join(out, "reconstructions.npz"),
+               {"original": np.stack([p[0] for p in pairs]),
+                "reconstructed": np.stack([p[1] for p in pairs])})
   report.save_figure(pairs, os.path.join(out, "reconstructions.png"), value_range,
                      title=f"{attack} on {result['method']} round {round_num}")
   return result

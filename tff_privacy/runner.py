@@ -285,6 +285,9 @@ def _check_or_write_config(config: RunConfig) -> None:
   io.write_json(path, new)
 
 
+MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name
+
+
 def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   """Trains (or resumes) the run described by `config`; returns its metrics."""
   os.makedirs(config.out, exist_ok=True)
@@ -339,7 +342,16 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     asyncio.run(manager.save(state, round_num))
     bar.set_postfix(acc=f"{entry['test_accuracy']:.4f}",
                     loss=f"{entry['test_loss']:.4f}")
+  final = process.get_model_weights(state).trainable
+  io.write_npz(os.path.join(config.out, MODEL_WEIGHTS),
+               dict(zip(r.spec.variable_names(), final)))
   return history
+
+
+def load_model_weights(out: str, spec: models.ModelSpec) -> list[np.ndarray]:
+  """The final global model of the run in `out`, in the model's order."""
+  with np.load(os.path.join(out, MODEL_WEIGHTS)) as f:
+    return [f[name] for name in spec.variable_names()]
 
 
 def _write_capture(r: Run, round_num: int, broadcast, clients, captured) -> None:

@@ -68,23 +68,35 @@ def mean_scores(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 def save_figure(pairs: Sequence[tuple[np.ndarray, np.ndarray]], path: str,
                 value_range, max_columns: int = 16, title: str = "") -> None:
   """Originals (top row) above reconstructions (bottom row), as a PNG."""
+  pairs = list(pairs)
+  save_grid({"original": [a for a, _ in pairs],
+             "reconstructed": [b for _, b in pairs]},
+            path, value_range, max_columns, title)
+
+
+def save_grid(rows: dict[str, Sequence[np.ndarray]], path: str, value_range,
+              max_columns: int = 16, title: str = "") -> None:
+  """One labelled row of images per entry of `rows`, as a PNG."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  pairs = list(pairs)[:max_columns]
+  columns = min(max_columns, max(len(images) for images in rows.values()))
   lo, hi = value_range
-  fig, axes = plt.subplots(2, len(pairs), figsize=(1.2 * len(pairs) + 0.6, 2.8),
+  fig, axes = plt.subplots(len(rows), columns,
+                           figsize=(1.2 * columns + 0.9, 1.4 * len(rows)),
                            squeeze=False)
-  for j, (a, b) in enumerate(pairs):
-    for i, img in enumerate((a, b)):
+  for i, (label, images) in enumerate(rows.items()):
+    for j in range(columns):
       ax = axes[i][j]
-      img = np.clip(img, lo, hi)
-      ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray",
-                vmin=lo, vmax=hi)
       ax.set_xticks([])
       ax.set_yticks([])
-  axes[0][0].set_ylabel("original")
-  axes[1][0].set_ylabel("reconstructed")
+      if j < len(images):
+        img = np.clip(images[j], lo, hi)
+        ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray",
+                  vmin=lo, vmax=hi)
+      else:
+        ax.axis("off")
+    axes[i][0].set_ylabel(label)
   if title:
     fig.suptitle(title)
   fig.tight_layout()
