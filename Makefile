@@ -28,6 +28,7 @@ test-all: $(STAMP)
 
 benchmark: $(STAMP)
 	$(BIN)/python benchmarks/round_overhead.py
+	$(BIN)/python benchmarks/fedem_round_time.py
 
 clean:
 	rm -rf $(VENV) results .pytest_cache

@@ -37,6 +37,7 @@ Reading of what the paper leaves open (all data here are scaled to [0, 1]):
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
@@ -69,36 +70,64 @@ def project(delta: tf.Tensor, rho_min: float, rho_max: float,
   return delta * target / tf.maximum(size, 1e-12)
 
 
-def _check(perturb_steps, perturb_lr, model_lr, rho_min, rho_max, norm,
-           value_range):
-  if not (isinstance(perturb_steps, (int, np.integer)) and perturb_steps >= 0):
-    raise ValueError(f"perturb_steps must be an integer >= 0, got {perturb_steps!r}")
-  check_positive(perturb_lr=perturb_lr, model_lr=model_lr, rho_max=rho_max)
-  if not 0 <= rho_min <= rho_max:
-    raise ValueError(f"rho_min must lie in [0, rho_max={rho_max}], got {rho_min}")
-  if norm not in NORMS:
-    raise ValueError(f"norm={norm!r}; choose one of {NORMS}")
-  if not value_range[0] < value_range[1]:
-    raise ValueError(f"value_range must be (low, high) with low < high, "
-                     f"got {value_range}")
+@dataclasses.dataclass(frozen=True)
+class Perturbation:
+  """FedEM's client-side perturbation; defaults from Sec. 4.1.2.
+
+  Attributes:
+    perturb_steps: N, the perturbation iterations per client and round.
+    perturb_lr: alpha_u, the sign-gradient step on the perturbation.
+    model_lr: eta_u, the gradient step on the local model copy theta_u.
+    rho_min, rho_max: the bounds of `project` (rho_max = 8/255: radius 8 on
+      the 0-255 scale).
+    norm: 'linf' or 'l2', see `project`.
+    value_range: the data's range, to which t(.) clips x + delta.
+  """
+
+  perturb_steps: int = 5
+  perturb_lr: float = 0.01
+  model_lr: float = 0.01
+  rho_min: float = 0.0
+  rho_max: float = 8 / 255
+  norm: str = "linf"
+  value_range: tuple[float, float] = (0.0, 1.0)
+
+  def __post_init__(self):
+    if not (isinstance(self.perturb_steps, (int, np.integer))
+            and self.perturb_steps >= 0):
+      raise ValueError(f"perturb_steps must be an integer >= 0, got "
+                       f"{self.perturb_steps!r}")
+    check_positive(perturb_lr=self.perturb_lr, model_lr=self.model_lr,
+                   rho_max=self.rho_max)
+    if not 0 <= self.rho_min <= self.rho_max:
+      raise ValueError(f"rho_min must lie in [0, rho_max={self.rho_max}], got "
+                       f"{self.rho_min}")
+    if self.norm not in NORMS:
+      raise ValueError(f"norm={self.norm!r}; choose one of {NORMS}")
+    low, high = self.value_range
+    if not low < high:
+      raise ValueError(f"value_range must be (low, high) with low < high, "
+                       f"got {self.value_range}")
+
+  @classmethod
+  def from_kwargs(cls, kwargs: dict) -> "Perturbation":
+    """From keyword arguments, naming any that is not a field."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(kwargs) - set(fields))
+    if unknown:
+      raise ValueError(f"method 'fedem' takes no {', '.join(unknown)}; its "
+                       f"perturbation parameters: {', '.join(fields)}")
+    return cls(**kwargs)
 
 
 def build_fedem_client_work(
     model_fn: Callable[[], tff.learning.models.VariableModel],
-    *,
-    perturb_steps: int = 5,
-    perturb_lr: float = 0.01,
-    model_lr: float = 0.01,
-    rho_min: float = 0.0,
-    rho_max: float = 8 / 255,
-    norm: str = "linf",
-    value_range: tuple[float, float] = (0.0, 1.0),
+    perturbation: Perturbation = Perturbation(),
 ) -> tff.learning.templates.ClientWorkProcess:
   """FedEM's client work: perturb each batch, upload the FedSGD gradient.
 
   Batches carry a 'seed' (int64[2]) next to the model's inputs.
   """
-  _check(perturb_steps, perturb_lr, model_lr, rho_min, rho_max, norm, value_range)
   with tf.Graph().as_default():
     model = model_fn()
     metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
@@ -108,7 +137,8 @@ def build_fedem_client_work(
   element[SEED_KEY] = SEED_TYPE
   data_type = tff.SequenceType(element)
   weights_type = tff.learning.models.weights_type_from_model(model)
-  low, high = value_range
+  p = perturbation
+  low, high = p.value_range
 
   def client_update(model, initial_weights, dataset):
     weights = tff.learning.models.ModelWeights.from_model(model)
@@ -125,19 +155,19 @@ def build_fedem_client_work(
       tf.nest.map_structure(lambda v, w: v.assign(w), weights, initial_weights)
       x, y = batch["x"], batch["y"]
       delta = project(tf.random.stateless_uniform(
-          tf.shape(x), tf.cast(batch[SEED_KEY], tf.int64), -rho_max, rho_max),
-          rho_min, rho_max, norm)
-      for _ in range(perturb_steps):
+          tf.shape(x), tf.cast(batch[SEED_KEY], tf.int64), -p.rho_max, p.rho_max),
+          p.rho_min, p.rho_max, p.norm)
+      for _ in range(p.perturb_steps):
         with tf.GradientTape() as tape:
           tape.watch(delta)
           delta_loss = loss_of(perturbed(x, delta), y)
         step = tf.sign(tape.gradient(delta_loss, delta))
-        delta = project(delta - perturb_lr * step, rho_min, rho_max, norm)
+        delta = project(delta - p.perturb_lr * step, p.rho_min, p.rho_max, p.norm)
         with tf.GradientTape() as tape:
           model_loss = loss_of(perturbed(x, delta), y)
         grads = tape.gradient(model_loss, weights.trainable)
         for v, g in zip(weights.trainable, grads):
-          v.assign_sub(model_lr * g)
+          v.assign_sub(p.model_lr * g)
       tf.nest.map_structure(lambda v, w: v.assign(w), weights, initial_weights)
       with tf.GradientTape() as tape:
         output = model.forward_pass(
@@ -187,13 +217,7 @@ def build_fedem_client_work(
 def build_fedem(
     model_fn: Callable[[], tff.learning.models.VariableModel],
     *,
-    perturb_steps: int = 5,
-    perturb_lr: float = 0.01,
-    model_lr: float = 0.01,
-    rho_min: float = 0.0,
-    rho_max: float = 8 / 255,
-    norm: str = "linf",
-    value_range: tuple[float, float] = (0.0, 1.0),
+    perturbation: Perturbation = Perturbation(),
     server_learning_rate: float = 0.1,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
 ) -> tff.learning.templates.LearningProcess:
@@ -202,50 +226,37 @@ def build_fedem(
   Args:
     model_fn: a no-argument function returning a
       `tff.learning.models.VariableModel`.
-    perturb_steps: N, the perturbation iterations per client and round.
-    perturb_lr: alpha_u, the sign-gradient step on the perturbation.
-    model_lr: eta_u, the gradient step on the local copy theta_u.
-    rho_min, rho_max: bounds of each sample's perturbation norm.
-    norm: 'linf' (default) or 'l2'.
-    value_range: the data's range, to which t(.) clips x + delta.
+    perturbation: the clients' perturbation parameters (`Perturbation`).
     server_learning_rate: eta of the server's SGD step.
     model_aggregator: the aggregator of the uploaded gradients (default
       `tff.aggregators.MeanFactory`).
   """
   check_positive(server_learning_rate=server_learning_rate)
-  client_work = build_fedem_client_work(
-      model_fn, perturb_steps=perturb_steps, perturb_lr=perturb_lr,
-      model_lr=model_lr, rho_min=rho_min, rho_max=rho_max, norm=norm,
-      value_range=value_range)
   return defended.compose_defended(
-      model_fn, client_work, tff.learning.optimizers.build_sgdm(server_learning_rate),
-      model_aggregator)
+      model_fn, build_fedem_client_work(model_fn, perturbation),
+      tff.learning.optimizers.build_sgdm(server_learning_rate), model_aggregator)
 
 
 def algorithm(model_fn, *, batch_size: int = 32, seed: int = 0,
-              server_learning_rate: float = 0.1, perturb_steps: int = 5,
-              perturb_lr: float = 0.01, model_lr: float = 0.01,
-              rho_min: float = 0.0, rho_max: float = 8 / 255,
-              norm: str = "linf", defense=None) -> Algorithm:
+              server_learning_rate: float = 0.1, defense=None,
+              **perturbation) -> Algorithm:
   """FedEM as the runner drives it: one batch per client and round, its
-  perturbation seeded per (run, round, client). FedEM is itself the
-  client-side defence; `defense` must be None (server-side dp_fedavg still
-  applies through the aggregator)."""
+  perturbation (keyword arguments: the fields of `Perturbation`) seeded per
+  (run, round, client). FedEM is itself the client-side defence; `defense`
+  must be None (server-side dp_fedavg still applies through the aggregator)."""
   if defense is not None:
     raise ValueError(f"method 'fedem' takes no client-side defense, got "
                      f"{defense.name!r}")
   check_positive(batch_size=batch_size, server_learning_rate=server_learning_rate)
-  params = dict(perturb_steps=perturb_steps, perturb_lr=perturb_lr,
-                model_lr=model_lr, rho_min=rho_min, rho_max=rho_max, norm=norm)
-  _check(value_range=(0.0, 1.0), **params)
+  params = Perturbation.from_kwargs(perturbation)
   return Algorithm(
       name="fedem", upload_kind="gradient", local_data="one_batch",
       build_process=lambda aggregator: build_fedem(
-          model_fn, server_learning_rate=server_learning_rate,
-          model_aggregator=aggregator, **params),
+          model_fn, perturbation=params,
+          server_learning_rate=server_learning_rate, model_aggregator=aggregator),
       protocol={"server_learning_rate": server_learning_rate,
                 "batch_size": batch_size, "local_steps": 1,
                 "gradient_of": "mean loss over the perturbed batch",
-                **params},
+                **dataclasses.asdict(params)},
       client_inputs=lambda client, round_num: {
           SEED_KEY: client_seed(seed, round_num, client)})
