@@ -78,7 +78,7 @@ def _train_parser(sub) -> None:
 #            type or choices, help)
 _DEFENSE_FLAGS = {
     "clip": ("clip", ("ldp_gaussian", "ldp_laplace", "dp_clip", "dp_fedavg", "ldp_fed"),
-             float, "clipping bound B (ldp_fed: values clipped to [-B, B])"),
+             float, "clipping bound B (ldp_fed: values clipped to [-B, B], default 0.05)"),
     "noise_multiplier": ("noise_multiplier", ("ldp_gaussian", "ldp_laplace", "dp_fedavg"),
                          float, "noise std or scale over B"),
     "laplace_norm": ("norm", ("ldp_laplace",), ("l1", "l2"),
@@ -107,10 +107,10 @@ _METHOD_FLAGS = {
                    "(default 0.01)"),
     "local_model_lr": ("model_lr", float, "eta_u, step of the local model copy "
                        "(default 0.01)"),
-    "rho_min": ("rho_min", float, "lower bound of each sample's perturbation "
-                "norm (default 0)"),
-    "rho_max": ("rho_max", float, "upper bound of each sample's perturbation "
-                "norm on [0, 1] data (default 8/255)"),
+    "rho_min": ("rho_min", float, "lower bound of each perturbation entry's "
+                "magnitude (linf) or sample's L2 norm (default 0)"),
+    "rho_max": ("rho_max", float, "upper bound of the same, on [0, 1] data "
+                "(default 8/255)"),
     "perturb_norm": ("norm", ("linf", "l2"), "norm of the bounds (default linf)"),
 }
 
