@@ -51,11 +51,13 @@ RHO_MAX = 8 / 255
 MODEL = {"weight_init": "default", "activation": "relu"}
 ROUNDS = {("small", "mnist5k"): 200, ("full", "mnist"): 1000,
           ("full", "fashion_mnist"): 1000, ("full", "cifar10"): 2000}
-# local DP settings tried for the matched-utility rows, weakest first
+# local DP settings tried for the matched-utility rows, weakest first: noise
+# std (Gaussian) or scale (Laplace) 1e-3, 1e-2, 3e-2 under a clip of 10 that
+# rarely binds, and clip bounds for clipping alone
 UTILITY_GRID = {
-    "ldp_gaussian": [{"clip": 1.0, "noise_multiplier": z} for z in (1e-3, 3e-3, 1e-2)],
-    "ldp_laplace": [{"clip": 1.0, "noise_multiplier": b} for b in (1e-3, 3e-3, 1e-2)],
-    "dp_clip": [{"clip": c} for c in (1.0, 0.1, 0.01)],
+    "ldp_gaussian": [{"clip": 10.0, "noise_multiplier": z} for z in (1e-4, 1e-3, 3e-3)],
+    "ldp_laplace": [{"clip": 10.0, "noise_multiplier": b} for b in (1e-4, 1e-3, 3e-3)],
+    "dp_clip": [{"clip": c} for c in (10.0, 1.0, 0.1)],
 }
 LABELS = {"ldp_gaussian": "DP-Gaussian", "ldp_laplace": "DP-Laplace",
           "dp_clip": "DP-clip"}
@@ -149,6 +151,10 @@ def write_table(out: str, stem: str, title: str, rows: list[dict],
   return text
 
 
+def _grid_name(defense: str, kwargs: dict) -> str:
+  return defense + "".join(f"_{k}{v:g}" for k, v in kwargs.items())
+
+
 def labelled(label: str, row: dict) -> dict:
   return {"method": label, **row}
 
@@ -189,14 +195,13 @@ def main() -> None:
   rows = [labelled(f"{LABELS[d]} (radius)", exp.row(f"{d}_radius", ldp(d, k)))
           for d, k in radius.items()]
   for defense, grid in UTILITY_GRID.items():
-    candidates = [(i, exp.row(f"{defense}_grid{i}", ldp(defense, kwargs),
-                              with_leakage=False))
-                  for i, kwargs in enumerate(grid)]
-    i, _ = min(candidates, key=lambda c: abs(c[1]["test_accuracy"] -
-                                             fedem_row["test_accuracy"]))
-    params = " ".join(f"{k}={v}" for k, v in grid[i].items())
+    names = {_grid_name(defense, kwargs): kwargs for kwargs in grid}
+    accuracy = {name: exp.row(name, ldp(defense, kwargs), with_leakage=False)[
+        "test_accuracy"] for name, kwargs in names.items()}
+    name = min(names, key=lambda n: abs(accuracy[n] - fedem_row["test_accuracy"]))
+    params = " ".join(f"{k}={v}" for k, v in names[name].items())
     rows.append(labelled(f"{LABELS[defense]} (utility: {params})",
-                         exp.row(f"{defense}_grid{i}", ldp(defense, grid[i]))))
+                         exp.row(name, ldp(defense, names[name]))))
   rows.append(labelled("FedEM", fedem_row))
   tables.append(write_table(args.out, "table2",
                             "Table 2: FedEM vs local DP at matched radius and "
