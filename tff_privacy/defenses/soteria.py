@@ -67,7 +67,9 @@ class Soteria(UpdateDefense):
     model = self.model.keras()
     weights = list(client.weights)
     width = weights[functional.kernel_index(model, self.layer)].shape[0]
-    scores = client.dataset.reduce(
+    # one sample at a time: the Jacobian of a whole batch holds l backward
+    # passes of every sample at once (gigabytes for a CNN representation)
+    scores = client.dataset.unbatch().batch(1).reduce(
         tf.zeros([width]),
         lambda total, batch: total + self.feature_scores(weights, batch["x"], model))
     # keep the largest s_i, i.e. prune the largest iota_i
