@@ -44,3 +44,30 @@ def test_worker_dies_with_a_sigkilled_parent():
   parent.wait()
   worker.wait(timeout=15)
   assert not worker.is_running()
+
+
+def test_a_killed_worker_stops_the_program_instead_of_hanging():
+  # TFF's remote executor retries a dead worker forever; the watcher must
+  # interrupt the main thread and say why.
+  script = textwrap.dedent("""
+      import os, signal, threading, time
+      import numpy as np
+      import tensorflow_federated as tff
+      from tff_privacy import runtime
+
+      @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+      def mean(x):
+        return tff.federated_mean(x)
+
+      worker = runtime.start()
+      threading.Timer(3.0, os.kill, (worker.process.pid, signal.SIGKILL)).start()
+      try:
+        while True:
+          mean([1.0, 2.0])
+      except KeyboardInterrupt:
+        print("interrupted:", runtime.failure(), flush=True)
+  """)
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=120)
+  assert "interrupted: the TFF worker_binary was killed by SIGKILL" in result.stdout
+  assert "out-of-memory" in result.stderr

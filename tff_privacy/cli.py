@@ -293,6 +293,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except (ValueError, FileNotFoundError) as e:
     print(f"tff-privacy {args.command}: error: {e}", file=sys.stderr)
     return 2
+  except KeyboardInterrupt:
+    from tff_privacy import runtime
+    if runtime.failure() is None:
+      raise
+    print(f"tff-privacy {args.command}: error: {runtime.failure()}", file=sys.stderr)
+    return 1
   finally:
     from tff_privacy import runtime
     runtime.stop()

@@ -6,6 +6,11 @@ the program (and keeps a pipe on our stdout open). This module starts the worker
 itself, from the main thread, with the kernel's parent-death signal set, so that
 the worker ends with its parent even when the parent is killed with SIGKILL; an
 ``atexit`` hook stops it on a normal exit.
+
+The other way round, TFF's remote executor retries a dead worker forever. A
+watcher thread notices when the worker exits unasked (the kernel's
+out-of-memory killer is the usual cause), says so on stderr and interrupts
+the main thread, so the program fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -47,6 +53,17 @@ def _die_with_parent() -> None:
   libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def describe_exit(returncode: int) -> str:
+  """Why the worker ended, for an error message."""
+  if returncode >= 0:
+    return f"the TFF worker_binary exited with code {returncode}"
+  name = signal.Signals(-returncode).name
+  hint = (" (most often the kernel's out-of-memory killer: the round needed "
+          "more memory than the machine has)" if -returncode == signal.SIGKILL
+          else "")
+  return f"the TFF worker_binary was killed by {name}{hint}"
+
+
 def worker_binary_path() -> str:
   return os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
 
@@ -68,6 +85,10 @@ class LocalWorker:
         stderr=subprocess.DEVNULL,
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
     )
+    self._closing = False
+    self.failure: str | None = None  # set when the worker ends unasked
+    threading.Thread(target=self._watch, daemon=True,
+                     name="tff-worker-watcher").start()
     channel = grpc.insecure_channel(f"localhost:{self.port}", _GRPC_OPTIONS)
     self.stub = remote_executor_grpc_stub.RemoteExecutorGrpcStub(channel)
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
@@ -80,7 +101,16 @@ class LocalWorker:
         raise RuntimeError("TFF worker_binary did not become ready in time")
       time.sleep(0.05)
 
+  def _watch(self) -> None:
+    returncode = self.process.wait()
+    if self._closing:
+      return
+    self.failure = describe_exit(returncode)
+    print(f"tff_privacy: {self.failure}; stopping", file=sys.stderr, flush=True)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
   def close(self) -> None:
+    self._closing = True
     if self.process.poll() is None:
       self.process.terminate()
       try:
@@ -117,6 +147,11 @@ def start(max_concurrent_computation_calls: int = -1) -> LocalWorker:
   context_stack_impl.context_stack.set_default_context(context)
   _worker = worker
   return worker
+
+
+def failure() -> str | None:
+  """Why the current worker ended unasked, if it did."""
+  return _worker.failure if _worker is not None else None
 
 
 def stop() -> None:
