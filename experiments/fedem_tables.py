@@ -44,7 +44,7 @@ import csv
 
 import numpy as np
 
-from tff_privacy import data, evaluate, io, runner, runtime
+from tff_privacy import evaluate, io, runner, runtime
 from tff_privacy.metrics import report
 
 RHO_MAX = 8 / 255
@@ -75,7 +75,7 @@ class Experiment:
   def __init__(self, args):
     self.args = args
     self.common = dict(dataset=args.dataset, model="lenet", model_kwargs=MODEL,
-                       seed=args.seed)
+                       seed=args.seed, data_dir=args.data_dir)
     self._rows: dict[str, dict] = {}
 
   def utility(self, name: str, setting: dict) -> dict:
@@ -171,6 +171,8 @@ def main() -> None:
                       help="comma-separated, from dlg, idlg, ig")
   parser.add_argument("--ig-iterations", type=int, default=4800)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--data-dir", help="tensorflow_datasets data directory "
+                      "(full scale; downloads when the data set is missing)")
   parser.add_argument("--out", help="default: results/fedem_<dataset>_<scale>")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args()
@@ -227,8 +229,10 @@ def main() -> None:
       with np.load(os.path.join(args.out, name, "dlg", "reconstructions.npz")) as f:
         images.setdefault("original", list(f["original"]))
         images[label] = list(f["reconstructed"])
+    manifest = io.read_json(os.path.join(args.out, "fedsgd", "leakage", "updates",
+                                         "manifest.json"))
     report.save_grid(images, os.path.join(args.out, "reconstructions.png"),
-                     data.load_source(args.dataset).value_range,
+                     manifest["run"]["value_range"],
                      title=f"DLG reconstructions, round 1 ({args.dataset})")
   print("\n".join(tables))
   runtime.stop()
