@@ -18,8 +18,8 @@ Tables (Markdown and CSV each, in OUT):
    the setting of a small grid whose test accuracy is closest to FedEM's;
 3. FedEM with N in {1, 5, 10};
 5. FedEM with rho_min in {0, rho_max/8, rho_max/4}.
-Plus reconstructions.png: originals, then DLG's reconstructions under FedSGD,
-FedEM and local Gaussian DP at matched radius (the paper's Figure 3).
+Plus reconstructions_<attack>.png: originals, then the reconstructions under
+FedSGD, FedEM and local Gaussian DP at matched radius (the paper's Figure 3).
 
 The model is LeNet with ReLU and Glorot initialisation: DLG's sigmoid LeNet
 (U(-0.5, 0.5)) barely trains with one FedSGD step per round. A round here is
@@ -137,7 +137,8 @@ def write_table(out: str, stem: str, title: str, rows: list[dict],
            "|" + "---|" * len(head)]
   for r in rows:
     lines.append("| " + " | ".join([r["method"]] + [
-        format(r[c], ".4f") if c in r else "-" for c in columns]) + " |")
+        format(r[c], ".3g" if c.endswith("feature_mse") else ".4f")
+        if c in r else "-" for c in columns]) + " |")
   text = "\n".join(lines) + "\n"
   with io.atomic_path(os.path.join(out, f"{stem}.md")) as tmp:
     with open(tmp, "w") as f:
@@ -222,18 +223,18 @@ def main() -> None:
   tables.append(write_table(args.out, "table5", "Table 5: perturbation lower bound",
                             rows, args.attacks))
 
-  if "dlg" in args.attacks:
+  manifest = io.read_json(os.path.join(args.out, "fedsgd", "leakage", "updates",
+                                       "manifest.json"))
+  for attack in args.attacks:
     images = {}
     for label, name in (("FedSGD", "fedsgd"), ("FedEM", "fedem_N5"),
                         ("LDP", "ldp_gaussian_radius")):
-      with np.load(os.path.join(args.out, name, "dlg", "reconstructions.npz")) as f:
+      with np.load(os.path.join(args.out, name, attack, "reconstructions.npz")) as f:
         images.setdefault("original", list(f["original"]))
         images[label] = list(f["reconstructed"])
-    manifest = io.read_json(os.path.join(args.out, "fedsgd", "leakage", "updates",
-                                         "manifest.json"))
-    report.save_grid(images, os.path.join(args.out, "reconstructions.png"),
+    report.save_grid(images, os.path.join(args.out, f"reconstructions_{attack}.png"),
                      manifest["run"]["value_range"],
-                     title=f"DLG reconstructions, round 1 ({args.dataset})")
+                     title=f"{attack} reconstructions, round 1 ({args.dataset})")
   print("\n".join(tables))
   runtime.stop()
 
