@@ -110,9 +110,7 @@ def main() -> None:
             "| adversary | ASR | chance |", "|---|---|---|"]
   lines += [f"| {name} | {rate:.3f} | {chance:.3f} |" for name, rate in rates.items()]
   text = "\n".join(lines) + "\n"
-  with io.atomic_path(os.path.join(args.out, "summary.md")) as tmp:
-    with open(tmp, "w") as f:
-      f.write(text)
+  io.write_text(os.path.join(args.out, "summary.md"), text)
   io.write_json(os.path.join(args.out, "summary.json"),
                 {"inversion": rows, "attribute_inference": {"asr": rates,
                                                             "chance": chance}})

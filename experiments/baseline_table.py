@@ -30,7 +30,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
-import csv
 
 from tff_privacy import evaluate, io, runner, runtime
 
@@ -93,14 +92,8 @@ def write_tables(out: str, rows: list[dict], rounds: int) -> str:
                  f"{r['psnr']:.2f} | {r['mse']:.4f} | "
                  f"{_fmt(r['label_accuracy'], '.2f')} |")
   text = "\n".join(lines) + "\n"
-  with io.atomic_path(os.path.join(out, "summary.md")) as tmp:
-    with open(tmp, "w") as f:
-      f.write(text)
-  with io.atomic_path(os.path.join(out, "summary.csv")) as tmp:
-    with open(tmp, "w", newline="") as f:
-      writer = csv.DictWriter(f, COLUMNS)
-      writer.writeheader()
-      writer.writerows(rows)
+  io.write_text(os.path.join(out, "summary.md"), text)
+  io.write_csv(os.path.join(out, "summary.csv"), rows, COLUMNS)
   return text
 
 

@@ -40,7 +40,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse
-import csv
 
 import numpy as np
 
@@ -140,15 +139,8 @@ def write_table(out: str, stem: str, title: str, rows: list[dict],
         format(r[c], ".3g" if c.endswith("feature_mse") else ".4f")
         if c in r else "-" for c in columns]) + " |")
   text = "\n".join(lines) + "\n"
-  with io.atomic_path(os.path.join(out, f"{stem}.md")) as tmp:
-    with open(tmp, "w") as f:
-      f.write(text)
-  with io.atomic_path(os.path.join(out, f"{stem}.csv")) as tmp:
-    with open(tmp, "w", newline="") as f:
-      writer = csv.DictWriter(f, ["method", "setting"] + columns,
-                              extrasaction="ignore")
-      writer.writeheader()
-      writer.writerows(rows)
+  io.write_text(os.path.join(out, f"{stem}.md"), text)
+  io.write_csv(os.path.join(out, f"{stem}.csv"), rows, ["method", "setting"] + columns)
   return text
 
 

@@ -262,9 +262,7 @@ def _demo(args) -> int:
            f"| fedsgd | {history[-1]['test_accuracy']:.4f} | ig, round 1, "
            f"{len(result['clients'])} clients x {config.batch_size} images | "
            f"{m['psnr']:.2f} | {m['ssim']:.4f} | {m['label_accuracy']:.2f} |\n")
-  with io.atomic_path(os.path.join(args.out, "summary.md")) as tmp:
-    with open(tmp, "w") as f:
-      f.write(table)
+  io.write_text(os.path.join(args.out, "summary.md"), table)
   print(table)
   print(f"results in {args.out}: summary.md, train/metrics.json, train/updates/, "
         "attack/attack.json, attack/reconstructions.png")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import json
 import os
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -34,6 +35,22 @@ def write_json(path: str, data: Any) -> None:
     with open(tmp, "w") as f:
       json.dump(data, f, indent=2, sort_keys=False)
       f.write("\n")
+
+
+def write_text(path: str, text: str) -> None:
+  with atomic_path(path) as tmp:
+    with open(tmp, "w") as f:
+      f.write(text)
+
+
+def write_csv(path: str, rows: Sequence[dict[str, Any]],
+              columns: Sequence[str]) -> None:
+  """One row per dict, `columns` as the header; other keys are left out."""
+  with atomic_path(path) as tmp:
+    with open(tmp, "w", newline="") as f:
+      writer = csv.DictWriter(f, list(columns), extrasaction="ignore")
+      writer.writeheader()
+      writer.writerows(rows)
 
 
 def read_json(path: str) -> Any:

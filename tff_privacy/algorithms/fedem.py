@@ -44,7 +44,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_privacy.algorithms import defended
+from tff_privacy.algorithms import defended, fedsgd
 from tff_privacy.algorithms.base import Algorithm, check_positive
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
 from tff_privacy.models import loss_fn
@@ -254,9 +254,8 @@ def algorithm(model_fn, *, batch_size: int = 32, seed: int = 0,
       build_process=lambda aggregator: build_fedem(
           model_fn, perturbation=params,
           server_learning_rate=server_learning_rate, model_aggregator=aggregator),
-      protocol={"server_learning_rate": server_learning_rate,
-                "batch_size": batch_size, "local_steps": 1,
-                "gradient_of": "mean loss over the perturbed batch",
+      protocol={**fedsgd.protocol(server_learning_rate, batch_size,
+                                  "mean loss over the perturbed batch"),
                 **dataclasses.asdict(params)},
       client_inputs=lambda client, round_num: {
           SEED_KEY: client_seed(seed, round_num, client)})

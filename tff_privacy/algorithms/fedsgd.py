@@ -49,6 +49,13 @@ def build_fedsgd(
                                    model_aggregator)
 
 
+def protocol(server_learning_rate: float, batch_size: int,
+             gradient_of: str = "mean loss over the batch") -> dict:
+  """The public facts of a one-gradient-step round, for the update store."""
+  return {"server_learning_rate": server_learning_rate,
+          "batch_size": batch_size, "local_steps": 1, "gradient_of": gradient_of}
+
+
 def algorithm(model_fn, *, server_learning_rate: float = 0.1,
               batch_size: int = 32, defense: Optional[UpdateDefense] = None,
               seed: int = 0) -> Algorithm:
@@ -59,7 +66,5 @@ def algorithm(model_fn, *, server_learning_rate: float = 0.1,
       build_process=lambda aggregator: build_fedsgd(
           model_fn, server_learning_rate=server_learning_rate,
           model_aggregator=aggregator, defense=defense),
-      protocol={"server_learning_rate": server_learning_rate,
-                "batch_size": batch_size, "local_steps": 1,
-                "gradient_of": "mean loss over the batch"},
+      protocol=protocol(server_learning_rate, batch_size),
       **defense_fields(defense, seed))

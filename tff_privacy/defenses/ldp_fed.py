@@ -28,8 +28,8 @@ import math
 
 import tensorflow as tf
 
-from tff_privacy.defenses.updates import (UpdateDefense, check_positive,
-                                          top_fraction_mask)
+from tff_privacy.defenses.updates import (UpdateDefense, check_positive, flatten,
+                                          top_fraction_mask, unflatten)
 
 
 class LDPFed(UpdateDefense):
@@ -66,18 +66,13 @@ class LDPFed(UpdateDefense):
   def apply(self, update, seed, client=None):
     noise_seed, select_seed = tf.unstack(
         tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2))
-    flat = tf.concat([tf.reshape(u, [-1]) for u in update], 0)
+    flat = flatten(update)
     noised = self._perturb(flat, noise_seed)
     if self.fraction < 1:
       shared = top_fraction_mask(
           tf.random.stateless_uniform(tf.shape(flat), select_seed), self.fraction)
       noised = noised * shared
-    out, start = [], 0
-    for u in update:
-      n = u.shape.num_elements()
-      out.append(tf.reshape(noised[start:start + n], tf.shape(u)))
-      start += n
-    return out
+    return unflatten(noised, update)
 
   def pure_epsilon(self, num_params: int) -> float:
     shared = math.ceil(self.fraction * num_params)

@@ -62,9 +62,9 @@ class Soteria(UpdateDefense):
                         axis=-1)
     return tf.reduce_sum(per_input / (r + 0.1), axis=0)
 
-  def mask(self, client: ClientView) -> tf.Tensor:
+  def mask(self, client: ClientView, model=None) -> tf.Tensor:
     """1 for the kept elements of r, 0 for the pruned ones."""
-    model = self.model.keras()
+    model = model or self.model.keras()
     weights = list(client.weights)
     width = weights[functional.kernel_index(model, self.layer)].shape[0]
     # one sample at a time: the Jacobian of a whole batch holds l backward
@@ -78,7 +78,8 @@ class Soteria(UpdateDefense):
   def apply(self, update, seed=None, client: Optional[ClientView] = None):
     if client is None:
       raise ValueError("soteria needs the client's data and model (a ClientView)")
-    index = functional.kernel_index(self.model.keras(), self.layer)
+    model = self.model.keras()
+    index = functional.kernel_index(model, self.layer)
     out = list(update)
-    out[index] = out[index] * self.mask(client)[:, None]
+    out[index] = out[index] * self.mask(client, model)[:, None]
     return out

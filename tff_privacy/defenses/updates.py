@@ -152,6 +152,18 @@ def top_fraction_mask(scores: tf.Tensor, fraction: float) -> tf.Tensor:
                        tf.shape(scores))
 
 
+def flatten(update: Sequence[tf.Tensor]) -> tf.Tensor:
+  """All entries of an update as one vector, in the update's order."""
+  return tf.concat([tf.reshape(u, [-1]) for u in update], 0)
+
+
+def unflatten(flat: tf.Tensor, like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """`flat` cut back into tensors shaped like `like` (inverse of `flatten`)."""
+  sizes = [u.shape.num_elements() for u in like]
+  return [tf.reshape(part, tf.shape(u))
+          for part, u in zip(tf.split(flat, sizes), like)]
+
+
 class Sparsification(UpdateDefense):
   name = "sparsification"
 
@@ -160,14 +172,8 @@ class Sparsification(UpdateDefense):
     self.p = p
 
   def apply(self, update, seed=None, client=None):
-    flat = tf.concat([tf.reshape(u, [-1]) for u in update], 0)
-    mask = top_fraction_mask(tf.abs(flat), 1 - self.p)
-    out, start = [], 0
-    for u in update:
-      n = u.shape.num_elements()
-      out.append(tf.reshape(mask[start:start + n], tf.shape(u)) * u)
-      start += n
-    return out
+    flat = flatten(update)
+    return unflatten(flat * top_fraction_mask(tf.abs(flat), 1 - self.p), update)
 
 
 DEFENSES = {cls.name: cls for cls in (LocalGaussian, LocalLaplace, ClipOnly,

@@ -60,8 +60,9 @@ def feature_mse(model: tf.keras.Model, weights, x_true: np.ndarray,
   samples and of their reconstructions under the attacked (broadcast) model."""
   from tff_privacy.models.functional import forward
   w = [tf.constant(v) for v in weights]
-  _, f_true = forward(model, w, tf.constant(x_true, tf.float32), return_features=True)
-  _, f_rec = forward(model, w, tf.constant(x_rec, tf.float32), return_features=True)
+  last = model.layers[-1].name
+  _, f_true = forward(model, w, tf.constant(x_true, tf.float32), tap=last)
+  _, f_rec = forward(model, w, tf.constant(x_rec, tf.float32), tap=last)
   return float(tf.reduce_mean(tf.square(f_true - f_rec)))
 
 

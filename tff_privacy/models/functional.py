@@ -38,15 +38,9 @@ def _apply(layer, weights, i, h):
 
 
 def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
-            tap: Optional[str] = None, return_features: bool = False):
-  """Logits of `model` at trainable `weights` on `x`.
-
-  With `tap` (a layer name), returns (logits, the input of that layer); with
-  `return_features`, (logits, the input of the last layer), i.e. the
-  penultimate features.
-  """
-  if return_features:
-    tap = model.layers[-1].name
+            tap: Optional[str] = None):
+  """Logits of `model` at trainable `weights` on `x`; with `tap` (a layer
+  name), (logits, the input of that layer)."""
   if tap is not None and tap not in [layer.name for layer in model.layers]:
     raise ValueError(f"tap={tap!r} is not a layer of {model.name}; layers: "
                      f"{[layer.name for layer in model.layers]}")
