@@ -5,9 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_OUT ?= results/demo
-export TF_CPP_MIN_LOG_LEVEL := 2
+export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: venv demo test test-all benchmark clean
+.PHONY: venv demo test test-all bazel-test benchmark clean
 
 $(STAMP): requirements.lock setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,15 +20,25 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/tff-privacy demo --out $(DEMO_OUT)
 
+# The fast suite (CI); `test-all` adds the tests marked slow (long trainings
+# and attacks that check numbers at a realistic scale).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# Every BUILD target, offline, with Debian's Bazel 4.2 and the .venv
+# interpreter (tools/bazel); installs bazel-bootstrap with apt when missing.
+bazel-test: $(STAMP)
+	command -v bazel >/dev/null || { apt-get update -q && \
+	  apt-get install -y -q bazel-bootstrap bazel-rules-java; }
+	bazel test //...
+
 benchmark: $(STAMP)
 	$(BIN)/python benchmarks/round_overhead.py
 	$(BIN)/python benchmarks/fedem_round_time.py
 
 clean:
+	-command -v bazel >/dev/null && bazel clean --expunge
 	rm -rf $(VENV) results .pytest_cache

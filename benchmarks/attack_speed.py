@@ -36,7 +36,7 @@ def make_record(model_name: str) -> UpdateRecord:
   meta = {"method": "fedsgd", "upload_kind": "gradient", "model": spec.to_json(),
           "dataset": "mnist5k", "value_range": [0.0, 1.0], "raw_max": 255.0,
           "protocol": {"batch_size": 1}}
-  return UpdateRecord(1, 0, "client_0000", [u.numpy() for u in upload], 1.0,
+  return UpdateRecord(1, 0, "client_0000", [u.numpy() for u in upload], 1.0, 1,
                       broadcast, meta)
 
 

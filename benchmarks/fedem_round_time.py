@@ -41,6 +41,7 @@ def main() -> None:
   parser.add_argument("--steps", default="1,5,10",
                       help="comma-separated values of N (perturb_steps)")
   args = parser.parse_args()
+  runtime.start()
   steps = [int(s) for s in args.steps.split(",")]
   with tempfile.TemporaryDirectory() as tmp:
     sgd = _process_and_data("fedsgd", os.path.join(tmp, "sgd"))

@@ -96,6 +96,7 @@ def main() -> None:
   parser.add_argument("--shadow", type=int, default=2000)
   parser.add_argument("--victims", type=int, default=500)
   args = parser.parse_args()
+  runtime.start()
   rows = inversion_rows(args.out, args.ig_iterations)
   rates, chance = attribute_rows(args.shadow, args.victims)
   lines = ["| model | images/client | attack | clients | MSE | PSNR (dB) | SSIM | "

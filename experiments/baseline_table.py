@@ -105,6 +105,7 @@ def main() -> None:
   parser.add_argument("--only", default="",
                       help="comma-separated defence names (default: all)")
   args = parser.parse_args()
+  runtime.start()
   only = set(filter(None, args.only.split(",")))
   unknown = only - {name for name, _, _ in BASELINES}
   if unknown:

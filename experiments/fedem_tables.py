@@ -169,6 +169,7 @@ def main() -> None:
   parser.add_argument("--out", help="default: results/fedem_<dataset>_<scale>")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args()
+  runtime.start()
   if args.rounds is None:
     if (args.scale, args.dataset) not in ROUNDS:
       parser.error(f"--scale {args.scale} with --dataset {args.dataset} needs "

@@ -15,6 +15,13 @@ def worker_children(pid: int | None = None) -> list[psutil.Process]:
           and "worker_binary" in " ".join(p.cmdline())]
 
 
+def pytest_configure(config):
+  """The test session's TFF runtime: a local worker, started on first use
+  (importing tff_privacy starts nothing)."""
+  from tff_privacy import runtime
+  runtime.install()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_tff_worker():
   yield

@@ -25,7 +25,7 @@ def _record(x, y, spec=SPEC, upload_kind="gradient", protocol=None, seed=0):
   # TFF weighs a FedAvg client by the examples of every local epoch
   epochs = protocol.get("local_epochs", 1) if upload_kind == "model_delta" else 1
   return UpdateRecord(1, 0, "client_0000", [u.numpy() for u in upload],
-                      float(len(y) * epochs), broadcast, meta)
+                      float(len(y) * epochs), len(y), broadcast, meta)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +105,13 @@ def test_best_iterate_is_kept_not_the_last(digits):
   target = attacks.Target.from_record(rec)
   y_soft = tf.one_hot(y[1:2], 10)
   x0 = tf.fill(target.input_shape, 0.5)
-  start_loss = float(attacks.inversion.cosine_distance(target.simulate(x0, y_soft),
-                                                       target.upload)
+  start_loss = float(attacks.inversion.cosine_distance(
+      target.simulate(target.broadcast, x0, y_soft), target.upload)
                      + attack.tv_weight * attacks.inversion.total_variation(x0))
-  _, best = attack.function(target, attack._build)(x0, y_soft, target.upload)
-  assert float(best) <= start_loss + 1e-6
+  state = {**attack._start(target, np.random.default_rng(0)), "x": x0,
+           "best_x": x0}
+  state, _ = attack._advance(target, state, 0, attack.iterations)
+  assert float(state["best_loss"]) <= start_loss + 1e-6
 
 
 def test_unknown_device_is_refused_not_silently_replaced(digits):
@@ -153,3 +155,29 @@ def test_attribute_adversaries_beat_chance_on_a_leaky_signal():
   assert all(rate > chance + 0.15 for rate in rates.values()), (rates, chance)
   with pytest.raises(ValueError, match="adversary='knn'"):
     attribute.build_adversary("knn")
+
+
+def test_records_of_different_models_in_one_call(digits):
+  """The compiled function takes the broadcast weights as arguments: four
+  records of four differently initialised models, attacked in one call,
+  are reconstructed exactly as when each is attacked alone."""
+  x, y = digits
+  records = [_record(x[i:i + 1], y[i:i + 1], seed=i) for i in range(4)]
+  together = attacks.InvertingGradients(iterations=300)(records)
+  for i, record in enumerate(records):
+    alone = attacks.InvertingGradients(iterations=300)([record])[0]
+    np.testing.assert_allclose(together[i].x, alone.x, atol=1e-5)
+    assert metrics.image_scores(x[i:i + 1], together[i].x, (0, 1))[0]["ssim"] > 0.8
+
+
+def test_uploads_beyond_max_examples_are_refused_unless_raised(digits):
+  x, y = digits
+  record = _record(x[:70], y[:70])
+  with pytest.raises(ValueError, match="stands for 70 examples, more than "
+                     "max_examples=64"):
+    attacks.InvertingGradients(iterations=1)([record])
+  attack = attacks.InvertingGradients(iterations=1, max_examples=70)
+  assert attack.plan([record]) == ("ig: 1 record(s), 70 image(s) per record, "
+                                   "1 iterations x 1 restart(s) each")
+  assert attack([record])[0].x.shape == (70, 8, 8, 1)
+  assert attack.estimate_seconds([record]) > 0

@@ -85,3 +85,15 @@ def test_federated_data_serves_client_data():
   xs = np.stack([e["x"].numpy() for e in ds])
   x, y = fed.client_arrays(2)
   np.testing.assert_array_equal(xs, x)
+
+
+def test_client_data_is_traceable_by_tff():
+  import tensorflow as tf
+  fed = data.load("digits", 5, seed=0)
+  cd = fed.client_data
+  # TFF's dataset_computation traces the dataset function on a string tensor
+  ds = cd.dataset_computation(tf.constant(fed.client_ids[3]))
+  x, y = fed.client_arrays(3)
+  np.testing.assert_array_equal(np.stack([e["y"] for e in ds]), y)
+  everything = cd.create_tf_dataset_from_all_clients()
+  assert sum(1 for _ in everything) == sum(len(i) for i in fed.client_indices)

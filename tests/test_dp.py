@@ -155,3 +155,27 @@ def test_rounds_epsilon_picks_the_accountant_per_event():
   # far beyond the PLD's reach: the pure bound, delta 0
   assert accounting.rounds_epsilon(dp_accounting.LaplaceDpEvent(1e-4), 3, 1e-5) == (
       pytest.approx(3e4), 0.0)
+
+
+def test_layerwise_query_builds_inside_tf_function_and_tff():
+  def noised_sum():
+    records = [tf.fill([3], 10.0), tf.constant([0.3, 0.4])]
+    query = dp.LayerwiseGaussianQuery([1.0, 1.0], [0.5, 0.5], seed=4)
+    return _run(query, [records])[0]
+
+  eager = noised_sum()
+  graph = tf.function(noised_sum)()
+
+  @tff.tensorflow.computation
+  def in_tff():
+    return noised_sum()
+
+  for a, b, c in zip(eager, graph, in_tff()):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    np.testing.assert_allclose(a, c, rtol=1e-6)
+  # the seeds are the stateless fold-in of the query's seed and layer index
+  direct = tf.random.stateless_normal(
+      [2], seed=tf.random.experimental.stateless_split(
+          tf.random.experimental.stateless_fold_in(tf.constant([4, 0], tf.int64), 1),
+          num=2)[0], stddev=0.5)
+  np.testing.assert_allclose(eager[1], [0.3, 0.4] + direct.numpy(), rtol=1e-5)

@@ -77,6 +77,18 @@ def test_captured_upload_is_algorithm_1(fedem_run):
     assert change[interior].min() >= 0.01 - 1e-6
 
 
+def test_a_batch_upload_is_attacked_with_all_its_images(fedem_run, tmp_path):
+  # FedEM weighs every client 1; the record says how many images stand behind
+  # the upload, and the attack reconstructs that many
+  from tff_privacy import evaluate
+  config, _ = fedem_run
+  record = UpdateStore(os.path.join(config.out, "updates")).read(2, 0)
+  assert record.weight == 1.0 and record.num_examples == config.batch_size == 4
+  result = evaluate.attack_round(os.path.join(config.out, "updates"), 2,
+                                 str(tmp_path), "ig", [0], {"iterations": 2})
+  assert len(result["samples"]) == 4
+
+
 def test_with_a_vanishing_radius_fedem_uploads_fedsgd_gradients(tmp_path):
   # an MLP: with the CNN's zero biases, background pixels sit exactly at the
   # ReLU's kink, where even a 1e-7 perturbation flips the bias gradient
@@ -115,7 +127,8 @@ def test_projection_keeps_each_entry_or_sample_within_its_bounds():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(perturb_steps=-1), "perturb_steps must be an integer >= 0"),
+    (dict(perturb_steps=-1), "perturb_steps must be >= 0"),
+    (dict(perturb_steps=1.5), "perturb_steps must be an integer >= 0"),
     (dict(perturb_lr=0.0), "perturb_lr must be > 0"),
     (dict(rho_max=0.1, rho_min=0.2), r"rho_min must lie in \[0, rho_max=0.1\]"),
     (dict(norm="l1"), "norm='l1'"),

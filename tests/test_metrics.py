@@ -70,3 +70,16 @@ def test_feature_mse_compares_penultimate_features():
   hidden_b = np.maximum(b.reshape(1, -1) @ weights[0] + weights[1], 0)
   assert metrics.feature_mse(model, weights, a, b) == pytest.approx(
       np.mean((hidden - hidden_b) ** 2), rel=1e-5)
+
+
+@pytest.mark.parametrize("height,width", [(10, 30), (25, 25), (40, 8)])
+def test_figure_keeps_the_images_aspect_ratio(height, width):
+  import matplotlib.pyplot as plt
+  from tff_privacy.metrics import report
+  images = [np.random.default_rng(0).random((height, width, 1))] * 3
+  fig = report.grid_figure({"original": images, "reconstructed": images}, (0, 1))
+  fig.canvas.draw()
+  for ax in fig.axes:
+    box = ax.images[0].get_window_extent()
+    assert box.width / box.height == pytest.approx(width / height, rel=0.03)
+  plt.close(fig)

@@ -1,6 +1,7 @@
 import glob
 import os
 
+import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -20,6 +21,14 @@ def _true_gradient(record, x, y):
   with tf.GradientTape() as tape:
     loss = models.loss_fn()(y, model(x))
   return tape.gradient(loss, model.trainable_variables)
+
+
+def _rdp_epsilon(event, rounds, delta,
+                 relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE):
+  """dp_accounting called directly: `event` composed `rounds` times."""
+  accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+  accountant.compose(dp_accounting.SelfComposedDpEvent(event, rounds))
+  return accountant.get_epsilon(delta)
 
 
 def _without_timing(history):
@@ -86,7 +95,7 @@ def test_other_config_in_same_folder_is_refused(fedsgd_run):
 
 def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=4,
-                            local_epochs=2, capture_rounds=(1,),
+                            method_kwargs={"local_epochs": 2}, capture_rounds=(1,),
                             **{**SMALL, "model_kwargs": {}})
   history = runner.run(config, progress=False)
   assert history[-1]["test_accuracy"] > 0.8
@@ -96,8 +105,7 @@ def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
   assert record.upload_kind == "model_delta"
   assert record.metadata["protocol"]["local_epochs"] == 2
   assert record.weight == 2 * len(x)  # TFF counts every local epoch's examples
-  from tff_privacy.attacks import Target
-  assert Target.from_record(record).num_examples == len(x)
+  assert record.num_examples == len(x)  # the distinct samples, recorded apart
 
 
 def test_client_sampling_is_seeded_and_in_range():
@@ -112,7 +120,7 @@ def test_client_sampling_is_seeded_and_in_range():
 def test_client_inputs_join_every_batch():
   x = np.zeros((5, 2), np.float32)
   y = np.arange(5, dtype=np.int32)
-  ds = runner.client_dataset(x, y, 2, {"budget": np.float32(0.5)})
+  ds = runner.client_dataset(x, y, [2, 2, 1], {"budget": np.float32(0.5)})
   batches = list(ds)
   assert [len(b["y"]) for b in batches] == [2, 2, 1]
   assert all(float(b["budget"]) == 0.5 for b in batches)
@@ -121,6 +129,12 @@ def test_client_inputs_join_every_batch():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(rounds=0), "rounds must be >= 1"),
     (dict(clients_per_round=11, clients=10), "clients_per_round must be in"),
+    (dict(clients_per_round=0), "clients_per_round must be >= 1"),
+    (dict(method_kwargs={"local_epochs": 0}), "local_epochs must be >= 1"),
+    (dict(method="fedsgd", method_kwargs={"local_epochs": 2}),
+     "method 'fedsgd' takes no local_epochs"),
+    (dict(defense_kwargs={"clip": 1.0}), "given without a defense"),
+    (dict(model="mlp", model_kwargs={"width": 3}), "model 'mlp' takes no width"),
     (dict(capture_rounds=(0, 3)), "capture_rounds must lie in"),
     (dict(method="fedprox"), "method='fedprox'"),
     (dict(dataset="imagenet"), "dataset='imagenet'"),
@@ -163,9 +177,9 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
                             defense_kwargs=kwargs, **SMALL)
   history = runner.run(config, progress=False)
   if defense == "ldp_gaussian":  # local DP of each client over both rounds
-    from tff_privacy.dp import accounting
     assert history[-1]["epsilon"] == pytest.approx(
-        accounting.gaussian_epsilon(0.5, 2, config.dp_delta))
+        _rdp_epsilon(dp_accounting.GaussianDpEvent(0.25), 2, config.dp_delta))
+    assert "any two uploads of one client" in history[-1]["dp_relation"]
   elif defense == "ldp_fed":  # pure epsilon, basic composition
     num_params = 64 * 16 + 16 + 16 * 10 + 10
     assert history[-1]["epsilon"] == pytest.approx(2 * num_params * 1.0 * 2 * 50)
@@ -188,7 +202,6 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
 
 
 def test_dp_fedavg_records_clipped_updates_and_is_reproducible(tmp_path):
-  from tff_privacy.dp import accounting
   kwargs = {"clip": 0.05, "noise_multiplier": 1.0}
   config = runner.RunConfig(out=str(tmp_path / "a"), method="fedsgd", rounds=2,
                             capture_rounds=(2,), defense="dp_fedavg",
@@ -198,7 +211,8 @@ def test_dp_fedavg_records_clipped_updates_and_is_reproducible(tmp_path):
                      progress=False)
   assert _without_timing(again) == _without_timing(history)  # seeded server noise
   assert history[-1]["epsilon"] == pytest.approx(
-      accounting.gaussian_epsilon(1.0, 2, config.dp_delta))
+      _rdp_epsilon(dp_accounting.GaussianDpEvent(1.0), 2, config.dp_delta))
+  assert "adding or removing one client" in history[-1]["dp_relation"]
   store = UpdateStore(os.path.join(config.out, "updates"))
   truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
   for client in store.clients(2):
@@ -208,3 +222,97 @@ def test_dp_fedavg_records_clipped_updates_and_is_reproducible(tmp_path):
     clipped, _ = tf.clip_by_global_norm(grads, 0.05)
     for got, want in zip(record.upload, clipped):  # clipped, not noised
       np.testing.assert_allclose(got, want.numpy(), atol=1e-7)
+
+
+def test_local_dp_is_accounted_with_twice_the_clip():
+  """Clip 1, noise multiplier 1, 20 rounds: a clipped upload's local
+  sensitivity is 2, so each round is a Gaussian mechanism of multiplier 1/2."""
+  config = runner.RunConfig(out="unused", method="fedsgd", rounds=20,
+                            defense="ldp_gaussian",
+                            defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0},
+                            **SMALL)
+  spent = runner.Run(config).privacy_spent(20)
+  assert spent["epsilon"] == pytest.approx(
+      _rdp_epsilon(dp_accounting.GaussianDpEvent(0.5), 20, 1e-5))
+  assert spent["delta"] == 1e-5
+  assert "any two uploads of one client" in spent["dp_relation"]
+  assert spent["dp_sampling"].startswith("none assumed")
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_local_laplace_is_accounted_with_twice_the_clip(norm):
+  config = runner.RunConfig(out="unused", method="fedsgd", rounds=3,
+                            defense="ldp_laplace",
+                            defense_kwargs={"clip": 1.0, "noise_multiplier": 50.0,
+                                            "norm": norm}, **SMALL)
+  run = runner.Run(config)
+  d = 64 * 16 + 16 + 16 * 10 + 10
+  sensitivity = 2.0 * (np.sqrt(d) if norm == "l2" else 1.0)  # L1, of b = 50
+  pld = dp_accounting.pld.PLDAccountant()
+  pld.compose(dp_accounting.SelfComposedDpEvent(
+      dp_accounting.LaplaceDpEvent(50.0 / sensitivity), 3))
+  assert run.privacy_spent(3)["epsilon"] == pytest.approx(pld.get_epsilon(1e-5))
+
+
+def test_dp_fedavg_with_sampled_clients_is_accounted_without_replacement():
+  config = runner.RunConfig(out="unused", method="fedsgd", rounds=5,
+                            clients_per_round=2, defense="dp_fedavg",
+                            defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0},
+                            **SMALL)
+  spent = runner.Run(config).privacy_spent(5)
+  # 2 of 4 clients without replacement: replace-one neighbours, for which
+  # the clipped sum moves by up to twice the clip
+  event = dp_accounting.SampledWithoutReplacementDpEvent(
+      4, 2, dp_accounting.GaussianDpEvent(0.5))
+  assert spent["epsilon"] == pytest.approx(_rdp_epsilon(
+      event, 5, 1e-5, dp_accounting.NeighboringRelation.REPLACE_ONE))
+  assert "replacing one client" in spent["dp_relation"]
+  assert spent["dp_sampling"] == ("2 of 4 clients drawn uniformly without "
+                                  "replacement each round")
+
+
+@pytest.mark.parametrize("method,kwargs", [
+    ("fedsgd", {}), ("fedavg", {}), ("fedem", {"perturb_steps": 1})])
+def test_every_method_captures_two_rounds(tmp_path, method, kwargs):
+  config = runner.RunConfig(out=str(tmp_path), method=method, rounds=2,
+                            capture_rounds=(1, 2), method_kwargs=kwargs,
+                            **{**SMALL, "model_kwargs": {"hidden": (16,)}})
+  runner.run(config, progress=False)
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  assert store.rounds() == [1, 2]
+  for round_num in (1, 2):
+    record = store.read(round_num, 0)
+    assert record.num_examples == len(truth.read(round_num, 0)[1])
+  # the Python API with tuple arguments resumes its own config
+  more = runner.run(runner.RunConfig(**{**vars(config), "rounds": 3}),
+                    progress=False)
+  assert [m["round"] for m in more] == [1, 2, 3]
+
+
+def test_fedavg_schedule_matches_the_attackers_simulation(tmp_path):
+  """N % B != 0 and two local epochs: the attacker's simulation of the
+  client's local SGD, fed the client's true sample order, reproduces the
+  model delta TFF computed and the store captured."""
+  from tff_privacy.attacks import functional
+  config = runner.RunConfig(
+      out=str(tmp_path), method="fedavg", clients=30, clients_per_round=3,
+      batch_size=5, rounds=1, capture_rounds=(1,), seed=3,
+      method_kwargs={"local_epochs": 2, "client_learning_rate": 0.3},
+      dataset="digits", model="mlp", model_kwargs={"hidden": [16]})
+  runner.run(config, progress=False)
+  run = runner.Run(config)
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  for client in store.clients(1):
+    record = store.read(1, client)
+    x, y = run.fed.client_arrays(client)
+    n = len(y)
+    assert n % 5 != 0
+    order = runner.local_order(n, run.algorithm, config, 1, client)
+    per_epoch = [5] * (n // 5) + [n % 5]  # by hand: batches end with each epoch
+    model = record.model_spec.keras()
+    delta = functional.local_sgd(
+        model, [tf.constant(w) for w in record.broadcast],
+        tf.constant(x[order]), tf.one_hot(y[order], 10), 0.3, per_epoch * 2)
+    for got, want in zip(record.upload, delta):
+      np.testing.assert_allclose(got, want.numpy(), atol=2e-5)

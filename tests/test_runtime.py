@@ -1,3 +1,4 @@
+import os
 import signal
 import subprocess
 import sys
@@ -71,3 +72,22 @@ def test_a_killed_worker_stops_the_program_instead_of_hanging():
                           text=True, timeout=120)
   assert "interrupted: the TFF worker_binary was killed by SIGKILL" in result.stdout
   assert "out-of-memory" in result.stderr
+
+
+def test_importing_the_package_changes_no_global_state():
+  script = textwrap.dedent("""
+      import importlib, os, pkgutil
+      import tensorflow_federated as tff
+      from tensorflow_federated.python.core.impl.context_stack import context_stack_impl
+      env, context = dict(os.environ), context_stack_impl.context_stack.current
+      import tff_privacy
+      for module in pkgutil.walk_packages(tff_privacy.__path__, "tff_privacy."):
+        importlib.import_module(module.name)
+      assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())
+      assert context_stack_impl.context_stack.current is context
+      print("unchanged")
+  """)
+  env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=300, env=env)
+  assert "unchanged" in result.stdout, result.stderr[-2000:]

@@ -17,9 +17,10 @@ META = {"method": "fedsgd", "upload_kind": "gradient", "model": SPEC.to_json(),
 def store(tmp_path):
   rng = np.random.default_rng(0)
   broadcast = SPEC.initial_weights(0)
+  # the aggregation weight (1, as FedEM weighs) differs from the examples
   uploads = [(i, f"client_{i:04d}",
               [rng.normal(size=w.shape).astype(np.float32) for w in broadcast],
-              4.0) for i in (3, 7)]
+              1.0, 4) for i in (3, 7)]
   s = UpdateStore(str(tmp_path / "updates"))
   s.write_round(1, broadcast, uploads, META)
   return s, broadcast, uploads
@@ -29,7 +30,8 @@ def test_round_trip_preserves_tensors_and_metadata(store):
   s, broadcast, uploads = store
   assert s.rounds() == [1] and s.clients(1) == [3, 7]
   rec = s.read(1, 7)
-  assert rec.client_id == "client_0007" and rec.weight == 4.0
+  assert rec.client_id == "client_0007"
+  assert rec.weight == 1.0 and rec.num_examples == 4
   assert rec.upload_kind == "gradient" and rec.model_spec == SPEC
   assert rec.metadata["protocol"]["batch_size"] == 4
   for got, want in zip(rec.upload, uploads[1][2]):
@@ -90,6 +92,18 @@ def test_records_refuse_pickles(store):
   np.savez(path, **{f"t{i:03d}": np.array([object()]) for i in range(4)})
   with pytest.raises(UpdateStoreError, match="client_0003.npz"):
     s.read(1, 3)
+
+
+def test_metadata_with_tuples_writes_a_second_round(tmp_path):
+  # JSON turns tuples into lists: the run's own metadata must still match
+  meta = dict(META, protocol={"batch_size": 4, "value_range": (0.0, 1.0)})
+  s = UpdateStore(str(tmp_path / "updates"))
+  broadcast = SPEC.initial_weights(0)
+  upload = [(0, "client_0000", broadcast, 1.0, 4)]
+  s.write_round(1, broadcast, upload, meta)
+  s.write_round(2, broadcast, upload, meta)
+  assert s.rounds() == [1, 2]
+  assert s.read(2, 0).metadata["protocol"]["value_range"] == [0.0, 1.0]
 
 
 def test_other_run_cannot_write_into_store(store):

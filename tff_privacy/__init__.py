@@ -1,10 +1,9 @@
 """tff_privacy: defences against gradient leakage in TensorFlow Federated, the
-attacks that judge them, and experiments that measure utility and leakage."""
+attacks that judge them, and experiments that measure utility and leakage.
 
-import os
-
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-from tff_privacy import runtime  # noqa: E402  (owns TFF's worker process)
+Importing the package changes no global state. Programs that run TFF
+computations start the runtime first: `tff_privacy.runtime.start()` (or
+`install()`, which starts TFF's worker on first use); see `runtime`.
+"""
 
 __version__ = "0.1.0"

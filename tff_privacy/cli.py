@@ -3,6 +3,11 @@
   tff-privacy train --method fedsgd --dataset mnist5k --model lenet \\
       --clients 10 --rounds 20 --batch-size 32 --seed 0 --capture-rounds 1 \\
       --out results/run
+
+The flags of methods, defences and attacks are derived from their declared
+parameters (`tff_privacy.params`): a flag belongs to the components that
+declare it and is refused for the others. A user error ends in one line on
+stderr that names the parameter or file, and exit code 2.
 """
 
 from __future__ import annotations
@@ -11,9 +16,9 @@ import argparse
 import json
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+EXIT_USAGE = 2
 
 
 def parse_rounds(text: str) -> tuple[int, ...]:
@@ -32,143 +37,167 @@ def parse_rounds(text: str) -> tuple[int, ...]:
   return tuple(rounds)
 
 
+def json_object(text: str) -> dict:
+  """A JSON object given on the command line."""
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise argparse.ArgumentTypeError(
+        f"takes a JSON object like '{{\"name\": 1}}', got {text!r} ({e})") from None
+  if not isinstance(value, dict):
+    raise argparse.ArgumentTypeError(
+        f"takes a JSON object like '{{\"name\": 1}}', got {text!r}")
+  return value
+
+
+def _boolean(text: str) -> bool:
+  if text.lower() in ("true", "1", "yes"):
+    return True
+  if text.lower() in ("false", "0", "no"):
+    return False
+  raise argparse.ArgumentTypeError(f"takes true or false, got {text!r}")
+
+
+class ComponentFlags:
+  """The flags of a family of components (methods, defences, attacks),
+  derived from their declared parameters; a flag shared by several
+  components (e.g. --clip) is added once."""
+
+  def __init__(self, kind: str, components: dict[str, Any]):
+    self.kind = kind  # 'method', 'defense', 'attack'
+    self.table: dict[str, dict[str, Any]] = {}  # flag -> {component: Param}
+    for name, declared in sorted(components.items()):
+      for param in declared:
+        if param.cli:
+          self.table.setdefault(param.flag, {})[name] = param
+
+  def add_to(self, parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(f"{self.kind} parameters")
+    for flag, owners in sorted(self.table.items()):
+      kinds = {p.kind for p in owners.values()}
+      if len(kinds) != 1:
+        raise TypeError(f"--{flag} is declared with different types {kinds}")
+      param = next(iter(owners.values()))
+      defaults = sorted({repr(p.default) for p in owners.values()})
+      text = (f"({', '.join(owners)}) {param.help}; {param.accepted()}; default "
+              + (", ".join(f"{n}: {p.default!r}" for n, p in owners.items())
+                 if len(defaults) > 1 else defaults[0]))
+      extra: dict[str, Any] = {"type": _boolean if param.kind is bool else param.kind}
+      if param.choices:
+        extra["choices"] = param.choices
+      group.add_argument("--" + flag, dest=_dest(flag), help=text, **extra)
+
+  def given(self, args: argparse.Namespace, component: Optional[str]) -> dict[str, Any]:
+    """The keyword arguments of `component` set by flags; flags that do not
+    apply to it are refused."""
+    out = {}
+    for flag, owners in sorted(self.table.items()):
+      value = getattr(args, _dest(flag))
+      if value is None:
+        continue
+      if component is None:
+        raise ValueError(f"--{flag} needs --{self.kind} (or '{self.kind}' in "
+                         "--config)")
+      if component not in owners:
+        raise ValueError(f"--{flag} does not apply to --{self.kind} {component}; "
+                         f"it applies to {', '.join(owners)}")
+      out[owners[component].name] = value
+    return out
+
+
+def _dest(flag: str) -> str:
+  return "p_" + flag.replace("-", "_")
+
+
+def _method_flags() -> ComponentFlags:
+  from tff_privacy import algorithms
+  return ComponentFlags("method", {n: m.parameters
+                                   for n, m in algorithms.METHODS.items()})
+
+
+def _defense_flags() -> ComponentFlags:
+  from tff_privacy import defenses
+  return ComponentFlags("defense", {n: c.PARAMETERS
+                                    for n, c in defenses.DEFENSES.items()})
+
+
+def _attack_flags() -> ComponentFlags:
+  from tff_privacy import attacks
+  return ComponentFlags("attack", {n: c.PARAMETERS
+                                   for n, c in attacks.ATTACKS.items()})
+
+
 def _train_parser(sub) -> None:
-  from tff_privacy import algorithms, data, defenses, models  # deferred: TF
+  from tff_privacy import runner  # deferred: imports TF
   p = sub.add_parser("train", help="train a federated method, capturing uploads")
-  p.add_argument("--config", help="JSON file of RunConfig fields; flags override")
+  p.add_argument("--config", help="JSON file of RunConfig fields; flags override "
+                 "single fields and merge into model_kwargs, method_kwargs and "
+                 "defense_kwargs")
   p.add_argument("--out", help="output folder (required here or in --config)")
-  p.add_argument("--method", choices=sorted(algorithms.METHODS))
-  p.add_argument("--dataset", choices=data.DATASETS)
-  p.add_argument("--data-dir", help="tensorflow_datasets data directory")
-  p.add_argument("--model", choices=sorted(models.MODELS))
-  p.add_argument("--model-kwargs", type=json.loads,
+  for param in runner.RUN_PARAMETERS:
+    extra: dict[str, Any] = {"type": param.kind}
+    if param.choices:
+      extra["choices"] = param.choices
+    p.add_argument("--" + param.flag, dest=param.name, help=param.describe(),
+                   **extra)
+  p.add_argument("--model-kwargs", type=json_object,
                  help='model builder arguments as JSON, e.g. \'{"weight_init": "default"}\'')
-  p.add_argument("--clients", type=int, help="number of clients (default 10)")
-  p.add_argument("--clients-per-round", type=int, help="default: all")
-  p.add_argument("--rounds", type=int, help="default 20")
-  p.add_argument("--batch-size", type=int, help="default 32")
-  p.add_argument("--local-epochs", type=int, help="(fedavg) default 1")
-  p.add_argument("--client-lr", type=float, help="(fedavg) default 0.1")
-  p.add_argument("--server-lr", type=float,
-                 help="default: 0.1 for fedsgd, 1.0 for fedavg")
-  p.add_argument("--partition", choices=data.PARTITIONS)
-  p.add_argument("--alpha", type=float, help="Dirichlet concentration (> 0)")
-  p.add_argument("--seed", type=int)
+  p.add_argument("--method-kwargs", type=json_object,
+                 help="the method's parameters as JSON, e.g. "
+                 "'{\"perturb_steps\": 10}' (the flags below override)")
   p.add_argument("--capture-rounds", type=parse_rounds,
                  help="rounds whose uploads are written to OUT/updates, e.g. 1,5")
-  p.add_argument("--defense", choices=sorted(defenses.DEFENSES),
-                 help="defence: applied by every client to its upload, or by "
-                 "the server's aggregator for dp_fedavg")
-  for flag, (_, names, kind, text) in _DEFENSE_FLAGS.items():
-    extra = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
-    p.add_argument("--" + flag.replace("_", "-"), help=f"({', '.join(names)}) {text}",
-                   **extra)
-  p.add_argument("--method-kwargs", type=json.loads,
-                 help="further method parameters as JSON, e.g. "
-                 "'{\"perturb_steps\": 10}'")
-  for flag, (_, kind, text) in _METHOD_FLAGS.items():
-    extra = {"choices": kind} if isinstance(kind, tuple) else {"type": kind}
-    p.add_argument("--" + flag.replace("_", "-"), help=f"(fedem) {text}", **extra)
-  p.add_argument("--dp-delta", type=float,
-                 help="delta at which DP runs report epsilon (default 1e-5)")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  _method_flags().add_to(p)
+  _defense_flags().add_to(p)
 
 
-# --flag -> (keyword of the defence's constructor, defences taking it,
-#            type or choices, help)
-_DEFENSE_FLAGS = {
-    "clip": ("clip", ("ldp_gaussian", "ldp_laplace", "dp_clip", "dp_fedavg", "ldp_fed"),
-             float, "clipping bound B (ldp_fed: values clipped to [-B, B], default 0.05)"),
-    "noise_multiplier": ("noise_multiplier", ("ldp_gaussian", "ldp_laplace", "dp_fedavg"),
-                         float, "noise std or scale over B"),
-    "laplace_norm": ("norm", ("ldp_laplace",), ("l1", "l2"),
-                     "norm of the clipping (default l2)"),
-    "sparsity": ("p", ("sparsification",), float,
-                 "fraction p of entries zeroed, in [0, 1)"),
-    "prune_rate": ("p", ("soteria",), float,
-                   "fraction p of the defended layer's representation pruned, "
-                   "in [0, 1) (default 0.8)"),
-    "defended_layer": ("layer", ("soteria",), str,
-                       "dense layer to defend (default: the first)"),
-    "cldp_alpha": ("alpha", ("ldp_fed",), float, "alpha of alpha-CLDP (default 1)"),
-    "cldp_precision": ("precision", ("ldp_fed",), int,
-                       "decimal digits of the output grid (default 3)"),
-    "share_fraction": ("fraction", ("ldp_fed",), float,
-                       "fraction of entries each client shares, in (0, 1] "
-                       "(default 1)"),
-}
-
-
-# FedEM's --flag -> (keyword of `algorithms.fedem.algorithm`, type or choices,
-# help)
-_METHOD_FLAGS = {
-    "perturb_steps": ("perturb_steps", int, "N, perturbation iterations (default 5)"),
-    "perturb_lr": ("perturb_lr", float, "alpha_u, sign step on the perturbation "
-                   "(default 0.01)"),
-    "local_model_lr": ("model_lr", float, "eta_u, step of the local model copy "
-                       "(default 0.01)"),
-    "rho_min": ("rho_min", float, "lower bound of each perturbation entry's "
-                "magnitude (linf) or sample's L2 norm (default 0)"),
-    "rho_max": ("rho_max", float, "upper bound of the same, on [0, 1] data "
-                "(default 8/255)"),
-    "perturb_norm": ("norm", ("linf", "l2"), "norm of the bounds (default linf)"),
-}
-
-
-def _method_kwargs(args, method: str) -> dict:
-  given = {_METHOD_FLAGS[flag][0]: getattr(args, flag) for flag in _METHOD_FLAGS
-           if getattr(args, flag) is not None}
-  if given and method != "fedem":
-    flags = ", ".join("--" + f.replace("_", "-") for f in _METHOD_FLAGS
-                      if getattr(args, f) is not None)
-    raise ValueError(f"{flags} apply to --method fedem only")
-  return {**(args.method_kwargs or {}), **given}
-
-
-def _defense_kwargs(args) -> dict:
-  given = {flag: getattr(args, flag) for flag in _DEFENSE_FLAGS
-           if getattr(args, flag) is not None}
-  if given and not args.defense:
-    raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --defense")
-  for flag in given:
-    if args.defense not in _DEFENSE_FLAGS[flag][1]:
-      raise ValueError(f"--{flag.replace('_', '-')} does not apply to "
-                       f"--defense {args.defense}; it applies to "
-                       f"{', '.join(_DEFENSE_FLAGS[flag][1])}")
-  return {_DEFENSE_FLAGS[flag][0]: value for flag, value in given.items()}
+def _read_config(path: str) -> dict[str, Any]:
+  try:
+    with open(path) as f:
+      fields = json.load(f)
+  except OSError as e:
+    raise ValueError(f"--config {path}: cannot be read ({e.strerror})") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--config {path}: not valid JSON ({e})") from None
+  if not isinstance(fields, dict):
+    raise ValueError(f"--config {path}: must hold a JSON object of RunConfig fields")
+  return fields
 
 
 def _config_from_args(args):
-  from tff_privacy.runner import RunConfig
-  fields = {}
-  if args.config:
-    with open(args.config) as f:
-      fields.update(json.load(f))
-  for name in ("out", "method", "dataset", "data_dir", "model", "model_kwargs",
-               "clients", "clients_per_round", "rounds", "batch_size",
-               "local_epochs", "client_lr", "server_lr", "partition", "alpha",
-               "seed", "capture_rounds", "defense", "dp_delta"):
-    value = getattr(args, name)
-    if value is not None:
-      fields[name] = value
-  kwargs = _defense_kwargs(args)
-  if kwargs:
-    fields["defense_kwargs"] = kwargs
-  method_kwargs = _method_kwargs(
-      args, fields.get("method", RunConfig.__dataclass_fields__["method"].default))
-  if method_kwargs:
-    fields["method_kwargs"] = {**fields.get("method_kwargs", {}), **method_kwargs}
+  """The RunConfig of `tff-privacy train`: the --config file's fields,
+  overridden by single flags, dict fields merged key by key."""
+  from tff_privacy.runner import RUN_PARAMETERS, RunConfig
+  fields = _read_config(args.config) if args.config else {}
+  accepted = set(RunConfig.__dataclass_fields__)
+  unknown = sorted(set(fields) - accepted)
+  if unknown:
+    raise ValueError(f"--config {args.config}: unknown fields {', '.join(unknown)}; "
+                     f"accepted: {', '.join(sorted(accepted))}")
+  for name in ["out", "capture_rounds", *RUN_PARAMETERS.names]:
+    if getattr(args, name) is not None:
+      fields[name] = getattr(args, name)
+  for name in ("model_kwargs", "method_kwargs", "defense_kwargs"):
+    if not isinstance(fields.get(name, {}), dict):
+      raise ValueError(f"--config {args.config}: {name} must be a JSON object")
+  method = fields.get("method", RUN_PARAMETERS["method"].default)
+  fields["model_kwargs"] = {**fields.get("model_kwargs", {}),
+                            **(args.model_kwargs or {})}
+  fields["method_kwargs"] = {**fields.get("method_kwargs", {}),
+                             **(args.method_kwargs or {}),
+                             **_method_flags().given(args, method)}
+  fields["defense_kwargs"] = {**fields.get("defense_kwargs", {}),
+                              **_defense_flags().given(args, fields.get("defense"))}
   if "out" not in fields:
     raise ValueError("--out is required (or 'out' in --config)")
-  unknown = sorted(set(fields) - set(RunConfig.__dataclass_fields__))
-  if unknown:
-    raise ValueError(f"unknown config fields: {', '.join(unknown)}")
   return RunConfig(**fields)
 
 
 def _train(args) -> int:
-  from tff_privacy import runner
+  from tff_privacy import runner, runtime
   config = _config_from_args(args)
+  runtime.start()
   history = runner.run(config, progress=not args.quiet)
   last = history[-1] if history else {}
   privacy = (f" epsilon={last['epsilon']:.4g} delta={last['delta']:g}"
@@ -177,13 +206,10 @@ def _train(args) -> int:
         f"defense={config.defense} rounds={last.get('round')} "
         f"test_accuracy={last.get('test_accuracy'):.4f} "
         f"test_loss={last.get('test_loss'):.4f}{privacy}")
-  print(f"results in {config.out}: metrics.json, tensorboard/"
+  print(f"results in {config.out}: config.json, metrics.json, model_weights.npz, "
+        "tensorboard/, checkpoints/"
         + (", updates/manifest.json, ground_truth/" if config.capture_rounds else ""))
   return 0
-
-
-_ATTACK_FLAGS = ("iterations", "restarts", "lr", "tv_weight", "init", "history",
-                 "tolerance")
 
 
 def _attack_parser(sub) -> None:
@@ -196,43 +222,31 @@ def _attack_parser(sub) -> None:
   p.add_argument("--client", default="all",
                  help="a captured client index, or 'all' (default)")
   p.add_argument("--attack", choices=sorted(attacks.ATTACKS), default="ig")
-  p.add_argument("--iterations", type=int)
-  p.add_argument("--restarts", type=int, help="random restarts, best kept")
-  p.add_argument("--tolerance", type=float,
-                 help="(dlg, idlg) stop when the gradient max-norm is below this")
-  p.add_argument("--lr", type=float, help="(ig) Adam learning rate")
-  p.add_argument("--tv-weight", type=float, help="(ig) total-variation weight")
-  p.add_argument("--history", type=int, help="(dlg, idlg) L-BFGS history")
-  p.add_argument("--init", choices=attacks.inversion.INITS)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--device", help="TensorFlow device, e.g. /GPU:0 or /CPU:0")
   p.add_argument("--lpips-weights",
                  help="LPIPS (AlexNet) weights .npz; without it LPIPS is not computed")
+  p.add_argument("--quiet", action="store_true",
+                 help="no progress bar and no time estimate")
   p.add_argument("--out", required=True)
+  _attack_flags().add_to(p)
 
 
 def _attack(args) -> int:
-  import inspect
-
-  from tff_privacy import attacks, evaluate
-  kwargs = {k: getattr(args, k) for k in _ATTACK_FLAGS
-            if getattr(args, k) is not None}
-  accepted = inspect.signature(attacks.ATTACKS[args.attack]).parameters
-  wrong = sorted(k for k in kwargs if k not in accepted)
-  if wrong:
-    raise ValueError(f"--{wrong[0].replace('_', '-')} does not apply to "
-                     f"--attack {args.attack}")
+  from tff_privacy import evaluate
+  kwargs = _attack_flags().given(args, args.attack)
   clients = None if args.client == "all" else [_client_index(args.client)]
   result = evaluate.attack_round(args.updates, args.round, args.out, args.attack,
                                  clients, kwargs, args.device, args.seed,
-                                 args.ground_truth, args.lpips_weights)
+                                 args.ground_truth, args.lpips_weights,
+                                 progress=not args.quiet)
   m = result["mean"]
   print(f"attack={args.attack} records={len(result['clients'])} "
         f"samples={len(result['samples'])} mse={m['mse']:.4f} "
         f"psnr={m['psnr']:.2f} ssim={m['ssim']:.4f} "
         f"label_accuracy={m['label_accuracy']:.2f} seconds={result['seconds']:.1f}")
   print(f"lpips: {m['lpips']:.4f}" if "lpips" in m else f"lpips: {result['lpips']}")
-  print(f"results in {args.out}: attack.json, reconstructions.png")
+  print(f"results in {args.out}: {', '.join(result['files'])}")
   return 0
 
 
@@ -247,15 +261,17 @@ def _demo_parser(sub) -> None:
 
 
 def _demo(args) -> int:
-  from tff_privacy import evaluate, io, runner
+  from tff_privacy import evaluate, io, runner, runtime
   config = runner.RunConfig(
       out=os.path.join(args.out, "train"), method="fedsgd", dataset="mnist5k",
-      model="cnn", clients=10, rounds=args.rounds, batch_size=4, server_lr=0.2,
-      seed=0, capture_rounds=(1,))
+      model="cnn", clients=10, rounds=args.rounds, batch_size=4,
+      method_kwargs={"server_learning_rate": 0.2}, seed=0, capture_rounds=(1,))
+  runtime.start()
   history = runner.run(config, progress=not args.quiet)
   result = evaluate.attack_round(
       os.path.join(config.out, "updates"), 1, os.path.join(args.out, "attack"),
-      "ig", attack_kwargs={"iterations": args.iterations})
+      "ig", attack_kwargs={"iterations": args.iterations},
+      progress=not args.quiet)
   m = result["mean"]
   table = ("| method | test accuracy | attack | mean PSNR (dB) | mean SSIM | "
            "label accuracy |\n|---|---|---|---|---|---|\n"
@@ -265,7 +281,7 @@ def _demo(args) -> int:
   io.write_text(os.path.join(args.out, "summary.md"), table)
   print(table)
   print(f"results in {args.out}: summary.md, train/metrics.json, train/updates/, "
-        "attack/attack.json, attack/reconstructions.png")
+        + ", ".join(f"attack/{f}" for f in result["files"]))
   return 0
 
 
@@ -276,7 +292,7 @@ def _client_index(text: str) -> int:
     raise ValueError(f"--client takes a client index or 'all', got {text!r}") from None
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="tff-privacy",
       description="Federated learning defences against gradient leakage, and "
@@ -285,21 +301,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   _train_parser(sub)
   _attack_parser(sub)
   _demo_parser(sub)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  # Level 3: TensorFlow's C++ log stays quiet (at import it reports three
+  # CUDA plugin registrations as errors even on CPU-only machines); errors
+  # that matter reach Python as exceptions.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  args = _parser().parse_args(argv)
+  from tff_privacy import runtime
+  runtime.install()
   try:
     return {"train": _train, "attack": _attack, "demo": _demo}[args.command](args)
-  except (ValueError, FileNotFoundError) as e:
-    print(f"tff-privacy {args.command}: error: {e}", file=sys.stderr)
-    return 2
+  except (ValueError, OSError) as e:
+    print(f"tff-privacy {args.command}: error: {_one_line(e)}", file=sys.stderr)
+    return EXIT_USAGE
   except KeyboardInterrupt:
-    from tff_privacy import runtime
     if runtime.failure() is None:
       raise
     print(f"tff-privacy {args.command}: error: {runtime.failure()}", file=sys.stderr)
     return 1
   finally:
-    from tff_privacy import runtime
     runtime.stop()
+
+
+def _one_line(error: Exception) -> str:
+  if isinstance(error, OSError) and error.filename and error.strerror:
+    return f"{error.filename}: {error.strerror}"
+  return " ".join(str(error).split())
 
 
 if __name__ == "__main__":

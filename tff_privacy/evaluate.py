@@ -20,23 +20,37 @@ from tff_privacy.metrics import lpips, report
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
+FILES = ("attack.json", "reconstructions.png", "reconstructions.npz")
+
+
 def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                  clients: Optional[Sequence[int]] = None,
                  attack_kwargs: Optional[dict[str, Any]] = None,
                  device: Optional[str] = None, seed: int = 0,
                  ground_truth: Optional[str] = None,
-                 lpips_weights: Optional[str] = None) -> dict[str, Any]:
+                 lpips_weights: Optional[str] = None,
+                 progress: bool = False) -> dict[str, Any]:
   """Runs `attack` on the captured `clients` (default all) of `round_num`.
 
   LPIPS is added only when `lpips_weights` names a weights file (see
   `tff_privacy.metrics.lpips`); otherwise the report says it was not computed.
+  With `progress`, prints the plan (records, images per record) and a rough
+  time estimate before the attack, then shows a progress bar. The result's
+  'files' lists what was written under `out` (`FILES`).
   """
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ValueError(f"out={out!r} is a file; give a folder")
   store = UpdateStore(updates)
   clients = list(clients) if clients is not None else store.clients(round_num)
   records = [store.read(round_num, c) for c in clients]
   inversion = attacks.build(attack, **(attack_kwargs or {}))
+  inversion.targets(records)  # refuses uploads beyond max_examples
+  if progress:
+    print(inversion.plan(records), flush=True)
+    estimate = inversion.estimate_seconds(records, device)
+    print(f"{attack}: estimated time about {_duration(estimate)}", flush=True)
   start = time.perf_counter()
-  reconstructions = inversion(records, device=device, seed=seed)
+  reconstructions = inversion(records, device=device, seed=seed, progress=progress)
   seconds = time.perf_counter() - start
   value_range = tuple(records[0].metadata["value_range"])
   truth = GroundTruthStore(ground_truth or os.path.join(
@@ -60,7 +74,8 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "clients": clients, "device": device or "default",
             "seconds": seconds, "method": records[0].metadata["method"],
             "upload_kind": records[0].upload_kind,
-            "mean": means, "samples": rows, "lpips": lpips_note}
+            "mean": means, "samples": rows, "lpips": lpips_note,
+            "files": list(FILES)}
   io.write_json(os.path.join(out, "attack.json"), result)
   io.write_npz(os.path.join(out, "reconstructions.npz"),
                {"original": np.stack([p[0] for p in pairs]),
@@ -68,3 +83,11 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   report.save_figure(pairs, os.path.join(out, "reconstructions.png"), value_range,
                      title=f"{attack} on {result['method']} round {round_num}")
   return result
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 90:
+    return f"{seconds:.0f} s"
+  if seconds < 5400:
+    return f"{seconds / 60:.0f} min"
+  return f"{seconds / 3600:.1f} h"

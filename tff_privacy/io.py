@@ -53,6 +53,12 @@ def write_csv(path: str, rows: Sequence[dict[str, Any]],
       writer.writerows(rows)
 
 
+def canonical(data: Any) -> Any:
+  """`data` as it reads back from JSON (tuples become lists, keys strings),
+  so that a value compares equal to its saved copy."""
+  return json.loads(json.dumps(data))
+
+
 def read_json(path: str) -> Any:
   with open(path) as f:
     return json.load(f)

@@ -2,8 +2,8 @@
 
 `run(config)` trains one federated method and writes, under `config.out`:
 
-* `config.json`: the run's configuration (a re-run with another config into the
-  same folder is refused);
+* `config.json`: the run's configuration, written once every argument has been
+  checked (a re-run with another config into the same folder is refused);
 * `metrics.json`: one entry per finished round (`round`, `test_accuracy`,
   `test_loss`, `train_loss`, `seconds`, ...), rewritten atomically each round;
 * `tensorboard/`: the same metrics as TensorBoard scalars;
@@ -13,6 +13,10 @@
   uninterrupted run, because every random choice (client sampling, local
   shuffling, initial weights) is a function of (seed, round, client);
 * `updates/` and `ground_truth/` for the rounds in `capture_rounds`.
+
+`run` uses TFF's current execution context; programs start it first with
+`tff_privacy.runtime.start()` (the CLI, tests, benchmarks and experiment
+scripts do), or install their own.
 """
 
 from __future__ import annotations
@@ -25,82 +29,119 @@ import os
 import time
 from typing import Any, Optional, Sequence
 
-import dp_accounting
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 import tqdm
 
-from tff_privacy import algorithms, data, defenses, io, models, runtime
+from tff_privacy import algorithms, data, defenses, io, models, params
 from tff_privacy.dp import accounting
+from tff_privacy.protocol import local_batch_sizes
 from tff_privacy.updates import CaptureFactory, GroundTruthStore, UpdateStore
 
 _EVAL_BATCH = 1000
 
 
+RUN_PARAMETERS = params.Params(
+    params.Param("method", str, "fedavg", "federated method",
+                 choices=tuple(sorted(algorithms.METHODS))),
+    params.Param("dataset", str, "mnist5k", "data set", choices=data.DATASETS),
+    params.Param("data_dir", str, None, "tensorflow_datasets data directory"),
+    params.Param("model", str, "cnn", "model builder",
+                 choices=tuple(sorted(models.MODELS))),
+    params.Param("clients", int, 10, "number of clients", minimum=1),
+    params.Param("clients_per_round", int, None,
+                 "clients drawn (without replacement) per round; default all",
+                 minimum=1),
+    params.Param("rounds", int, 20, "training rounds", minimum=1),
+    params.Param("batch_size", int, 32, "local batch size", minimum=1),
+    params.Param("partition", str, "iid", "how the training set is split",
+                 choices=data.PARTITIONS),
+    params.Param("alpha", float, 0.5, "Dirichlet concentration of the "
+                 "'dirichlet' partition", minimum=0, exclusive_minimum=True),
+    params.Param("seed", int, 0, "seed of every random choice of the run"),
+    params.Param("defense", str, None, "defence: applied by every client to its "
+                 "upload, or by the server's aggregator for dp_fedavg",
+                 choices=tuple(sorted(defenses.DEFENSES))),
+    params.Param("dp_delta", float, 1e-5, "delta at which DP runs report epsilon",
+                 minimum=0, maximum=1, exclusive_minimum=True,
+                 exclusive_maximum=True))
+
+
+def _run_default(name: str):
+  return RUN_PARAMETERS[name].default
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """One training run. Defaults: FedAvg on the bundled MNIST digits."""
+  """One training run. Defaults: FedAvg on the bundled MNIST digits; the
+  scalar fields are declared in `RUN_PARAMETERS`."""
 
   out: str
-  method: str = "fedavg"
-  dataset: str = "mnist5k"
-  model: str = "cnn"
+  method: str = _run_default("method")
+  dataset: str = _run_default("dataset")
+  model: str = _run_default("model")
   model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  clients: int = 10
+  clients: int = _run_default("clients")
   clients_per_round: Optional[int] = None  # None: every client, every round
-  rounds: int = 20
-  batch_size: int = 32
-  local_epochs: int = 1
-  client_lr: float = 0.1
-  server_lr: Optional[float] = None  # None: the method's default
-  # further keyword arguments of the method's `algorithm` (e.g. FedEM's
-  # perturb_steps, rho_max); see tff_privacy.algorithms
+  rounds: int = _run_default("rounds")
+  batch_size: int = _run_default("batch_size")
+  # the method's declared parameters (e.g. FedAvg's local_epochs, FedEM's
+  # rho_max); the method's paper defaults for the rest. See
+  # `tff_privacy.algorithms.METHODS[method].parameters`.
   method_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  partition: str = "iid"
-  alpha: float = 0.5
-  seed: int = 0
+  partition: str = _run_default("partition")
+  alpha: float = _run_default("alpha")
+  seed: int = _run_default("seed")
   capture_rounds: tuple[int, ...] = ()
   data_dir: Optional[str] = None
-  defense: Optional[str] = None  # a client-side defence, see tff_privacy.defenses
+  defense: Optional[str] = None  # see tff_privacy.defenses
   defense_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  dp_delta: float = 1e-5  # delta at which DP runs report their epsilon
+  dp_delta: float = _run_default("dp_delta")
 
   def __post_init__(self):
-    object.__setattr__(self, "capture_rounds",
-                       tuple(sorted(set(int(r) for r in self.capture_rounds))))
-    for name in ("clients", "rounds", "batch_size", "local_epochs"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.clients_per_round is not None and not (
-        1 <= self.clients_per_round <= self.clients):
+    checked = RUN_PARAMETERS.check(
+        **{name: getattr(self, name) for name in RUN_PARAMETERS.names})
+    for name, value in checked.items():
+      object.__setattr__(self, name, value)
+    if not isinstance(self.out, str) or not self.out:
+      raise ValueError(f"out must name a folder, got {self.out!r}")
+    for name in ("model_kwargs", "method_kwargs", "defense_kwargs"):
+      if not isinstance(getattr(self, name), dict):
+        raise ValueError(f"{name} must be a JSON object (dict), got "
+                         f"{getattr(self, name)!r}")
+    self._check_capture_rounds()
+    if self.clients_per_round is not None and self.clients_per_round > self.clients:
       raise ValueError(f"clients_per_round must be in [1, clients={self.clients}]"
                        f", got {self.clients_per_round}")
+    models.builders.check_kwargs(self.model, self.model_kwargs)
+    algorithms.method(self.method).resolve(self.method_kwargs)
+    if self.defense is not None:
+      defenses.resolve(self.defense, self.defense_kwargs)
+    elif self.defense_kwargs:
+      raise ValueError(f"defense_kwargs {sorted(self.defense_kwargs)} given "
+                       "without a defense")
+
+  def _check_capture_rounds(self) -> None:
+    rounds = self.capture_rounds
+    if not all(isinstance(r, int) and not isinstance(r, bool) for r in rounds):
+      raise ValueError(f"capture_rounds must be a list of round numbers, got "
+                       f"{rounds!r}")
+    object.__setattr__(self, "capture_rounds", tuple(sorted(set(rounds))))
     bad = [r for r in self.capture_rounds if not 1 <= r <= self.rounds]
     if bad:
       raise ValueError(f"capture_rounds must lie in [1, rounds={self.rounds}], "
                        f"got {bad}")
-    if self.method not in algorithms.METHODS:
-      raise ValueError(f"method={self.method!r} is unknown; choose one of "
-                       f"{sorted(algorithms.METHODS)}")
-    if self.dataset not in data.DATASETS:
-      raise ValueError(f"dataset={self.dataset!r} is unknown; choose one of "
-                       f"{', '.join(data.DATASETS)}")
-    if self.defense is not None and self.defense not in defenses.DEFENSES:
-      raise ValueError(f"defense={self.defense!r} is unknown; choose one of "
-                       f"{sorted(defenses.DEFENSES)}")
-    if not 0 < self.dp_delta < 1:
-      raise ValueError(f"dp_delta must lie in (0, 1), got {self.dp_delta}")
 
   @property
   def sampled_per_round(self) -> int:
     return self.clients_per_round or self.clients
 
   def to_json(self) -> dict[str, Any]:
+    """The configuration as it reads back from config.json (`out` aside)."""
     d = dataclasses.asdict(self)
-    d["capture_rounds"] = list(self.capture_rounds)
     d.pop("out")
-    return d
+    return io.canonical(d)
 
 
 def sample_clients(config: RunConfig, round_num: int) -> np.ndarray:
@@ -114,19 +155,33 @@ def sample_clients(config: RunConfig, round_num: int) -> np.ndarray:
 
 def local_order(num_samples: int, algorithm: algorithms.Algorithm,
                 config: RunConfig, round_num: int, client: int) -> np.ndarray:
-  """Indices of a client's samples in the order it uses them this round."""
+  """Indices of a client's samples in the order it uses them this round:
+  one batch (FedSGD) or a fresh permutation per local epoch."""
   rng = np.random.default_rng([config.seed, round_num, client + 1])
   if algorithm.local_data == "one_batch":
     return rng.permutation(num_samples)[: config.batch_size]
   return np.concatenate([rng.permutation(num_samples)
-                         for _ in range(config.local_epochs)])
+                         for _ in range(algorithm.local_epochs)])
 
 
-def client_dataset(x: np.ndarray, y: np.ndarray, batch_size: int,
+def local_batches(num_samples: int, algorithm: algorithms.Algorithm,
+                  config: RunConfig) -> list[int]:
+  """The batch sizes of a client's round (`protocol.local_batch_sizes`)."""
+  return local_batch_sizes(num_samples, config.batch_size, algorithm.local_epochs,
+                           one_batch=algorithm.local_data == "one_batch")
+
+
+def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
                    extra: Optional[dict[str, np.ndarray]] = None) -> tf.data.Dataset:
-  """Batches (x, y) in order; `extra` per-client inputs join every batch."""
-  elements = collections.OrderedDict(x=x, y=y)
-  ds = tf.data.Dataset.from_tensor_slices(elements).batch(batch_size)
+  """(x, y) in order, cut into consecutive batches of `batch_sizes`; `extra`
+  per-client inputs join every batch."""
+  elements = collections.OrderedDict(
+      x=tf.RaggedTensor.from_row_lengths(x, batch_sizes),
+      y=tf.RaggedTensor.from_row_lengths(y, batch_sizes))
+  # slices of a ragged tensor are dense; identity gives them a dense spec
+  ds = tf.data.Dataset.from_tensor_slices(elements).map(
+      lambda batch: collections.OrderedDict(
+          (k, tf.identity(v)) for k, v in batch.items()))
   if extra:
     consts = tf.data.Dataset.from_tensors(collections.OrderedDict(extra)).repeat()
     ds = tf.data.Dataset.zip((ds, consts)).map(
@@ -186,16 +241,10 @@ class Run:
     # Server-side defences replace the aggregator; client-side ones go into
     # the method's client work.
     self.central = defense if isinstance(defense, defenses.DPFedAvg) else None
-    hparams = {"batch_size": config.batch_size, "seed": config.seed,
-               "defense": None if self.central else defense}
-    if config.server_lr is not None:
-      hparams["server_learning_rate"] = config.server_lr
-    if config.method == "fedavg":
-      hparams.update(client_learning_rate=config.client_lr,
-                     local_epochs=config.local_epochs)
-    hparams.update(config.method_kwargs)
-    self.algorithm = algorithms.get(config.method, self.spec.tff_model_fn(),
-                                    **hparams)
+    self.algorithm = algorithms.get(
+        config.method, self.spec.tff_model_fn(), batch_size=config.batch_size,
+        seed=config.seed, defense=None if self.central else defense,
+        **config.method_kwargs)
     self._processes: dict[bool, tff.learning.templates.LearningProcess] = {}
 
   def process(self, capture: bool) -> tff.learning.templates.LearningProcess:
@@ -223,8 +272,9 @@ class Run:
       extra = (self.algorithm.client_inputs(int(client), round_num)
                if self.algorithm.client_inputs else None)
       distinct = order[: min(len(y), len(order))]
+      sizes = local_batches(len(distinct), self.algorithm, self.config)
       out.append((int(client), x[distinct], y[distinct],
-                  client_dataset(x[order], y[order], self.config.batch_size, extra)))
+                  client_dataset(x[order], y[order], sizes, extra)))
     return out
 
   @functools.cached_property
@@ -232,33 +282,45 @@ class Run:
     return sum(int(np.prod(w.shape)) for w in self.spec.initial_weights(0))
 
   @functools.cached_property
-  def round_dp_event(self) -> Optional[dp_accounting.DpEvent]:
+  def round_dp_event(self) -> Optional[accounting.RoundEvent]:
     """The DP event of one round, if the run uses a DP mechanism that
     `dp_accounting` models."""
     if self.central:
-      return self.central.dp_event(self.config.sampled_per_round /
-                                   self.config.clients)
-    if self.algorithm.dp_event:
-      return self.algorithm.dp_event(self._num_params)
-    return None
-
-  def privacy_spent(self, rounds: int) -> dict[str, float]:
-    """(epsilon, delta) spent after `rounds` rounds. Local DP: each client's
-    mechanism composed over every round (an upper bound when clients are
-    sampled), see `accounting.rounds_epsilon`; pure-DP mechanisms outside
-    `dp_accounting` (LDP-Fed) by the basic composition theorem, with delta
-    0. Central DP-FedAvg: user-level, with the sampling rate. Empty for runs
-    without a DP mechanism."""
-    event = self.round_dp_event
+      return self.central.round_event(self.config.clients,
+                                      self.config.sampled_per_round)
+    event = self.algorithm.dp_event(self._num_params) if self.algorithm.dp_event else None
     if event is None:
+      return None
+    return accounting.RoundEvent(event, self._defense_class.dp_relation,
+                                 _LOCAL_SAMPLING)
+
+  @property
+  def _defense_class(self):
+    return defenses.defense_class(self.config.defense)
+
+  def privacy_spent(self, rounds: int) -> dict[str, Any]:
+    """(epsilon, delta) spent after `rounds` rounds, with the neighbouring
+    relation (`dp_relation`) and the client sampling (`dp_sampling`) they
+    assume. Local DP: each client's mechanism composed over every round,
+    see `accounting.rounds_epsilon`; pure-DP mechanisms outside
+    `dp_accounting` (LDP-Fed) by the basic composition theorem, with delta
+    0. Central DP-FedAvg: user-level, see `DPFedAvg.round_event`. Empty for
+    runs without a DP mechanism."""
+    round_event = self.round_dp_event
+    if round_event is None:
       pure = (self.algorithm.pure_epsilon(self._num_params)
               if self.algorithm.pure_epsilon else None)
       if pure is None:
         return {}
       eps, delta = accounting.simple_composition([pure] * rounds)
-      return {"epsilon": eps, "delta": delta}
-    eps, delta = accounting.rounds_epsilon(event, rounds, self.config.dp_delta)
-    return {"epsilon": eps, "delta": delta}
+      return {"epsilon": eps, "delta": delta,
+              "dp_relation": self._defense_class.dp_relation,
+              "dp_sampling": _LOCAL_SAMPLING + "; basic composition"}
+    eps, delta = accounting.rounds_epsilon(round_event.event, rounds,
+                                           self.config.dp_delta,
+                                           round_event.neighboring_relation)
+    return {"epsilon": eps, "delta": delta, "dp_relation": round_event.relation,
+            "dp_sampling": round_event.sampling}
 
   def run_metadata(self) -> dict[str, Any]:
     src = self.fed.source
@@ -272,28 +334,39 @@ class Run:
             "protocol": self.algorithm.protocol}
 
 
-def _check_or_write_config(config: RunConfig) -> None:
-  """Refuses to resume a run made with another config; `rounds` may grow."""
+# Local DP is accounted per client over every round, sampled or not.
+_LOCAL_SAMPLING = ("none assumed: every round counts for every client (an upper "
+                   "bound when clients are sampled)")
+
+
+def _check_config(config: RunConfig) -> None:
+  """Refuses an output path that is a file, or a folder holding a run made
+  with another config (`rounds` may grow)."""
+  if os.path.exists(config.out) and not os.path.isdir(config.out):
+    raise ValueError(f"out={config.out!r} is a file; give a folder (new or "
+                     "holding this run)")
   path = os.path.join(config.out, "config.json")
-  new = config.to_json()
   if os.path.exists(path):
-    old = io.read_json(path)
+    old, new = io.read_json(path), config.to_json()
     if {**old, "rounds": None} != {**new, "rounds": None}:
-      changed = sorted(k for k in new if old.get(k) != new[k] and k != "rounds")
+      changed = sorted(k for k in set(new) | set(old)
+                       if old.get(k) != new.get(k) and k != "rounds")
       raise ValueError(f"{config.out} holds a run with another config (differs in "
                        f"{', '.join(changed)}); choose another --out or delete it")
-  io.write_json(path, new)
 
 
 MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name
 
 
 def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
-  """Trains (or resumes) the run described by `config`; returns its metrics."""
-  os.makedirs(config.out, exist_ok=True)
-  _check_or_write_config(config)
-  runtime.start()
+  """Trains (or resumes) the run described by `config`; returns its metrics.
+
+  Nothing is written under `config.out` until the data, model, defence and
+  method have been built from the config without error."""
+  _check_config(config)
   r = Run(config)
+  os.makedirs(config.out, exist_ok=True)
+  io.write_json(os.path.join(config.out, "config.json"), config.to_json())
   process = r.process(capture=False)
   if config.capture_rounds:
     # Built before any eager Keras model: tracing a TFF computation that builds
@@ -336,7 +409,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     io.write_json(metrics_path, history)
     with writer.as_default(step=round_num):
       for k, v in entry.items():
-        if k != "round":
+        if k != "round" and not isinstance(v, str):
           tf.summary.scalar(k, v)
     writer.flush()
     asyncio.run(manager.save(state, round_num))
@@ -359,8 +432,8 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured) -> None
   if count != len(clients):
     raise RuntimeError(f"captured {count} uploads from {len(clients)} clients")
   uploads = [(index, data.client_id(index), [u[i] for u in captured["uploads"]],
-              captured["upload_weights"][i])
-             for i, (index, *_rest) in enumerate(clients)]
+              captured["upload_weights"][i], len(y))
+             for i, (index, _, y, _) in enumerate(clients)]
   meta = r.run_metadata()
   UpdateStore(os.path.join(r.config.out, "updates")).write_round(
       round_num, list(broadcast), uploads, meta)

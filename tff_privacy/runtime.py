@@ -11,6 +11,16 @@ The other way round, TFF's remote executor retries a dead worker forever. A
 watcher thread notices when the worker exits unasked (the kernel's
 out-of-memory killer is the usual cause), says so on stderr and interrupts
 the main thread, so the program fails instead of hanging.
+
+Importing this module changes nothing. A program opts in:
+
+  from tff_privacy import runtime
+  runtime.install()   # TFF's default context: this worker, started on first use
+  ...                 # run computations, e.g. tff_privacy.runner.run(config)
+  runtime.stop()      # optional: also registered to run at exit
+
+`start()` does the same and starts the worker at once. A program that runs
+TFF under its own execution context simply does not call either.
 """
 
 from __future__ import annotations
@@ -123,11 +133,13 @@ class LocalWorker:
 def start(max_concurrent_computation_calls: int = -1) -> LocalWorker:
   """Starts (once) a local worker and makes it TFF's default execution context.
 
-  Idempotent: later calls return the running worker.
+  Idempotent: later calls return the running worker. The worker is stopped
+  at exit.
   """
   global _worker
   if _worker is not None and _worker.process.poll() is None:
     return _worker
+  _register_exit_hook()
   worker = LocalWorker(max_concurrent_computation_calls)
 
   def stack_fn(cardinalities):
@@ -173,11 +185,25 @@ class _StartOnFirstUse(context_base.SyncContext):
     return context_stack_impl.context_stack.current.invoke(comp, arg)
 
 
+def install() -> None:
+  """Makes a local worker, started on the first computation, TFF's default
+  execution context, and stops it at exit. Starts no process by itself."""
+  if _worker is None:
+    _install_lazy_context()
+  _register_exit_hook()
+
+
 def _install_lazy_context() -> None:
-  # Replacing TFF's own default context here, while `subprocess` is alive, lets
-  # its service manager be collected cleanly instead of failing at exit.
+  # Replacing TFF's own default context early, while `subprocess` is alive,
+  # lets its service manager be collected cleanly instead of failing at exit.
   context_stack_impl.context_stack.set_default_context(_StartOnFirstUse())
 
 
-_install_lazy_context()
-atexit.register(stop)
+_exit_hook_registered = False
+
+
+def _register_exit_hook() -> None:
+  global _exit_hook_registered
+  if not _exit_hook_registered:
+    atexit.register(stop)
+    _exit_hook_registered = True

@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-import inspect
-
 from tff_privacy.algorithms import fedavg, fedem, fedsgd
-from tff_privacy.algorithms.base import Algorithm, UPLOAD_KINDS
+from tff_privacy.algorithms.base import UPLOAD_KINDS, Algorithm, Method
 from tff_privacy.algorithms.fedavg import build_fedavg
 from tff_privacy.algorithms.fedem import Perturbation, build_fedem
 from tff_privacy.algorithms.fedsgd import build_fedsgd
 
-METHODS = {"fedavg": fedavg.algorithm, "fedem": fedem.algorithm,
-           "fedsgd": fedsgd.algorithm}
+METHODS: dict[str, Method] = {m.name: m for m in (fedavg.METHOD, fedem.METHOD,
+                                                   fedsgd.METHOD)}
 
 
-def get(name: str, model_fn, **hparams) -> Algorithm:
-  """Returns method `name` (one of `METHODS`) configured by `hparams`."""
+def method(name: str) -> Method:
+  """The method `name` (one of `METHODS`)."""
   if name not in METHODS:
     raise ValueError(f"method={name!r} is unknown; choose one of {sorted(METHODS)}")
-  parameters = inspect.signature(METHODS[name]).parameters
-  accepted = set(parameters) - {"model_fn"}
-  unknown = sorted(set(hparams) - accepted)
-  # a method taking **kwargs names its own unknown parameters
-  open_ended = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
-  if unknown and not open_ended:
-    raise ValueError(f"method {name!r} takes no {', '.join(unknown)}; its "
-                     f"parameters: {', '.join(sorted(accepted))}")
-  return METHODS[name](model_fn, **hparams)
+  return METHODS[name]
+
+
+def get(name: str, model_fn, *, batch_size: int = 32, seed: int = 0,
+        defense=None, **kwargs) -> Algorithm:
+  """Method `name` configured by its declared parameters `kwargs` (paper
+  defaults for the rest), for clients with batches of `batch_size`."""
+  return method(name).build(model_fn, batch_size=batch_size, seed=seed,
+                            defense=defense, **kwargs)

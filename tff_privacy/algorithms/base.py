@@ -1,9 +1,11 @@
-"""`Algorithm`: what the runner needs to know to drive a federated method.
+"""`Algorithm`: what the runner needs to know to drive a federated method, and
+`Method`: how a method is declared and built by name.
 
 A method module exposes a TFF-style `build_*` function returning a
-`tff.learning.templates.LearningProcess`, and an `Algorithm` that says how the
-runner feeds it and what its clients upload. New defences plug in here without
-touching the runner:
+`tff.learning.templates.LearningProcess`, its declared parameters
+(`tff_privacy.params`) and an `algorithm` factory returning an `Algorithm`
+that says how the runner feeds it and what its clients upload. New defences
+plug in here without touching the runner:
 
 * per-client configuration (a privacy budget, a region box, attributes) comes
   from `client_inputs(client_index, round_num)`; the runner adds the returned
@@ -31,6 +33,7 @@ import dp_accounting
 import numpy as np
 import tensorflow_federated as tff
 
+from tff_privacy import params
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
 
 UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights")
@@ -50,11 +53,13 @@ class Algorithm:
     upload_kind: one of `UPLOAD_KINDS`: what a client sends to the server.
     local_data: 'one_batch' (each client computes on one batch per round, as
       in FedSGD) or 'epochs' (each client passes over all its samples
-      `local_epochs` times).
+      `local_epochs` times); `tff_privacy.protocol.local_batch_sizes` cuts
+      the batches.
     build_process: maps an optional model aggregator (the runner passes an
       upload-capturing wrapper on capture rounds) to the `LearningProcess`.
     protocol: public facts of the protocol (learning rates, local epochs...)
       written into every captured record's metadata.
+    local_epochs: passes over the client's data per round ('epochs' only).
     client_inputs: optional per-client, per-round inputs for the client work.
     defense: the client-side defence's name and parameters, if any (public:
       written into the records' metadata).
@@ -70,6 +75,7 @@ class Algorithm:
   local_data: str
   build_process: ProcessBuilder
   protocol: dict[str, Any]
+  local_epochs: int = 1
   client_inputs: Optional[ClientInputs] = None
   defense: Optional[dict[str, Any]] = None
   dp_event: Optional[Callable[[int], Optional[dp_accounting.DpEvent]]] = None
@@ -81,6 +87,36 @@ class Algorithm:
           f"upload_kind={self.upload_kind!r}; choose one of {UPLOAD_KINDS}")
     if self.local_data not in LOCAL_DATA:
       raise ValueError(f"local_data={self.local_data!r}; choose one of {LOCAL_DATA}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A method by name: its declared parameters and its `Algorithm` factory.
+
+  `factory(model_fn, *, batch_size, seed, defense, **parameters)` receives
+  every declared parameter, resolved (checked, defaults filled in).
+  """
+
+  name: str
+  parameters: params.Params
+  factory: Callable[..., Algorithm]
+  summary: str
+
+  def resolve(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Every parameter's value from the given `kwargs` (checked)."""
+    return self.parameters.resolve(f"method {self.name!r}", kwargs)
+
+  def build(self, model_fn, *, batch_size: int, seed: int, defense=None,
+            **kwargs) -> Algorithm:
+    return self.factory(model_fn, batch_size=batch_size, seed=seed,
+                        defense=defense, **self.resolve(kwargs))
+
+
+def server_learning_rate(default: float) -> params.Param:
+  """The server optimizer's step, a parameter of every method."""
+  return params.Param("server_learning_rate", float, default,
+                      "learning rate of the server's SGD step", minimum=0,
+                      exclusive_minimum=True, flag="server-lr")
 
 
 def check_positive(**values: float) -> None:

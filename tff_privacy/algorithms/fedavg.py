@@ -17,9 +17,19 @@ from typing import Callable, Optional
 
 import tensorflow_federated as tff
 
+from tff_privacy import params
 from tff_privacy.algorithms import defended
-from tff_privacy.algorithms.base import Algorithm, check_positive, defense_fields
+from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
+                                         defense_fields, server_learning_rate)
 from tff_privacy.defenses import UpdateDefense
+
+PARAMETERS = params.Params(
+    params.Param("client_learning_rate", float, 0.1,
+                 "learning rate of the clients' local SGD", minimum=0,
+                 exclusive_minimum=True, flag="client-lr"),
+    server_learning_rate(1.0),
+    params.Param("local_epochs", int, 1, "local passes over each client's data",
+                 minimum=1))
 
 
 def build_fedavg(
@@ -49,14 +59,14 @@ def build_fedavg(
                                    model_aggregator)
 
 
-def algorithm(model_fn, *, client_learning_rate: float = 0.1,
-              server_learning_rate: float = 1.0, local_epochs: int = 1,
-              batch_size: int = 32, defense: Optional[UpdateDefense] = None,
-              seed: int = 0) -> Algorithm:
+def algorithm(model_fn, *, batch_size: int, seed: int,
+              defense: Optional[UpdateDefense], client_learning_rate: float,
+              server_learning_rate: float, local_epochs: int) -> Algorithm:
   """FedAvg as the runner drives it."""
-  check_positive(local_epochs=local_epochs, batch_size=batch_size)
+  check_positive(batch_size=batch_size)
   return Algorithm(
       name="fedavg", upload_kind="model_delta", local_data="epochs",
+      local_epochs=local_epochs,
       build_process=lambda aggregator: build_fedavg(
           model_fn, client_learning_rate=client_learning_rate,
           server_learning_rate=server_learning_rate, model_aggregator=aggregator,
@@ -67,3 +77,7 @@ def algorithm(model_fn, *, client_learning_rate: float = 0.1,
                 "client_optimizer": "sgd",
                 "delta_convention": "broadcast_minus_local"},
       **defense_fields(defense, seed))
+
+
+METHOD = Method("fedavg", PARAMETERS, algorithm,
+                "local SGD epochs per client, the server averages model deltas")

@@ -44,8 +44,10 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_privacy import params
 from tff_privacy.algorithms import defended, fedsgd
-from tff_privacy.algorithms.base import Algorithm, check_positive
+from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
+                                         server_learning_rate)
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
 from tff_privacy.models import loss_fn
 
@@ -70,9 +72,35 @@ def project(delta: tf.Tensor, rho_min: float, rho_max: float,
   return delta * target / tf.maximum(size, 1e-12)
 
 
+PERTURBATION = params.Params(
+    params.Param("perturb_steps", int, 5,
+                 "N, perturbation iterations per client and round", minimum=0),
+    params.Param("perturb_lr", float, 0.01,
+                 "alpha_u, the sign step on the perturbation", minimum=0,
+                 exclusive_minimum=True),
+    params.Param("model_lr", float, 0.01,
+                 "eta_u, the step of the local model copy", minimum=0,
+                 exclusive_minimum=True, flag="local-model-lr"),
+    params.Param("rho_min", float, 0.0,
+                 "lower bound of each perturbation entry's magnitude (linf) or "
+                 "each sample's L2 norm", minimum=0),
+    params.Param("rho_max", float, 8 / 255,
+                 "upper bound of the same, on [0, 1] data (8/255: radius 8 of 255)",
+                 minimum=0, exclusive_minimum=True),
+    params.Param("norm", str, "linf", "norm of the bounds", choices=NORMS,
+                 flag="perturb-norm"))
+
+PARAMETERS = params.Params(server_learning_rate(0.1), *PERTURBATION)
+
+
+def _default(name: str):
+  return PERTURBATION[name].default
+
+
 @dataclasses.dataclass(frozen=True)
 class Perturbation:
-  """FedEM's client-side perturbation; defaults from Sec. 4.1.2.
+  """FedEM's client-side perturbation; defaults from Sec. 4.1.2 (declared
+  in `PERTURBATION`).
 
   Attributes:
     perturb_steps: N, the perturbation iterations per client and round.
@@ -84,40 +112,27 @@ class Perturbation:
     value_range: the data's range, to which t(.) clips x + delta.
   """
 
-  perturb_steps: int = 5
-  perturb_lr: float = 0.01
-  model_lr: float = 0.01
-  rho_min: float = 0.0
-  rho_max: float = 8 / 255
-  norm: str = "linf"
+  perturb_steps: int = _default("perturb_steps")
+  perturb_lr: float = _default("perturb_lr")
+  model_lr: float = _default("model_lr")
+  rho_min: float = _default("rho_min")
+  rho_max: float = _default("rho_max")
+  norm: str = _default("norm")
   value_range: tuple[float, float] = (0.0, 1.0)
 
   def __post_init__(self):
-    if not (isinstance(self.perturb_steps, (int, np.integer))
-            and self.perturb_steps >= 0):
-      raise ValueError(f"perturb_steps must be an integer >= 0, got "
-                       f"{self.perturb_steps!r}")
-    check_positive(perturb_lr=self.perturb_lr, model_lr=self.model_lr,
-                   rho_max=self.rho_max)
-    if not 0 <= self.rho_min <= self.rho_max:
+    checked = PERTURBATION.check(
+        **{name: getattr(self, name) for name in PERTURBATION.names})
+    for name, value in checked.items():
+      object.__setattr__(self, name, value)
+    if not self.rho_min <= self.rho_max:
       raise ValueError(f"rho_min must lie in [0, rho_max={self.rho_max}], got "
                        f"{self.rho_min}")
-    if self.norm not in NORMS:
-      raise ValueError(f"norm={self.norm!r}; choose one of {NORMS}")
     low, high = self.value_range
     if not low < high:
       raise ValueError(f"value_range must be (low, high) with low < high, "
                        f"got {self.value_range}")
-
-  @classmethod
-  def from_kwargs(cls, kwargs: dict) -> "Perturbation":
-    """From keyword arguments, naming any that is not a field."""
-    fields = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(kwargs) - set(fields))
-    if unknown:
-      raise ValueError(f"method 'fedem' takes no {', '.join(unknown)}; its "
-                       f"perturbation parameters: {', '.join(fields)}")
-    return cls(**kwargs)
+    object.__setattr__(self, "value_range", (float(low), float(high)))
 
 
 def build_fedem_client_work(
@@ -237,9 +252,8 @@ def build_fedem(
       tff.learning.optimizers.build_sgdm(server_learning_rate), model_aggregator)
 
 
-def algorithm(model_fn, *, batch_size: int = 32, seed: int = 0,
-              server_learning_rate: float = 0.1, defense=None,
-              **perturbation) -> Algorithm:
+def algorithm(model_fn, *, batch_size: int, seed: int, defense,
+              server_learning_rate: float, **perturbation) -> Algorithm:
   """FedEM as the runner drives it: one batch per client and round, its
   perturbation (keyword arguments: the fields of `Perturbation`) seeded per
   (run, round, client). FedEM is itself the client-side defence; `defense`
@@ -247,15 +261,19 @@ def algorithm(model_fn, *, batch_size: int = 32, seed: int = 0,
   if defense is not None:
     raise ValueError(f"method 'fedem' takes no client-side defense, got "
                      f"{defense.name!r}")
-  check_positive(batch_size=batch_size, server_learning_rate=server_learning_rate)
-  params = Perturbation.from_kwargs(perturbation)
+  check_positive(batch_size=batch_size)
+  perturb = Perturbation(**perturbation)
   return Algorithm(
       name="fedem", upload_kind="gradient", local_data="one_batch",
       build_process=lambda aggregator: build_fedem(
-          model_fn, perturbation=params,
+          model_fn, perturbation=perturb,
           server_learning_rate=server_learning_rate, model_aggregator=aggregator),
       protocol={**fedsgd.protocol(server_learning_rate, batch_size,
                                   "mean loss over the perturbed batch"),
-                **dataclasses.asdict(params)},
+                **dataclasses.asdict(perturb)},
       client_inputs=lambda client, round_num: {
           SEED_KEY: client_seed(seed, round_num, client)})
+
+
+METHOD = Method("fedem", PARAMETERS, algorithm,
+                "error-minimizing perturbation of each client's batch, then FedSGD")

@@ -22,9 +22,13 @@ import tensorflow_federated as tff
 from tensorflow_federated.python.learning.algorithms.fed_sgd import (
     _build_fed_sgd_client_work as build_fed_sgd_client_work)
 
+from tff_privacy import params
 from tff_privacy.algorithms import defended
-from tff_privacy.algorithms.base import Algorithm, check_positive, defense_fields
+from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
+                                         defense_fields, server_learning_rate)
 from tff_privacy.defenses import UpdateDefense
+
+PARAMETERS = params.Params(server_learning_rate(0.1))
 
 
 def build_fedsgd(
@@ -56,9 +60,8 @@ def protocol(server_learning_rate: float, batch_size: int,
           "batch_size": batch_size, "local_steps": 1, "gradient_of": gradient_of}
 
 
-def algorithm(model_fn, *, server_learning_rate: float = 0.1,
-              batch_size: int = 32, defense: Optional[UpdateDefense] = None,
-              seed: int = 0) -> Algorithm:
+def algorithm(model_fn, *, batch_size: int, seed: int,
+              defense: Optional[UpdateDefense], server_learning_rate: float) -> Algorithm:
   """FedSGD as the runner drives it: one batch per client and round."""
   check_positive(batch_size=batch_size)
   return Algorithm(
@@ -68,3 +71,7 @@ def algorithm(model_fn, *, server_learning_rate: float = 0.1,
           model_aggregator=aggregator, defense=defense),
       protocol=protocol(server_learning_rate, batch_size),
       **defense_fields(defense, seed))
+
+
+METHOD = Method("fedsgd", PARAMETERS, algorithm,
+                "one gradient of one local batch per client and round")

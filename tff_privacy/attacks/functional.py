@@ -2,14 +2,18 @@
 
 Attacks need d(upload)/d(input) through the exact arithmetic the client ran:
 one gradient (FedSGD) or several local SGD steps (FedAvg), built on the
-functional forward pass of `tff_privacy.models.functional`.
+functional forward pass of `tff_privacy.models.functional` and the local
+schedule of `tff_privacy.protocol` that the runner also follows.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import tensorflow as tf
 
 from tff_privacy.models.functional import forward
+from tff_privacy.protocol import local_batch_sizes
 
 
 def batch_loss(model, weights, x, y_soft) -> tf.Tensor:
@@ -23,14 +27,30 @@ def batch_loss(model, weights, x, y_soft) -> tf.Tensor:
   return tf.reduce_mean(-tf.reduce_sum(y_soft * tf.nn.log_softmax(logits), -1))
 
 
+def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
+              batch_sizes: Sequence[int]) -> list[tf.Tensor]:
+  """w0 - wK after plain SGD steps over consecutive batches of the sample
+  sequence (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention)."""
+  current, start = list(weights), 0
+  for size in batch_sizes:
+    with tf.GradientTape() as tape:
+      tape.watch(current)
+      loss = batch_loss(model, current, x_seq[start:start + size],
+                        y_seq[start:start + size])
+    grads = tape.gradient(loss, current)
+    current = [w - learning_rate * g for w, g in zip(current, grads)]
+    start += size
+  return [w0 - w for w0, w in zip(weights, current)]
+
+
 def simulate_upload(model, weights, x, y_soft, upload_kind: str,
                     protocol: dict, num_examples: int | None = None):
   """What a client holding (x, y_soft) would upload from broadcast `weights`.
 
   'gradient': the gradient of the mean loss over the batch (FedSGD).
   'model_delta': w0 - wK after `local_epochs` passes of minibatch SGD with
-  `client_learning_rate` and `batch_size` over the samples in the order given,
-  the same order in every epoch since an attacker cannot know the client's
+  `client_learning_rate`, batches cut by `local_batch_sizes`, the samples in
+  the order given in every epoch, since an attacker cannot know the client's
   shuffling (FedAvg; TFF's sign convention).
   """
   if upload_kind == "gradient":
@@ -39,18 +59,11 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
       loss = batch_loss(model, weights, x, y_soft)
     return tape.gradient(loss, weights)
   if upload_kind == "model_delta":
-    lr = protocol["client_learning_rate"]
-    bs = protocol["batch_size"]
     n = int(x.shape[0]) if num_examples is None else num_examples
-    current = list(weights)
-    for _ in range(protocol.get("local_epochs", 1)):
-      for start in range(0, n, bs):
-        with tf.GradientTape() as tape:
-          tape.watch(current)
-          loss = batch_loss(model, current, x[start:start + bs],
-                            y_soft[start:start + bs])
-        grads = tape.gradient(loss, current)
-        current = [w - lr * g for w, g in zip(current, grads)]
-    return [w0 - w for w0, w in zip(weights, current)]
+    epochs = protocol.get("local_epochs", 1)
+    sizes = local_batch_sizes(n, protocol["batch_size"], epochs)
+    return local_sgd(model, weights, tf.concat([x] * epochs, 0),
+                     tf.concat([y_soft] * epochs, 0),
+                     protocol["client_learning_rate"], sizes)
   raise ValueError(f"upload_kind={upload_kind!r} cannot be simulated; "
                    "supported: 'gradient', 'model_delta'")

@@ -1,9 +1,9 @@
 """Gradient-inversion attacks on captured client uploads.
 
-Each attack reads an `UpdateRecord` (the broadcast model, the upload and the
-public protocol facts in its metadata) and searches for inputs whose simulated
-upload matches the captured one. The client's true samples are never read
-here. Attacks:
+Each attack reads an `UpdateRecord` (the broadcast model, the upload, the
+number of examples behind it and the public protocol facts in its metadata)
+and searches for inputs whose simulated upload matches the captured one. The
+client's true samples are never read here. Attacks:
 
 * `DLG` (Zhu et al. 2019): squared L2 distance between uploads, L-BFGS over
   dummy inputs and dummy soft labels jointly.
@@ -17,6 +17,15 @@ here. Attacks:
 For FedAvg model deltas the attacks simulate the client's local SGD steps
 (learning rate, epochs, batch size from the record's protocol) inside the
 objective. Every attack keeps the best iterate by its own objective.
+
+The search runs in compiled chunks of `CHUNK` iterations; the broadcast
+weights and the upload are arguments of the compiled functions, so records of
+different models (rounds, personalised clients) share one trace when their
+architecture, protocol and batch size agree. Between chunks a progress bar
+advances. An upload that stands for more than `max_examples` examples is
+refused: inverting hundreds of images from one update is slow and recovers
+little (Geiping et al. report recognisable images for batches up to about a
+hundred only on large models), so the limit is 64 unless raised.
 """
 
 from __future__ import annotations
@@ -24,17 +33,21 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
-from typing import Callable, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_probability as tfp
+import tqdm
 
 from tff_privacy.attacks import functional
 from tff_privacy.attacks.labels import recover_labels
+from tff_privacy.params import Param, Params
 from tff_privacy.updates import UpdateRecord
 
 INITS = ("randn", "uniform")
+MAX_EXAMPLES = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,24 +55,23 @@ class Target:
   """What the attacker holds about one upload, as tensors."""
 
   record: UpdateRecord
-  model: tf.keras.Model
+  model: tf.keras.Model  # the architecture; weights come from `broadcast`
   broadcast: list[tf.Tensor]
   upload: list[tf.Tensor]
-  num_examples: int
 
   @classmethod
   def from_record(cls, record: UpdateRecord) -> "Target":
-    # TFF weighs a client by the examples it processed: every local epoch.
-    epochs = (record.metadata["protocol"].get("local_epochs", 1)
-              if record.upload_kind == "model_delta" else 1)
-    n = int(round(record.weight / epochs))
-    if n < 1:
+    if record.num_examples < 1:
       raise ValueError(f"record round {record.round_num} client "
-                       f"{record.client_index} has weight {record.weight}: "
-                       "no examples to reconstruct")
+                       f"{record.client_index} stands for {record.num_examples} "
+                       "examples: nothing to reconstruct")
     return cls(record, record.model_spec.keras(),
                [tf.constant(w) for w in record.broadcast],
-               [tf.constant(u) for u in record.upload], n)
+               [tf.constant(u) for u in record.upload])
+
+  @property
+  def num_examples(self) -> int:
+    return self.record.num_examples
 
   @property
   def input_shape(self) -> tuple[int, ...]:
@@ -80,12 +92,15 @@ class Target:
                           self.num_examples, self.record.upload_kind,
                           self.record.metadata["protocol"], self.value_range)
 
-  def simulate(self, x, y_soft):
+  def simulate(self, weights, x, y_soft):
+    """The upload of (x, y_soft) from broadcast `weights` under the record's
+    protocol."""
     return functional.simulate_upload(
-        self.model, self.broadcast, x, y_soft, self.record.upload_kind,
+        self.model, weights, x, y_soft, self.record.upload_kind,
         self.record.metadata["protocol"], self.num_examples)
 
   def cache_key(self) -> str:
+    """What a compiled attack function depends on besides its arguments."""
     meta = self.record.metadata
     return json.dumps([meta["model"], meta["upload_kind"], meta["protocol"],
                        self.num_examples], sort_keys=True)
@@ -142,44 +157,135 @@ def _initial(shape, init: str, value_range, rng: np.random.Generator) -> tf.Tens
   return tf.constant(rng.uniform(lo, hi, shape), tf.float32)
 
 
+def _iterations(default: int) -> Param:
+  return Param("iterations", int, default, "optimizer iterations per restart",
+               minimum=1)
+
+
+_RESTARTS = Param("restarts", int, 1, "random restarts, the best kept", minimum=1)
+_INIT = Param("init", str, "randn", "start of the dummy inputs", choices=INITS)
+_MAX_EXAMPLES = Param("max_examples", int, MAX_EXAMPLES,
+                      "largest number of examples behind one upload that the "
+                      "attack will try to reconstruct", minimum=1)
+
+
 class GradientInversion(abc.ABC):
-  """Common driver: device placement, seeding, many records per call."""
+  """Common driver: limits, device placement, seeding, restarts, compiled
+  chunks, progress, many records per call.
+
+  A subclass declares `PARAMETERS` (set as attributes by the constructor)
+  and implements one search run: `_start` (its state from a random start),
+  `_advance` (a chunk of iterations) and `_finish` (inputs, labels and
+  objective of the best iterate).
+  """
 
   name = "inversion"
+  PARAMETERS = Params()
+  CHUNK = 100  # iterations per compiled call
 
-  def __init__(self, init: str = "randn", compiled: bool = True):
-    if init not in INITS:
-      raise ValueError(f"init={init!r}; choose one of {INITS}")
-    self.init = init
+  def __init__(self, compiled: bool = True, **kwargs: Any):
+    for key, value in self.PARAMETERS.resolve(f"attack {self.name!r}",
+                                              kwargs).items():
+      setattr(self, key, value)
     self.compiled = compiled
-    self._functions: dict[str, Callable] = {}
+    self._functions: dict[tuple[str, str], Callable] = {}
+
+  def targets(self, records: Sequence[UpdateRecord]) -> list[Target]:
+    """The records as targets; refuses uploads beyond `max_examples`."""
+    for record in records:
+      if record.num_examples > self.max_examples:
+        raise ValueError(
+            f"round {record.round_num} client {record.client_index}: the upload "
+            f"stands for {record.num_examples} examples, more than "
+            f"max_examples={self.max_examples} (inverting that many images is "
+            "slow and recovers little; raise --max-examples to try anyway)")
+    return [Target.from_record(r) for r in records]
+
+  def plan(self, records: Sequence[UpdateRecord]) -> str:
+    """One line: what the attack will do."""
+    sizes = sorted({r.num_examples for r in records})
+    per = "/".join(str(s) for s in sizes)
+    return (f"{self.name}: {len(records)} record(s), {per} image(s) per record, "
+            f"{self.iterations} iterations x {self.restarts} restart(s) each")
+
+  def estimate_seconds(self, records: Sequence[UpdateRecord],
+                       device: Optional[str] = None) -> float:
+    """Rough wall time of `__call__(records)`: a few timed iterations on the
+    first record (after compiling), scaled to every record's iterations."""
+    target = self.targets(records[:1])[0]
+    steps = min(10, self.iterations)
+    with tf.device(device):
+      state = self._start(target, self.rng(target, 0))
+      state, _ = self._advance(target, state, 0, 1)  # compiles
+      begin = time.perf_counter()
+      self._advance(target, state, 1, steps)
+    per_iteration = (time.perf_counter() - begin) / steps
+    return per_iteration * self.iterations * self.restarts * len(records)
 
   def __call__(self, records: Sequence[UpdateRecord], device: Optional[str] = None,
-               seed: int = 0) -> list[Reconstruction]:
-    """Attacks every record, on `device` (e.g. '/GPU:0') or TF's choice."""
+               seed: int = 0, progress: bool = False) -> list[Reconstruction]:
+    """Attacks every record, on `device` (e.g. '/GPU:0') or TF's choice;
+    with `progress`, a bar over all records' iterations."""
     check_device(device)
+    targets = self.targets(records)
+    total = len(targets) * self.restarts * self.iterations
     out = []
-    for record in records:
-      with tf.device(device):
-        out.append(self.reconstruct(Target.from_record(record), seed))
+    with tqdm.tqdm(total=total, disable=not progress, unit="it",
+                   desc=self.name) as bar:
+      for target in targets:
+        with tf.device(device):
+          out.append(self.reconstruct(target, seed, bar.update))
     return out
 
   def rng(self, target: Target, seed: int, restart: int = 0) -> np.random.Generator:
     return np.random.default_rng(
         [seed, target.record.round_num, target.record.client_index, restart])
 
-  def function(self, target: Target, build: Callable[[Target], Callable]):
-    """A (compiled) function per model/protocol/batch: no retracing between
-    records that share them."""
-    key = target.cache_key()
+  def function(self, target: Target, name: str, build: Callable[[Target], Callable]):
+    """A (compiled) function per model/protocol/batch size: no retracing
+    between records that share them, whatever their weights."""
+    key = (name, target.cache_key())
     if key not in self._functions:
       fn = build(target)
       self._functions[key] = tf.function(fn) if self.compiled else fn
     return self._functions[key]
 
+  def reconstruct(self, target: Target, seed: int,
+                  on_steps: Callable[[int], Any] = lambda n: None) -> Reconstruction:
+    """The best of `restarts` searches for `target`'s inputs."""
+    best = None
+    for restart in range(self.restarts):
+      state = self._start(target, self.rng(target, seed, restart))
+      done = 0
+      while done < self.iterations:
+        steps = min(self.CHUNK, self.iterations - done)
+        state, stop = self._advance(target, state, done, steps)
+        done += steps
+        on_steps(steps)
+        if stop:
+          on_steps(self.iterations - done)
+          break
+      x, labels, objective = self._finish(target, state)
+      if best is None or objective < best[2]:
+        best = (x, labels, objective)
+    x, labels, objective = best
+    lo, hi = target.value_range
+    return Reconstruction(target.record.round_num, target.record.client_index,
+                          np.clip(x, lo, hi), np.asarray(labels, np.int32),
+                          objective)
+
   @abc.abstractmethod
-  def reconstruct(self, target: Target, seed: int) -> Reconstruction:
-    ...
+  def _start(self, target: Target, rng: np.random.Generator) -> dict:
+    """The state of a search from a random start."""
+
+  @abc.abstractmethod
+  def _advance(self, target: Target, state: dict, done: int,
+               steps: int) -> tuple[dict, bool]:
+    """`steps` more iterations after `done`; (state, converged)."""
+
+  @abc.abstractmethod
+  def _finish(self, target: Target, state: dict) -> tuple[np.ndarray, np.ndarray, float]:
+    """(inputs, labels, objective) of the best iterate of the search."""
 
 
 class DLG(GradientInversion):
@@ -198,73 +304,75 @@ class DLG(GradientInversion):
   """
 
   name = "dlg"
+  PARAMETERS = Params(
+      _iterations(6000),
+      Param("history", int, 100, "L-BFGS history (correction pairs)", minimum=1),
+      _RESTARTS,
+      Param("tolerance", float, 1e-7,
+            "stop when the gradient's largest entry is below this", minimum=0),
+      _INIT, _MAX_EXAMPLES)
 
-  def __init__(self, iterations: int = 6000, history: int = 100,
-               restarts: int = 1, tolerance: float = 1e-7, init: str = "randn",
-               compiled: bool = True):
-    super().__init__(init, compiled)
-    for name, value in (("iterations", iterations), ("restarts", restarts)):
-      if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    self.iterations, self.history = iterations, history
-    self.restarts, self.tolerance = restarts, tolerance
+  def _fixed_labels(self, target: Target) -> Optional[np.ndarray]:
+    return None
 
-  def _build(self, target: Target, fixed_labels: bool):
+  def _build(self, target: Target, fixed_labels: bool, resume: bool):
     n_x = int(np.prod(target.input_shape))
     shape, c = target.input_shape, target.num_classes
 
-    def objective(flat, y_fixed, upload):
+    def objective(flat, y_fixed, upload, broadcast):
       x = tf.reshape(flat[:n_x], shape)
       y_soft = y_fixed if fixed_labels else tf.nn.softmax(
           tf.reshape(flat[n_x:], (shape[0], c)))
-      return l2_distance(target.simulate(x, y_soft), upload)
+      return l2_distance(target.simulate(broadcast, x, y_soft), upload)
 
-    def minimize(flat0, y_fixed, upload):
+    def minimize(start, max_iterations, y_fixed, upload, broadcast):
       def value_and_gradient(flat):
         with tf.GradientTape() as tape:
           tape.watch(flat)
-          loss = objective(flat, y_fixed, upload)
+          loss = objective(flat, y_fixed, upload, broadcast)
         return loss, tape.gradient(loss, flat)
-      result = tfp.optimizer.lbfgs_minimize(
-          value_and_gradient, flat0, max_iterations=self.iterations,
-          num_correction_pairs=self.history, tolerance=self.tolerance,
-          x_tolerance=0.0, f_relative_tolerance=0.0)
-      # Line-search steps only ever lower the objective, so the final
+      # Line-search steps only ever lower the objective, so the current
       # position is the best iterate.
-      return result.position, result.objective_value
+      return tfp.optimizer.lbfgs_minimize(
+          value_and_gradient,
+          initial_position=None if resume else start,
+          previous_optimizer_results=start if resume else None,
+          max_iterations=max_iterations, num_correction_pairs=self.history,
+          tolerance=self.tolerance, x_tolerance=0.0, f_relative_tolerance=0.0)
     return minimize
 
-  def _labels(self, target: Target) -> Optional[np.ndarray]:
-    return None
-
-  def _start(self, target: Target, fixed: bool, rng) -> tf.Tensor:
-    x0 = _initial(target.input_shape, self.init, target.value_range, rng)
-    parts = [tf.reshape(x0, [-1])]
+  def _start(self, target, rng):
+    labels = self._fixed_labels(target)
+    fixed = labels is not None
+    parts = [tf.reshape(_initial(target.input_shape, self.init,
+                                 target.value_range, rng), [-1])]
     if not fixed:
       parts.append(tf.constant(rng.standard_normal(
           target.num_examples * target.num_classes), tf.float32))
-    return tf.concat(parts, 0)
-
-  def reconstruct(self, target: Target, seed: int) -> Reconstruction:
-    labels = self._labels(target)
-    fixed = labels is not None
     y_fixed = (tf.one_hot(labels, target.num_classes) if fixed else
                tf.zeros((target.num_examples, target.num_classes)))
-    minimize = self.function(target, lambda t: self._build(t, fixed))
-    best_flat, best_value = None, np.inf
-    for restart in range(self.restarts):
-      start = self._start(target, fixed, self.rng(target, seed, restart))
-      flat, value = minimize(start, y_fixed, target.upload)
-      if best_flat is None or float(value) < best_value:
-        best_flat, best_value = flat.numpy(), float(value)
+    return {"flat": tf.concat(parts, 0), "results": None, "labels": labels,
+            "y_fixed": y_fixed}
+
+  def _advance(self, target, state, done, steps):
+    fixed = state["labels"] is not None
+    resume = state["results"] is not None
+    minimize = self.function(target, f"lbfgs-{fixed}-{resume}",
+                             lambda t: self._build(t, fixed, resume))
+    results = minimize(state["results"] if resume else state["flat"],
+                       tf.constant(done + steps), state["y_fixed"], target.upload,
+                       target.broadcast)
+    stop = bool(results.converged) or bool(results.failed)
+    return {**state, "results": results}, stop
+
+  def _finish(self, target, state):
+    flat = state["results"].position.numpy()
     n_x = int(np.prod(target.input_shape))
-    x = best_flat[:n_x].reshape(target.input_shape)
-    if not fixed:
-      labels = np.argmax(best_flat[n_x:].reshape(target.num_examples, -1), 1)
-    lo, hi = target.value_range
-    return Reconstruction(target.record.round_num, target.record.client_index,
-                          np.clip(x, lo, hi), np.asarray(labels, np.int32),
-                          best_value)
+    labels = state["labels"]
+    if labels is None:
+      labels = np.argmax(flat[n_x:].reshape(target.num_examples, -1), 1)
+    return (flat[:n_x].reshape(target.input_shape), labels,
+            float(state["results"].objective_value))
 
 
 class IDLG(DLG):
@@ -272,7 +380,7 @@ class IDLG(DLG):
 
   name = "idlg"
 
-  def _labels(self, target: Target) -> np.ndarray:
+  def _fixed_labels(self, target: Target) -> np.ndarray:
     return target.recovered_labels()
 
 
@@ -293,45 +401,41 @@ class InvertingGradients(GradientInversion):
   """
 
   name = "ig"
-
-  def __init__(self, iterations: int = 4800, lr: float = 0.1,
-               tv_weight: float = 1e-4, restarts: int = 1, signed: bool = True,
-               boxed: bool = True, lr_decay: bool = True, init: str = "randn",
-               compiled: bool = True):
-    super().__init__(init, compiled)
-    for name, value in (("iterations", iterations), ("restarts", restarts)):
-      if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    if not lr > 0:
-      raise ValueError(f"lr must be > 0, got {lr}")
-    if tv_weight < 0:
-      raise ValueError(f"tv_weight must be >= 0, got {tv_weight}")
-    self.iterations, self.lr, self.tv_weight = iterations, lr, tv_weight
-    self.restarts, self.signed, self.boxed = restarts, signed, boxed
-    self.lr_decay = lr_decay
+  PARAMETERS = Params(
+      _iterations(4800),
+      Param("lr", float, 0.1, "Adam learning rate", minimum=0,
+            exclusive_minimum=True),
+      Param("tv_weight", float, 1e-4, "total-variation weight", minimum=0),
+      _RESTARTS,
+      Param("signed", bool, True, "step on the sign of the gradient", cli=False),
+      Param("boxed", bool, True, "clip inputs to the data range after each step",
+            cli=False),
+      Param("lr_decay", bool, True, "divide lr by 10 at 3/8, 5/8, 7/8", cli=False),
+      _INIT, _MAX_EXAMPLES)
 
   def _build(self, target: Target):
     lo, hi = target.value_range
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
+    b1, b2, eps = 0.9, 0.999, 1e-8
 
-    def objective(x, y_soft, upload):
+    def objective(x, y_soft, upload, broadcast):
       with tf.GradientTape() as tape:
         tape.watch(x)
-        loss = cosine_distance(target.simulate(x, y_soft), upload)
+        loss = cosine_distance(target.simulate(broadcast, x, y_soft), upload)
         loss += self.tv_weight * total_variation(x)
       return loss, tape.gradient(loss, x)
 
-    def optimize(x, y_soft, upload):
-      # Adam written out so that the whole loop is one compiled function
-      # whose state restarts with each call (no optimizer variables to reset).
-      b1, b2, eps = 0.9, 0.999, 1e-8
-      m, v = tf.zeros_like(x), tf.zeros_like(x)
-      best_x, best_loss = x, tf.constant(np.inf, tf.float32)
-      for t in tf.range(self.iterations):
-        loss, grad = objective(x, y_soft, upload)
-        better = loss < best_loss
-        best_x = tf.where(better, x, best_x)
-        best_loss = tf.where(better, loss, best_loss)
+    def keep_best(x, loss, best_x, best_loss):
+      better = loss < best_loss
+      return tf.where(better, x, best_x), tf.where(better, loss, best_loss)
+
+    def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload, broadcast):
+      # Adam written out so that a chunk of iterations is one compiled call
+      # whose state is passed in and out (no optimizer variables to reset).
+      for i in tf.range(steps):
+        t = done + i
+        loss, grad = objective(x, y_soft, upload, broadcast)
+        best_x, best_loss = keep_best(x, loss, best_x, best_loss)
         g = tf.sign(grad) if self.signed else grad
         step = tf.cast(t + 1, tf.float32)
         lr = self.lr
@@ -343,32 +447,41 @@ class InvertingGradients(GradientInversion):
         x = x - lr * (m / (1 - b1 ** step)) / (tf.sqrt(v / (1 - b2 ** step)) + eps)
         if self.boxed:
           x = tf.clip_by_value(x, lo, hi)
-      loss, _ = objective(x, y_soft, upload)
-      better = loss < best_loss
-      return tf.where(better, x, best_x), tf.where(better, loss, best_loss)
-    return optimize
+      loss, _ = objective(x, y_soft, upload, broadcast)  # the latest iterate
+      best_x, best_loss = keep_best(x, loss, best_x, best_loss)
+      return x, m, v, best_x, best_loss
+    return advance
 
-  def reconstruct(self, target: Target, seed: int) -> Reconstruction:
+  def _start(self, target, rng):
+    x = _initial(target.input_shape, self.init, target.value_range, rng)
     labels = target.recovered_labels()
-    y_soft = tf.one_hot(labels, target.num_classes)
-    optimize = self.function(target, self._build)
-    best_x, best_loss = None, np.inf
-    for restart in range(self.restarts):
-      x0 = _initial(target.input_shape, self.init, target.value_range,
-                    self.rng(target, seed, restart))
-      x, loss = optimize(x0, y_soft, target.upload)
-      if float(loss) < best_loss:
-        best_x, best_loss = x.numpy(), float(loss)
-    lo, hi = target.value_range
-    return Reconstruction(target.record.round_num, target.record.client_index,
-                          np.clip(best_x, lo, hi), labels, best_loss)
+    return {"x": x, "m": tf.zeros_like(x), "v": tf.zeros_like(x), "best_x": x,
+            "best_loss": tf.constant(np.inf, tf.float32), "labels": labels,
+            "y_soft": tf.one_hot(labels, target.num_classes)}
+
+  def _advance(self, target, state, done, steps):
+    advance = self.function(target, "adam", self._build)
+    keys = ("x", "m", "v", "best_x", "best_loss")
+    values = advance(*(state[k] for k in keys), tf.constant(done),
+                     tf.constant(steps), state["y_soft"], target.upload,
+                     target.broadcast)
+    return {**state, **dict(zip(keys, values))}, False
+
+  def _finish(self, target, state):
+    return (state["best_x"].numpy(), state["labels"],
+            float(state["best_loss"]))
 
 
 ATTACKS = {"dlg": DLG, "idlg": IDLG, "ig": InvertingGradients}
 
 
-def build(name: str, **kwargs) -> GradientInversion:
-  """Attack `name` (one of `ATTACKS`) with its keyword arguments."""
+def attack_class(name: str) -> type[GradientInversion]:
+  """The class of attack `name` (one of `ATTACKS`)."""
   if name not in ATTACKS:
     raise ValueError(f"attack={name!r} is unknown; choose one of {sorted(ATTACKS)}")
-  return ATTACKS[name](**kwargs)
+  return ATTACKS[name]
+
+
+def build(name: str, **kwargs) -> GradientInversion:
+  """Attack `name` (one of `ATTACKS`) with its declared parameters."""
+  return attack_class(name)(**kwargs)

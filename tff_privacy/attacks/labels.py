@@ -15,12 +15,11 @@ the same role for a single sample.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import tensorflow as tf
 
 from tff_privacy.attacks import functional
+from tff_privacy.protocol import local_batch_sizes
 
 
 def _last_layer_signal(upload, num_classes: int) -> tuple[np.ndarray, bool]:
@@ -36,8 +35,8 @@ def mean_gradient(upload, upload_kind: str, protocol: dict, num_examples: int):
   """The upload expressed as an average per-step gradient."""
   if upload_kind == "gradient":
     return upload
-  steps = protocol.get("local_epochs", 1) * math.ceil(num_examples /
-                                                       protocol["batch_size"])
+  steps = len(local_batch_sizes(num_examples, protocol["batch_size"],
+                                protocol.get("local_epochs", 1)))
   scale = protocol["client_learning_rate"] * steps
   return [np.asarray(u) / scale for u in upload]
 

@@ -39,9 +39,21 @@ class FederatedData:
 
   @property
   def client_data(self) -> tff.simulation.datasets.ClientData:
-    def dataset_fn(cid: str) -> tf.data.Dataset:
-      x, y = self.client_arrays(int(cid.split("_")[-1]))
-      return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
+    """The clients' samples as TFF `ClientData`. Its dataset function is
+    plain TensorFlow (the client index is parsed from the id tensor), so
+    TFF's `dataset_computation` and `create_tf_dataset_from_all_clients`
+    can trace it."""
+    flat = np.concatenate(self.client_indices).astype(np.int64)
+    splits = np.cumsum([0] + [len(i) for i in self.client_indices]).astype(np.int64)
+
+    def dataset_fn(cid: tf.Tensor) -> tf.data.Dataset:
+      # constants made here, inside whatever graph TFF traces this in
+      index = tf.strings.to_number(
+          tf.strings.split(cid, "_")[-1], out_type=tf.int64)
+      mine = tf.RaggedTensor.from_row_splits(flat, splits)[index]
+      return tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+          x=tf.gather(self.source.x_train, mine),
+          y=tf.gather(self.source.y_train, mine)))
     return tff.simulation.datasets.ClientData.from_clients_and_tf_fn(
         self.client_ids, dataset_fn)
 

@@ -8,6 +8,7 @@ the same range as training.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable
 
 import numpy as np
@@ -96,12 +97,23 @@ def _split_arrays(dataset) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_tfds(name: str, data_dir: str | None = None, **_) -> Source:
-  """Loads a full data set through `tensorflow_datasets` (needs internet or a
-  prepared `data_dir`)."""
+  """Loads a full data set through `tensorflow_datasets`: from a prepared
+  `data_dir`, or, without one, from tfds' default folder, downloading it
+  there if needed (needs internet)."""
   import tensorflow_datasets as tfds
-  (train, test), info = tfds.load(_TFDS_SOURCES[name], split=["train", "test"],
+  tfds_name = _TFDS_SOURCES[name]
+  if data_dir is not None:
+    if not os.path.isdir(data_dir):
+      raise ValueError(f"data_dir={data_dir!r} is not a folder")
+    if not tfds.builder(tfds_name, data_dir=data_dir).is_prepared():
+      raise ValueError(
+          f"data_dir={data_dir!r} holds no prepared {tfds_name!r}; prepare it "
+          f"there with `tfds build {tfds_name} --data_dir {data_dir}` on a "
+          "machine with internet, or leave out data_dir to download it")
+  (train, test), info = tfds.load(tfds_name, split=["train", "test"],
                                   as_supervised=True, with_info=True,
-                                  data_dir=data_dir)
+                                  data_dir=data_dir,
+                                  download=data_dir is None)
   x_tr, y_tr = _split_arrays(train)
   x_te, y_te = _split_arrays(test)
   return Source(name, _scaled(x_tr, 255.0), y_tr.astype(np.int32),

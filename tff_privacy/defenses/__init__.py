@@ -13,12 +13,24 @@ CLIENT_DEFENSES = {**_UPDATE_DEFENSES, LDPFed.name: LDPFed, Soteria.name: Soteri
 DEFENSES = {**CLIENT_DEFENSES, DPFedAvg.name: DPFedAvg}
 
 
+def defense_class(name: str):
+  """The class of defence `name` (one of `DEFENSES`)."""
+  if name not in DEFENSES:
+    raise ValueError(f"defense={name!r} is unknown; choose one of {sorted(DEFENSES)}")
+  return DEFENSES[name]
+
+
+def resolve(name: str, kwargs: dict) -> dict:
+  """The parameters of defence `name` from `kwargs`, checked against its
+  declaration (`PARAMETERS`), defaults filled in."""
+  return defense_class(name).PARAMETERS.resolve(f"defense {name!r}", kwargs)
+
+
 def build(name: str, model_spec=None, **kwargs):
   """Defence `name` (one of `DEFENSES`) with its parameters; defences that
   need the architecture (Soteria) get `model_spec` as `model`."""
-  if name not in DEFENSES:
-    raise ValueError(f"defense={name!r} is unknown; choose one of {sorted(DEFENSES)}")
-  cls = DEFENSES[name]
+  cls = defense_class(name)
+  kwargs = resolve(name, kwargs)
   if getattr(cls, "needs_model_spec", False):
     if model_spec is None:
       raise ValueError(f"defense={name!r} needs the model's ModelSpec")

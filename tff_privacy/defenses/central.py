@@ -15,25 +15,28 @@ reproducible and resumable.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import dp_accounting
 import tensorflow as tf
 import tensorflow_federated as tff
 from tensorflow_privacy.privacy.dp_query.normalized_query import NormalizedQuery
 
+from tff_privacy.defenses.updates import CLIP, NOISE_MULTIPLIER
+from tff_privacy.dp import accounting
 from tff_privacy.dp import SeededGaussianSumQuery
+from tff_privacy.params import Params
 
 
 class DPFedAvg:
   name = "dp_fedavg"
+  PARAMETERS = Params(CLIP, NOISE_MULTIPLIER)
+  dp_relation = ("central DP, user level: adding or removing one client's "
+                 "data (sensitivity of the sum: the clip)")
 
   def __init__(self, clip: float, noise_multiplier: float):
-    if not clip > 0:
-      raise ValueError(f"clip must be > 0, got {clip}")
-    if not noise_multiplier >= 0:
-      raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-    self.clip, self.noise_multiplier = clip, noise_multiplier
+    self.clip, self.noise_multiplier = self.PARAMETERS.check(
+        clip=clip, noise_multiplier=noise_multiplier).values()
 
   def params(self) -> dict[str, Any]:
     return {"clip": self.clip, "noise_multiplier": self.noise_multiplier}
@@ -52,11 +55,31 @@ class DPFedAvg:
     """What the server receives from one client: the clipped update."""
     return list(tf.clip_by_global_norm(list(update), self.clip)[0])
 
-  def dp_event(self, sampling_probability: float):
-    """One round's event; Poisson sampling approximates uniform sampling."""
+  def round_event(self, num_clients: int,
+                  clients_per_round: int) -> Optional[accounting.RoundEvent]:
+    """One round's DP event as the runner samples clients.
+
+    Every client each round: add/remove-one-client, the noised sum's
+    sensitivity is C, a Gaussian mechanism with multiplier z. A fixed number
+    m < N of clients drawn without replacement (the runner's sampling):
+    dp_accounting's `SampledWithoutReplacementDpEvent`, whose RDP bound
+    (Wang et al. 2019) holds for replace-one-client neighbours; replacing a
+    client moves the clipped sum by up to 2C, so the inner Gaussian's
+    multiplier is z / 2. None without noise.
+    """
     if self.noise_multiplier == 0:
       return None
-    event = dp_accounting.GaussianDpEvent(self.noise_multiplier)
-    if sampling_probability < 1:
-      event = dp_accounting.PoissonSampledDpEvent(sampling_probability, event)
-    return event
+    gaussian = dp_accounting.GaussianDpEvent(self.noise_multiplier)
+    if clients_per_round == num_clients:
+      return accounting.RoundEvent(
+          gaussian, self.dp_relation,
+          f"none: all {num_clients} clients take part in every round")
+    return accounting.RoundEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(
+            num_clients, clients_per_round,
+            dp_accounting.GaussianDpEvent(self.noise_multiplier / 2)),
+        "central DP, user level: replacing one client's data (sensitivity of "
+        "the sum: twice the clip)",
+        f"{clients_per_round} of {num_clients} clients drawn uniformly without "
+        "replacement each round",
+        accounting.NeighborRel.REPLACE_ONE)

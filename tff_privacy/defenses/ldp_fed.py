@@ -28,21 +28,29 @@ import math
 
 import tensorflow as tf
 
-from tff_privacy.defenses.updates import (UpdateDefense, check_positive, flatten,
+from tff_privacy.defenses.updates import (UpdateDefense, flatten,
                                           top_fraction_mask, unflatten)
+from tff_privacy.params import Param, Params
 
 
 class LDPFed(UpdateDefense):
   name = "ldp_fed"
+  PARAMETERS = Params(
+      Param("alpha", float, 1.0, "alpha of alpha-CLDP", minimum=0,
+            exclusive_minimum=True, flag="cldp-alpha"),
+      Param("clip", float, 0.05, "each entry is clipped to [-clip, clip]",
+            minimum=0, exclusive_minimum=True),
+      Param("precision", int, 3, "decimal digits of the output grid", minimum=0,
+            maximum=6, flag="cldp-precision"),
+      Param("fraction", float, 1.0, "fraction of entries each client shares",
+            minimum=0, maximum=1, exclusive_minimum=True, flag="share-fraction"))
+  dp_relation = ("local DP: any two values of one shared entry are neighbours "
+                 "(their distance is at most the range's width, 2 clip)")
 
   def __init__(self, alpha: float = 1.0, clip: float = 0.05, precision: int = 3,
                fraction: float = 1.0):
-    check_positive("alpha", alpha)
-    check_positive("clip", clip)
-    if not (isinstance(precision, int) and 0 <= precision <= 6):
-      raise ValueError(f"precision must be an integer in [0, 6], got {precision!r}")
-    if not 0 < fraction <= 1:
-      raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+    alpha, clip, precision, fraction = self.PARAMETERS.check(
+        alpha=alpha, clip=clip, precision=precision, fraction=fraction).values()
     if clip * 10 ** precision < 1:
       raise ValueError(f"clip * 10**precision must be >= 1 so that the range "
                        f"holds more than one value; got clip={clip}, "

@@ -28,18 +28,25 @@ from typing import Optional
 import tensorflow as tf
 
 from tff_privacy.defenses.updates import (ClientView, UpdateDefense,
-                                          check_fraction, top_fraction_mask)
+                                          top_fraction_mask)
 from tff_privacy.models import ModelSpec
 from tff_privacy.models import functional
+from tff_privacy.params import Param, Params
 
 
 class Soteria(UpdateDefense):
   name = "soteria"
   needs_client_view = True
   needs_model_spec = True
+  PARAMETERS = Params(
+      Param("p", float, 0.8, "fraction of the defended layer's representation "
+            "pruned", minimum=0, maximum=1, exclusive_maximum=True,
+            flag="prune-rate"),
+      Param("layer", str, None, "dense layer to defend (default: the first)",
+            flag="defended-layer"))
 
   def __init__(self, model: ModelSpec, p: float = 0.8, layer: Optional[str] = None):
-    check_fraction("p", p)
+    p, layer = self.PARAMETERS.check(p=p, layer=layer).values()
     with tf.Graph().as_default():  # no eager Keras state before TFF traces
       dense = functional.dense_layers(model.keras())
     layer = layer or dense[0]

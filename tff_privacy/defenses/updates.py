@@ -32,6 +32,18 @@ import tensorflow as tf
 from tensorflow_privacy.privacy.dp_query import dp_query
 
 from tff_privacy.dp import LaplaceSumQuery, SeededGaussianSumQuery, with_seed
+from tff_privacy.params import Param, Params
+
+CLIP = Param("clip", float, help="clipping bound C of each upload", minimum=0,
+             exclusive_minimum=True)
+NOISE_MULTIPLIER = Param("noise_multiplier", float,
+                         help="noise std (Gaussian) or scale (Laplace) over C",
+                         minimum=0)
+
+# The neighbouring relation of a local mechanism's epsilon: the adversary
+# sees one client's upload, and any two inputs of that client are neighbours.
+LOCAL_RELATION = ("local DP: any two uploads of one client are neighbours "
+                  "(sensitivity of a clipped upload: twice the clip)")
 
 
 def run_local_query(query: dp_query.DPQuery, record, seed):
@@ -59,6 +71,9 @@ class UpdateDefense(abc.ABC):
   name = "defense"
   needs_client_view = False
   needs_model_spec = False
+  PARAMETERS = Params()
+  # what two inputs the reported epsilon calls neighbours
+  dp_relation = LOCAL_RELATION
 
   @abc.abstractmethod
   def apply(self, update: Sequence[tf.Tensor], seed,
@@ -81,23 +96,20 @@ class UpdateDefense(abc.ABC):
     return None
 
 
-def check_positive(name: str, value: float) -> None:
-  if not value > 0:
-    raise ValueError(f"{name} must be > 0, got {value}")
-
-
-def check_non_negative(name: str, value: float) -> None:
-  if not value >= 0:
-    raise ValueError(f"{name} must be >= 0, got {value}")
-
-
 class LocalGaussian(UpdateDefense):
+  """Clip the upload to L2 norm C, add N(0, (z C)^2) to every entry.
+
+  Local DP: the neighbours are any two uploads of the client, whose clipped
+  versions differ by at most 2C in L2 norm, so one application is the
+  Gaussian mechanism with noise multiplier z C / 2C = z / 2.
+  """
+
   name = "ldp_gaussian"
+  PARAMETERS = Params(CLIP, NOISE_MULTIPLIER)
 
   def __init__(self, clip: float, noise_multiplier: float):
-    check_positive("clip", clip)
-    check_non_negative("noise_multiplier", noise_multiplier)
-    self.clip, self.noise_multiplier = clip, noise_multiplier
+    self.clip, self.noise_multiplier = LocalGaussian.PARAMETERS.check(
+        clip=clip, noise_multiplier=noise_multiplier).values()
 
   def _query(self):
     return SeededGaussianSumQuery(self.clip, self.clip * self.noise_multiplier)
@@ -106,42 +118,50 @@ class LocalGaussian(UpdateDefense):
     return list(run_local_query(self._query(), list(update), seed)[0])
 
   def dp_event(self, num_params: int):
-    return (dp_accounting.GaussianDpEvent(self.noise_multiplier)
+    return (dp_accounting.GaussianDpEvent(self.noise_multiplier / 2)
             if self.noise_multiplier > 0 else None)
 
 
 class ClipOnly(LocalGaussian):
+  """Clipping to L2 norm C only (FedEM's DP-clip baseline); no DP guarantee."""
+
   name = "dp_clip"
+  PARAMETERS = Params(CLIP)
 
   def __init__(self, clip: float):
     super().__init__(clip, 0.0)
 
 
 class LocalLaplace(UpdateDefense):
+  """Clip the upload to norm C (L2 as in the papers, or L1), add Laplace
+  noise of scale b = z C to every entry.
+
+  Local DP: any two clipped uploads differ by at most 2C in the clipping
+  norm, so by at most 2C (L1 clipping) or 2 sqrt(d) C (L2 clipping, d
+  entries) in L1 norm; one application is the Laplace mechanism with noise
+  multiplier b over that L1 sensitivity.
+  """
+
   name = "ldp_laplace"
+  PARAMETERS = Params(CLIP, NOISE_MULTIPLIER,
+                      Param("norm", str, "l2", "norm of the clipping",
+                            choices=("l1", "l2"), flag="laplace-norm"))
 
   def __init__(self, clip: float, noise_multiplier: float, norm: str = "l2"):
-    check_positive("clip", clip)
-    check_non_negative("noise_multiplier", noise_multiplier)
-    LaplaceSumQuery(clip, clip * noise_multiplier, norm)  # validates norm
-    self.clip, self.noise_multiplier, self.norm = clip, noise_multiplier, norm
+    self.clip, self.noise_multiplier, self.norm = self.PARAMETERS.check(
+        clip=clip, noise_multiplier=noise_multiplier, norm=norm).values()
 
   def apply(self, update, seed, client=None):
     query = LaplaceSumQuery(self.clip, self.clip * self.noise_multiplier, self.norm)
     return list(run_local_query(query, list(update), seed)[0])
 
   def dp_event(self, num_params: int):
-    """Laplace mechanism with noise multiplier b / (L1 sensitivity): the L1
-    sensitivity is the clip for norm 'l1' and sqrt(d) times it for 'l2'."""
+    """Laplace mechanism with noise multiplier b / (L1 sensitivity 2C for
+    norm 'l1', 2 sqrt(d) C for 'l2')."""
     if self.noise_multiplier == 0:
       return None
-    scale = math.sqrt(num_params) if self.norm == "l2" else 1.0
+    scale = 2 * (math.sqrt(num_params) if self.norm == "l2" else 1.0)
     return dp_accounting.LaplaceDpEvent(self.noise_multiplier / scale)
-
-
-def check_fraction(name: str, value: float) -> None:
-  if not 0 <= value < 1:
-    raise ValueError(f"{name} must lie in [0, 1), got {value}")
 
 
 def top_fraction_mask(scores: tf.Tensor, fraction: float) -> tf.Tensor:
@@ -166,10 +186,12 @@ def unflatten(flat: tf.Tensor, like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
 
 class Sparsification(UpdateDefense):
   name = "sparsification"
+  PARAMETERS = Params(Param("p", float, help="fraction of entries zeroed",
+                            minimum=0, maximum=1, exclusive_maximum=True,
+                            flag="sparsity"))
 
   def __init__(self, p: float):
-    check_fraction("p", p)
-    self.p = p
+    self.p = self.PARAMETERS.check(p=p)["p"]
 
   def apply(self, update, seed=None, client=None):
     flat = flatten(update)

@@ -7,16 +7,44 @@
   epsilon of k-fold composition, k / noise_multiplier.
 * `simple_composition` is the basic theorem: epsilons and deltas add up.
 * `rounds_epsilon` is what a run reports: one round's event composed over
-  the rounds, through the accountant that suits it.
+  the rounds, through the accountant that suits it, under the neighbouring
+  relation the event is stated in (`RoundEvent`).
+
+Every reported epsilon names its neighbouring relation: local mechanisms
+treat any two uploads of one client as neighbours (a clipped upload's
+sensitivity is twice the clip; the defences fold that factor into their
+events' noise multipliers), central DP-FedAvg adds or removes one client
+(or, with fixed-size sampling, replaces one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import dp_accounting
 
 ACCOUNTANTS = ("rdp", "pld")
+NeighborRel = dp_accounting.NeighboringRelation
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundEvent:
+  """One round's DP event, with what its epsilon means.
+
+  Attributes:
+    event: the `dp_accounting` event of one round.
+    relation: the neighbouring relation, in words (written into metrics).
+    sampling: how clients are sampled, in words (written into metrics).
+    neighboring_relation: the relation the accountant uses for sampled
+      events (dp_accounting's RDP accountant needs REPLACE_ONE for sampling
+      without replacement, ADD_OR_REMOVE_ONE for Poisson sampling).
+  """
+
+  event: dp_accounting.DpEvent
+  relation: str
+  sampling: str
+  neighboring_relation: NeighborRel = NeighborRel.ADD_OR_REMOVE_ONE
 
 
 def _check(delta: float) -> None:
@@ -24,18 +52,19 @@ def _check(delta: float) -> None:
     raise ValueError(f"delta must lie in (0, 1), got {delta}")
 
 
-def _accountant(name: str):
+def _accountant(name: str, relation: NeighborRel):
   if name == "rdp":
-    return dp_accounting.rdp.RdpAccountant()
+    return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
   if name == "pld":
-    return dp_accounting.pld.PLDAccountant()
+    return dp_accounting.pld.PLDAccountant(neighboring_relation=relation)
   raise ValueError(f"accountant={name!r}; choose one of {ACCOUNTANTS}")
 
 
-def epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str = "rdp") -> float:
+def epsilon(event: dp_accounting.DpEvent, delta: float, accountant: str = "rdp",
+            relation: NeighborRel = NeighborRel.ADD_OR_REMOVE_ONE) -> float:
   """Epsilon at `delta` of `event` (e.g. a composed event over rounds)."""
   _check(delta)
-  acc = _accountant(accountant)
+  acc = _accountant(accountant, relation)
   if not acc.supports(event):
     raise ValueError(f"the {accountant} accountant cannot account for {event}")
   acc.compose(event)
@@ -91,16 +120,19 @@ def simple_composition(epsilons: Sequence[float],
 PLD_MAX_LAPLACE_EPSILON = 10.0
 
 
-def rounds_epsilon(event: dp_accounting.DpEvent, rounds: int,
-                   delta: float) -> tuple[float, float]:
+def rounds_epsilon(event: dp_accounting.DpEvent, rounds: int, delta: float,
+                   relation: NeighborRel = NeighborRel.ADD_OR_REMOVE_ONE
+                   ) -> tuple[float, float]:
   """(epsilon, delta) of `event` composed over `rounds` rounds.
 
-  Gaussian events (possibly sampled): RDP at `delta`. Laplace events: PLD at
-  `delta`, or, when one step's epsilon exceeds `PLD_MAX_LAPLACE_EPSILON`, the
-  pure bound rounds / noise_multiplier with delta 0.
+  Gaussian events (possibly sampled): RDP at `delta` under `relation`.
+  Laplace events: PLD at `delta`, or, when one step's epsilon exceeds
+  `PLD_MAX_LAPLACE_EPSILON`, the pure bound rounds / noise_multiplier with
+  delta 0.
   """
   if isinstance(event, dp_accounting.LaplaceDpEvent):
     if 1 / event.noise_multiplier > PLD_MAX_LAPLACE_EPSILON:
       return laplace_pure_epsilon(event.noise_multiplier, rounds), 0.0
     return laplace_epsilon(event.noise_multiplier, rounds, delta), delta
-  return epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, "rdp"), delta
+  return epsilon(dp_accounting.SelfComposedDpEvent(event, rounds), delta, "rdp",
+                 relation), delta

@@ -158,11 +158,16 @@ class LayerwiseGaussianQuery(NestedSumQuery):
     _check_non_negative("noise_multipliers", noise_multipliers)
     self.l2_norm_clips = [float(c) for c in l2_norm_clips]
     self.noise_multipliers = [float(s) for s in noise_multipliers]
-    base = _seed(seed)
+    self._seed = seed
     super().__init__([
-        SeededGaussianSumQuery(c, c * s, seed=tf.random.experimental.stateless_fold_in(
-            base, i).numpy())
-        for i, (c, s) in enumerate(zip(self.l2_norm_clips, self.noise_multipliers))])
+        SeededGaussianSumQuery(c, c * s)
+        for c, s in zip(self.l2_norm_clips, self.noise_multipliers)])
+
+  def initial_global_state(self):
+    """Each layer's noise seed is folded from the query's seed and the layer
+    index here, in TensorFlow, so the query can be built and used inside a
+    `tf.function` or a TFF computation."""
+    return with_seed(self, super().initial_global_state(), self._seed)
 
 
 def with_seed(query: dp_query.DPQuery, global_state, seed):

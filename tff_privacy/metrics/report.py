@@ -77,13 +77,27 @@ def save_figure(pairs: Sequence[tuple[np.ndarray, np.ndarray]], path: str,
 def save_grid(rows: dict[str, Sequence[np.ndarray]], path: str, value_range,
               max_columns: int = 16, title: str = "") -> None:
   """One labelled row of images per entry of `rows`, as a PNG."""
+  import matplotlib.pyplot as plt
+  fig = grid_figure(rows, value_range, max_columns, title)
+  with io.atomic_path(path) as tmp:
+    fig.savefig(tmp, format="png", dpi=100)
+  plt.close(fig)
+
+
+def grid_figure(rows: dict[str, Sequence[np.ndarray]], value_range,
+                max_columns: int = 16, title: str = ""):
+  """The figure of `save_grid`: images keep their aspect ratio, and the
+  figure's shape follows it."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   columns = min(max_columns, max(len(images) for images in rows.values()))
   lo, hi = value_range
+  first = next(iter(images[0] for images in rows.values() if len(images)))
+  aspect = first.shape[0] / first.shape[1]  # height over width
   fig, axes = plt.subplots(len(rows), columns,
-                           figsize=(1.2 * columns + 0.9, 1.4 * len(rows)),
+                           figsize=(1.2 * columns + 0.9,
+                                    (1.2 * aspect + 0.2) * len(rows) + 0.4),
                            squeeze=False)
   for i, (label, images) in enumerate(rows.items()):
     for j in range(columns):
@@ -93,13 +107,11 @@ def save_grid(rows: dict[str, Sequence[np.ndarray]], path: str, value_range,
       if j < len(images):
         img = np.clip(images[j], lo, hi)
         ax.imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray",
-                  vmin=lo, vmax=hi)
+                  vmin=lo, vmax=hi, aspect="equal")
       else:
         ax.axis("off")
     axes[i][0].set_ylabel(label)
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  with io.atomic_path(path) as tmp:
-    fig.savefig(tmp, format="png", dpi=100)
-  plt.close(fig)
+  return fig

@@ -6,8 +6,9 @@ initial weights, and returns an uncompiled `tf.keras.Model` producing logits.
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from typing import Callable
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -100,8 +101,22 @@ def check(name: str, num_classes: int) -> None:
     raise ValueError(f"num_classes must be >= 2, got {num_classes}")
 
 
+def check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+  """Raises `ValueError` for an unknown model or a keyword argument its
+  builder does not take, naming the ones it takes."""
+  if name not in MODELS:
+    raise ValueError(f"model={name!r} is unknown; choose one of {sorted(MODELS)}")
+  accepted = [p for p in inspect.signature(MODELS[name]).parameters
+              if p not in ("input_shape", "num_classes", "seed")]
+  unknown = sorted(set(kwargs) - set(accepted))
+  if unknown:
+    raise ValueError(f"model_kwargs: model {name!r} takes no {', '.join(unknown)}; "
+                     f"its arguments: {', '.join(accepted)}")
+
+
 def build(name: str, input_shape, num_classes: int, seed: int = 0,
           **kwargs) -> tf.keras.Model:
   """Builds model `name` (one of `MODELS`) with builder keyword `kwargs`."""
   check(name, num_classes)
+  check_kwargs(name, kwargs)
   return MODELS[name](tuple(input_shape), num_classes, seed=seed, **kwargs)

@@ -34,6 +34,7 @@ class ModelSpec:
   def __post_init__(self):
     object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
     builders.check(self.name, self.num_classes)
+    builders.check_kwargs(self.name, self.kwargs)
 
   def keras(self, seed: int = 0) -> tf.keras.Model:
     return builders.build(self.name, self.input_shape, self.num_classes,

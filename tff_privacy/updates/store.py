@@ -8,6 +8,11 @@ Layout under the store's root::
   round_0001/client_0007.npz  client 7's upload, tensors t000, t001, ... in the
                               model's trainable-variable order
 
+Each client's manifest entry also holds its aggregation weight and the number
+of examples behind its upload (the distinct samples the client computed on
+this round), two different facts: FedEM weighs every client 1, FedAvg by the
+examples of every local epoch.
+
 The run metadata holds the public facts of the protocol an attacker may use:
 method, upload kind, model builder and arguments, data set and its value range,
 learning rates, local epochs or steps, batch size. Records are `np.savez`
@@ -31,7 +36,7 @@ import numpy as np
 from tff_privacy import io
 from tff_privacy.models import ModelSpec
 
-FORMAT = "tff_privacy.updates/1"
+FORMAT = "tff_privacy.updates/2"
 GROUND_TRUTH_FORMAT = "tff_privacy.ground_truth/1"
 
 
@@ -47,7 +52,8 @@ class UpdateRecord:
   client_index: int
   client_id: str
   upload: list[np.ndarray]
-  weight: float
+  weight: float            # the server's aggregation weight
+  num_examples: int        # distinct samples behind the upload
   broadcast: list[np.ndarray]
   metadata: dict[str, Any]
 
@@ -149,12 +155,15 @@ class UpdateStore:
     self.root = root
 
   def write_round(self, round_num: int, broadcast: list[np.ndarray],
-                  uploads: list[tuple[int, str, list[np.ndarray], float]],
+                  uploads: list[tuple[int, str, list[np.ndarray], float, int]],
                   run_metadata: dict[str, Any]) -> None:
     """Writes round `round_num`: the broadcast model and, for each uploading
-    client, `(client_index, client_id, tensors, weight)`."""
+    client, `(client_index, client_id, tensors, weight, num_examples)`.
+
+    Every round of a store belongs to one run: its metadata, compared after a
+    JSON round-trip (tuples and lists alike), must match the manifest's."""
     names = ModelSpec.from_json(run_metadata["model"]).variable_names()
-    run = dict(run_metadata, tensors=_tensor_specs(broadcast, names))
+    run = io.canonical(dict(run_metadata, tensors=_tensor_specs(broadcast, names)))
     manifest = self._dir.manifest_or_new(run)
     if manifest["run"] != run:
       raise UpdateStoreError(f"{self._dir.manifest_path}: belongs to a different "
@@ -163,13 +172,14 @@ class UpdateStore:
     entry = {"broadcast": self._dir.put(f"{rdir}/broadcast.npz",
                                         _as_arrays(broadcast)),
              "clients": {}}
-    for index, cid, tensors, weight in uploads:
+    for index, cid, tensors, weight, num_examples in uploads:
       if _tensor_specs(tensors, names) != run["tensors"]:
         raise UpdateStoreError(f"upload of client {index} in round {round_num} "
                                "does not match the model's tensors")
       client = self._dir.put(f"{rdir}/client_{index:04d}.npz", _as_arrays(tensors))
       entry["clients"][str(index)] = dict(client, client_id=cid,
-                                          weight=float(weight))
+                                          weight=float(weight),
+                                          num_examples=int(num_examples))
     manifest["rounds"][str(round_num)] = entry
     io.write_json(self._dir.manifest_path, manifest)
 
@@ -206,7 +216,8 @@ class UpdateStore:
     metadata = dict(manifest["run"], round=round_num, client_index=client_index,
                     client_id=client["client_id"])
     return UpdateRecord(round_num, client_index, client["client_id"], upload,
-                        client["weight"], broadcast, metadata)
+                        client["weight"], client["num_examples"], broadcast,
+                        metadata)
 
   def records(self, round_num: int) -> list[UpdateRecord]:
     return [self.read(round_num, c) for c in self.clients(round_num)]
@@ -224,7 +235,7 @@ class GroundTruthStore:
                   run_metadata: dict[str, Any]) -> None:
     """Writes `(client_index, x, y)` for each client, samples in the order the
     client used them."""
-    manifest = self._dir.manifest_or_new(run_metadata)
+    manifest = self._dir.manifest_or_new(io.canonical(run_metadata))
     rdir = _round_dir(round_num)
     manifest["rounds"][str(round_num)] = {
         str(index): self._dir.put(f"{rdir}/client_{index:04d}.npz", {"x": x, "y": y})

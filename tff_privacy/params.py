@@ -1,0 +1,183 @@
+"""Declared parameters: one declaration per method, defence and attack.
+
+A component lists its keyword parameters once, as `Param`s (name, type,
+default from its paper, valid range or choices, help text, command-line flag).
+Everything else is derived from that list: the `tff-privacy` flags and their
+help, the checks of `--method-kwargs`, of config files and of Python calls,
+and the one-line error that names a wrong value and what is accepted.
+
+  PARAMETERS = Params(
+      Param("clip", float, help="clipping bound C", minimum=0,
+            exclusive_minimum=True),
+      Param("noise_multiplier", float, 1.0, "noise std over C", minimum=0))
+  PARAMETERS.resolve("defense 'ldp_gaussian'", {"clip": 1})
+  # -> {'clip': 1.0, 'noise_multiplier': 1.0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Iterator, Optional
+
+
+class _Required:
+  def __repr__(self) -> str:
+    return "REQUIRED"
+
+
+REQUIRED: Any = _Required()  # default of a parameter the caller must give
+
+_KINDS = (int, float, str, bool)
+
+
+def _number(x: float) -> str:
+  return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """One keyword parameter.
+
+  Attributes:
+    name: the keyword argument.
+    kind: int, float, str or bool; values are converted to it (an int is a
+      valid float, a bool is not a number).
+    default: the paper's default, `REQUIRED`, or None for "chosen by the
+      component" (then None is an accepted value).
+    help: one line for `--help`.
+    choices: the accepted values, if they are few.
+    minimum, maximum: the valid range (None: unbounded);
+      `exclusive_minimum` / `exclusive_maximum` make a bound open.
+    flag: the command-line flag without its dashes (default: the name with
+      '-' for '_'); None with `cli=False`.
+    cli: whether the parameter gets a flag.
+  """
+
+  name: str
+  kind: type
+  default: Any = REQUIRED
+  help: str = ""
+  choices: tuple = ()
+  minimum: Optional[float] = None
+  maximum: Optional[float] = None
+  exclusive_minimum: bool = False
+  exclusive_maximum: bool = False
+  flag: Optional[str] = None
+  cli: bool = True
+
+  def __post_init__(self):
+    if self.kind not in _KINDS:
+      raise TypeError(f"Param {self.name}: kind must be one of {_KINDS}")
+    if self.cli and self.flag is None:
+      object.__setattr__(self, "flag", self.name.replace("_", "-"))
+    if self.default is not REQUIRED and self.default is not None:
+      self.check(self.default)
+
+  @property
+  def required(self) -> bool:
+    return self.default is REQUIRED
+
+  def accepted(self) -> str:
+    """What the parameter accepts, e.g. 'in [0, 1)' or '> 0'."""
+    if self.choices:
+      return "one of " + ", ".join(repr(c) for c in self.choices)
+    lo, hi = self.minimum, self.maximum
+    if lo is not None and hi is not None:
+      return (f"in {'(' if self.exclusive_minimum else '['}{_number(lo)}, "
+              f"{_number(hi)}{')' if self.exclusive_maximum else ']'}")
+    if lo is not None:
+      return f"{'>' if self.exclusive_minimum else '>='} {_number(lo)}"
+    if hi is not None:
+      return f"{'<' if self.exclusive_maximum else '<='} {_number(hi)}"
+    return {int: "an integer", float: "a number", str: "a string",
+            bool: "true or false"}[self.kind]
+
+  def check(self, value: Any) -> Any:
+    """`value` converted to the parameter's kind; `ValueError` naming the
+    parameter and what it accepts if it is not valid."""
+    if value is None and self.default is None:
+      return None
+    value = self._convert(value)
+    if self.choices and value not in self.choices:
+      raise ValueError(f"{self.name}={value!r}; choose one of "
+                       f"{', '.join(repr(c) for c in self.choices)}")
+    lo, hi = self.minimum, self.maximum
+    below = lo is not None and (value <= lo if self.exclusive_minimum else value < lo)
+    above = hi is not None and (value >= hi if self.exclusive_maximum else value > hi)
+    if below or above:
+      verb = "lie" if lo is not None and hi is not None else "be"
+      raise ValueError(f"{self.name} must {verb} {self.accepted()}, got {value!r}")
+    return value
+
+  def _convert(self, value: Any) -> Any:
+    numeric = isinstance(value, numbers.Number) and not isinstance(value, bool)
+    if self.kind is int and numeric and float(value) == int(value):
+      return int(value)
+    if self.kind is float and numeric:
+      return float(value)
+    if self.kind in (str, bool) and isinstance(value, self.kind):
+      return value
+    what = {int: "an integer", float: "a number", str: "a string",
+            bool: "true or false"}[self.kind]
+    suffix = f" {self.accepted()}" if self.kind in (int, float) and (
+        self.minimum is not None or self.maximum is not None) else ""
+    raise ValueError(f"{self.name} must be {what}{suffix}, got {value!r}")
+
+  def describe(self) -> str:
+    """Help text with the accepted values and the default."""
+    default = "required" if self.required else f"default {self.default!r}"
+    return f"{self.help} ({self.accepted()}; {default})"
+
+
+class Params:
+  """The declared parameters of one component, in order."""
+
+  def __init__(self, *params: Param):
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+      raise ValueError(f"duplicate parameter names in {names}")
+    self._params = {p.name: p for p in params}
+
+  def __iter__(self) -> Iterator[Param]:
+    return iter(self._params.values())
+
+  def __getitem__(self, name: str) -> Param:
+    return self._params[name]
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._params
+
+  @property
+  def names(self) -> list[str]:
+    return list(self._params)
+
+  def defaults(self) -> dict[str, Any]:
+    return {p.name: p.default for p in self if not p.required}
+
+  def check(self, **values: Any) -> dict[str, Any]:
+    """The given values, each checked and converted (for constructors)."""
+    self._refuse_unknown("this component", values)
+    return {k: self._params[k].check(v) for k, v in values.items()}
+
+  def resolve(self, owner: str, values: dict[str, Any]) -> dict[str, Any]:
+    """Every parameter's value: the given `values` checked, the defaults for
+    the rest. `owner` (e.g. "method 'fedem'") starts the error messages."""
+    self._refuse_unknown(owner, values)
+    missing = [p.name for p in self if p.required and p.name not in values]
+    if missing:
+      raise ValueError(f"{owner} needs {', '.join(missing)}: "
+                       + "; ".join(f"{n} {self[n].describe()}" for n in missing))
+    resolved = self.defaults()
+    for name, value in values.items():
+      try:
+        resolved[name] = self._params[name].check(value)
+      except ValueError as e:
+        raise ValueError(f"{owner}: {e}") from None
+    return resolved
+
+  def _refuse_unknown(self, owner: str, values: dict[str, Any]) -> None:
+    unknown = sorted(set(values) - set(self._params))
+    if unknown:
+      raise ValueError(f"{owner} takes no {', '.join(unknown)}; its parameters: "
+                       f"{', '.join(self.names) or 'none'}")
