@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dp_accounting  # noqa: E402
 
-from tff_privacy import runner  # noqa: E402
+from tff_privacy import runner, runtime  # noqa: E402
 
 ROUNDS, DELTA = 20, 1e-5
 Rel = dp_accounting.NeighboringRelation
@@ -49,6 +49,7 @@ def reported(**fields) -> dict:
 
 
 def main() -> None:
+  runtime.install()  # no computation runs, but TFF's default context is replaced
   rows = [
       ("ldp_gaussian clip=1 z=1",
        reported(defense="ldp_gaussian",

@@ -7,5 +7,5 @@ import sys
 import pytest
 
 if __name__ == "__main__":
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))

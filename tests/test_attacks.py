@@ -1,5 +1,7 @@
 """Attacks reconstruct undefended uploads of small models, from records only."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -168,6 +170,17 @@ def test_records_of_different_models_in_one_call(digits):
     alone = attacks.InvertingGradients(iterations=300)([record])[0]
     np.testing.assert_allclose(together[i].x, alone.x, atol=1e-5)
     assert metrics.image_scores(x[i:i + 1], together[i].x, (0, 1))[0]["ssim"] > 0.8
+
+
+def test_compiled_functions_are_shared_only_within_one_value_range(digits):
+  x, y = digits
+  a = attacks.Target.from_record(_record(x[:1], y[:1], seed=0))
+  b = attacks.Target.from_record(_record(x[:1], y[:1], seed=1))
+  assert a.cache_key() == b.cache_key()  # other weights: one trace
+  record = _record(x[:1], y[:1])
+  wider = dataclasses.replace(record, metadata={**record.metadata,
+                                                "value_range": [-1.0, 1.0]})
+  assert attacks.Target.from_record(wider).cache_key() != a.cache_key()
 
 
 def test_uploads_beyond_max_examples_are_refused_unless_raised(digits):

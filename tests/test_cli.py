@@ -60,8 +60,10 @@ def test_kill_9_mid_run_then_rerun_resumes_to_identical_metrics(tmp_path):
   # Wait for an event, not an interval: round 2's checkpoint (TFF writes it
   # to a temporary folder and renames it, so once it exists it is whole).
   checkpoint = killed / "checkpoints" / "program_state_2"
+  deadline = time.monotonic() + 300  # a bound for a hung run, not a timing
   while not checkpoint.exists():
     assert proc.poll() is None, "the run ended before its round-2 checkpoint"
+    assert time.monotonic() < deadline, "no round-2 checkpoint after 300 s"
     time.sleep(0.05)
   workers = worker_children(proc.pid)
   assert workers, "the CLI should have started a TFF worker"
@@ -125,31 +127,72 @@ def test_bad_values_exit_2_with_one_line_naming_the_parameter(capsys, tmp_path,
   assert not out.exists()  # nothing written for a refused command
 
 
+def _config_file(tmp_path, text):
+  path = tmp_path / "config.json"
+  path.write_text(text)
+  return ["train", "--config", str(path)]
+
+
+@pytest.mark.parametrize("config,message", [
+    ('{"rounds": 2,}', "config.json: not valid JSON"),
+    ('[1, 2]', "config.json: must hold a JSON object of RunConfig fields"),
+    ('{"out": "x", "rounds": "ten"}', "rounds must be an integer >= 1, got 'ten'"),
+    ('{"out": "x", "rounds": Infinity}', "rounds must be an integer >= 1, got inf"),
+    ('{"out": "x", "rounds": 1e400}', "rounds must be an integer >= 1, got inf"),
+    ('{"out": "x", "rounds": NaN}', "rounds must be an integer >= 1, got nan"),
+    ('{"out": "x", "alpha": NaN}', "alpha must be a finite number > 0, got nan"),
+    ('{"out": "x", "capture_rounds": 5}', "capture_rounds must be a list"),
+    ('{"out": "x", "method": ["fedavg"]}',
+     "method must be a string, got ['fedavg']"),
+    ('{"out": "x", "method_kwargs": [1]}', "method_kwargs must be a JSON object"),
+    ('{"out": "x", "method_kwargs": {"local_epochs": "2"}}',
+     "local_epochs must be an integer >= 1, got '2'"),
+    ('{"out": "x", "seed": 1, "lr": 2}', "unknown fields lr"),
+])
+def test_config_file_errors_name_the_file_or_field(capsys, tmp_path, config,
+                                                   message):
+  code, _, err = _main(capsys, *_config_file(tmp_path, config), "--client-lr",
+                       "0.1")
+  assert code == 2 and message in err, err
+  assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--clip", "nan", "--defense", "dp_clip"], "clip must be a finite number > 0"),
+    (["--defense", "ldp_gaussian", "--clip", "1", "--noise-multiplier", "inf"],
+     "noise_multiplier must be a finite number >= 0, got inf"),
+    (["--dp-delta", "nan"], "dp_delta must be a finite number in (0, 1)"),
+    (["--model-kwargs", '{"hidden": 8}'], "model_kwargs {'hidden': 8}: model "
+     "'mlp' cannot be built from them"),
+    (["--model-kwargs", '{"activation": "wiggly"}'], "cannot be built"),
+])
+def test_non_finite_numbers_and_unbuildable_models_are_refused(capsys, tmp_path,
+                                                               argv, message):
+  out = tmp_path / "run"
+  code, _, err = _main(capsys, *_train_argv(out, *argv))
+  assert code == 2 and message in err, err
+  assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
 def test_files_and_data_errors_name_the_file(capsys, tmp_path):
   a_file = tmp_path / "a_file"
   a_file.write_text("x")
-  code, _, err = _main(capsys, *_train_argv(a_file))
-  assert code == 2 and f"out={str(a_file)!r} is a file" in err
-  bad = tmp_path / "bad.json"
-  bad.write_text('{"rounds": 2,}')
-  code, _, err = _main(capsys, "train", "--config", str(bad))
-  assert code == 2 and f"--config {bad}: not valid JSON" in err
-  code, _, err = _main(capsys, "train", "--config", str(tmp_path / "none.json"))
-  assert code == 2 and "none.json: cannot be read" in err
-  wrong_type = tmp_path / "types.json"
-  wrong_type.write_text('{"out": "x", "rounds": "ten"}')
-  code, _, err = _main(capsys, "train", "--config", str(wrong_type))
-  assert code == 2 and "rounds must be an integer >= 1, got 'ten'" in err
   empty = tmp_path / "tfds"
   empty.mkdir()
-  code, _, err = _main(capsys, "train", "--out", str(tmp_path / "m"), "--dataset",
-                       "mnist", "--data-dir", str(empty), "--quiet")
-  assert code == 2 and f"data_dir={str(empty)!r} holds no prepared 'mnist'" in err
-  code, _, err = _main(capsys, "attack", "--updates", str(tmp_path / "nowhere"),
-                       "--round", "1", "--out", str(tmp_path / "a"))
-  assert code == 2 and "nowhere/manifest.json: no manifest" in err
-  for text in (err,):
-    assert "Traceback" not in text and len(text.strip().splitlines()) == 1
+  commands = [
+      (_train_argv(a_file), f"out={str(a_file)!r} is a file"),
+      (["train", "--config", str(tmp_path / "none.json")],
+       "none.json: cannot be read"),
+      (["train", "--out", str(tmp_path / "m"), "--dataset", "mnist", "--data-dir",
+        str(empty), "--quiet"],
+       f"data_dir={str(empty)!r} holds no prepared 'mnist'"),
+      (["attack", "--updates", str(tmp_path / "nowhere"), "--round", "1", "--out",
+        str(tmp_path / "a")], "nowhere/manifest.json: no manifest"),
+  ]
+  for argv, message in commands:
+    code, _, err = _main(capsys, *argv)
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_malformed_json_flag_is_an_argparse_error(capsys, tmp_path):
@@ -177,6 +220,13 @@ def test_config_file_and_flags_merge(tmp_path):
   args = parser.parse_args(["train", "--config", str(config), "--clip", "0.5"])
   assert cli._config_from_args(args).defense_kwargs == {"clip": 0.5,
                                                         "noise_multiplier": 1.0}
+  # a flag naming another defence or method drops the file's parameters of
+  # the one it replaces
+  args = parser.parse_args(["train", "--config", str(config), "--defense",
+                            "sparsification", "--sparsity", "0.9", "--method",
+                            "fedsgd"])
+  run = cli._config_from_args(args)
+  assert run.defense_kwargs == {"p": 0.9} and run.method_kwargs == {}
 
 
 def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(

@@ -91,6 +91,11 @@ def test_other_config_in_same_folder_is_refused(fedsgd_run):
   config, _ = fedsgd_run
   with pytest.raises(ValueError, match="differs in seed"):
     runner.run(runner.RunConfig(**{**vars(config), "seed": 4}), progress=False)
+  # a parameter given at its default is the same config
+  same = runner.RunConfig(**{**vars(config), "method_kwargs":
+                             {"server_learning_rate": 0.1}})
+  assert same.to_json() == config.to_json()
+  assert config.to_json()["method_kwargs"] == {"server_learning_rate": 0.1}
 
 
 def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
@@ -279,15 +284,52 @@ def test_every_method_captures_two_rounds(tmp_path, method, kwargs):
                             **{**SMALL, "model_kwargs": {"hidden": (16,)}})
   runner.run(config, progress=False)
   store = UpdateStore(os.path.join(config.out, "updates"))
-  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
   assert store.rounds() == [1, 2]
+  from tff_privacy import data
+  n = len(data.load("digits", 4, seed=3).client_indices[0])  # client 0's samples
+  want = n if method == "fedavg" else min(n, config.batch_size)
   for round_num in (1, 2):
-    record = store.read(round_num, 0)
-    assert record.num_examples == len(truth.read(round_num, 0)[1])
+    assert store.read(round_num, 0).num_examples == want
   # the Python API with tuple arguments resumes its own config
   more = runner.run(runner.RunConfig(**{**vars(config), "rounds": 3}),
                     progress=False)
   assert [m["round"] for m in more] == [1, 2, 3]
+
+
+def test_local_batch_sizes_by_hand():
+  from tff_privacy.protocol import local_batch_sizes
+  assert local_batch_sizes(10, 4, 2) == [4, 4, 2, 4, 4, 2]
+  assert local_batch_sizes(8, 4, 1) == [4, 4]
+  assert local_batch_sizes(3, 4, 2) == [3, 3]
+  assert local_batch_sizes(10, 4, 3, one_batch=True) == [4]
+  assert local_batch_sizes(3, 4, one_batch=True) == [3]
+  with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    local_batch_sizes(3, 0)
+
+
+def test_one_epoch_fedavg_delta_is_the_attackers_simulated_upload(tmp_path):
+  """With one local epoch the attacker's own simulation (`simulate_upload`
+  on the client's samples in their order, batches by `local_batch_sizes`)
+  equals the delta TFF computed, for N % B != 0."""
+  from tff_privacy.attacks import functional
+  config = runner.RunConfig(
+      out=str(tmp_path), method="fedavg", clients=30, clients_per_round=2,
+      batch_size=5, rounds=1, capture_rounds=(1,), seed=3,
+      method_kwargs={"client_learning_rate": 0.3}, dataset="digits",
+      model="mlp", model_kwargs={"hidden": [16]})
+  runner.run(config, progress=False)
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  for client in store.clients(1):
+    record = store.read(1, client)
+    x, y = truth.read(1, client)
+    assert len(y) % 5 != 0
+    model = record.model_spec.keras()
+    simulated = functional.simulate_upload(
+        model, [tf.constant(w) for w in record.broadcast], tf.constant(x),
+        tf.one_hot(y, 10), "model_delta", record.metadata["protocol"])
+    for got, want in zip(record.upload, simulated):
+      np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
 
 
 def test_fedavg_schedule_matches_the_attackers_simulation(tmp_path):

@@ -7,7 +7,8 @@
 The flags of methods, defences and attacks are derived from their declared
 parameters (`tff_privacy.params`): a flag belongs to the components that
 declare it and is refused for the others. A user error ends in one line on
-stderr that names the parameter or file, and exit code 2.
+stderr that names the parameter or file, and exit code 2 (with
+TFF_PRIVACY_DEBUG set, the traceback instead).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 from typing import Any, Optional, Sequence
 
 EXIT_USAGE = 2
+# set (to anything) to get the traceback of an error instead of one line
+DEBUG_VARIABLE = "TFF_PRIVACY_DEBUG"
 
 
 def parse_rounds(text: str) -> tuple[int, ...]:
@@ -78,14 +81,20 @@ class ComponentFlags:
       if len(kinds) != 1:
         raise TypeError(f"--{flag} is declared with different types {kinds}")
       param = next(iter(owners.values()))
-      defaults = sorted({repr(p.default) for p in owners.values()})
-      text = (f"({', '.join(owners)}) {param.help}; {param.accepted()}; default "
-              + (", ".join(f"{n}: {p.default!r}" for n, p in owners.items())
-                 if len(defaults) > 1 else defaults[0]))
+      defaults = {p.default_text() for p in owners.values()}
+      if len(defaults) > 1:
+        default = "defaults " + ", ".join(f"{n}: {p.default_text()}"
+                                          for n, p in owners.items())
+      else:
+        default = defaults.pop()
+        default = default if default in ("required", "optional") else (
+            "default " + default)
+      text = f"({', '.join(owners)}) {param.help}; {param.accepted()}; {default}"
       extra: dict[str, Any] = {"type": _boolean if param.kind is bool else param.kind}
       if param.choices:
         extra["choices"] = param.choices
-      group.add_argument("--" + flag, dest=_dest(flag), help=text, **extra)
+      group.add_argument("--" + flag, dest=_dest(flag), help=text,
+                         metavar=flag.upper().replace("-", "_"), **extra)
 
   def given(self, args: argparse.Namespace, component: Optional[str]) -> dict[str, Any]:
     """The keyword arguments of `component` set by flags; flags that do not
@@ -139,7 +148,7 @@ def _train_parser(sub) -> None:
     if param.choices:
       extra["choices"] = param.choices
     p.add_argument("--" + param.flag, dest=param.name, help=param.describe(),
-                   **extra)
+                   metavar=param.flag.upper().replace("-", "_"), **extra)
   p.add_argument("--model-kwargs", type=json_object,
                  help='model builder arguments as JSON, e.g. \'{"weight_init": "default"}\'')
   p.add_argument("--method-kwargs", type=json_object,
@@ -175,20 +184,28 @@ def _config_from_args(args):
   if unknown:
     raise ValueError(f"--config {args.config}: unknown fields {', '.join(unknown)}; "
                      f"accepted: {', '.join(sorted(accepted))}")
-  for name in ["out", "capture_rounds", *RUN_PARAMETERS.names]:
-    if getattr(args, name) is not None:
-      fields[name] = getattr(args, name)
   for name in ("model_kwargs", "method_kwargs", "defense_kwargs"):
     if not isinstance(fields.get(name, {}), dict):
       raise ValueError(f"--config {args.config}: {name} must be a JSON object")
-  method = fields.get("method", RUN_PARAMETERS["method"].default)
+  for component, kwargs in (("model", "model_kwargs"), ("method", "method_kwargs"),
+                            ("defense", "defense_kwargs")):
+    # a flag naming another component drops the file's parameters of the old one
+    before = fields.get(component, RUN_PARAMETERS[component].default)
+    if getattr(args, component) not in (None, before):
+      fields.pop(kwargs, None)
+  for name in ["out", "capture_rounds", *RUN_PARAMETERS.names]:
+    if getattr(args, name) is not None:
+      fields[name] = getattr(args, name)
+  method = RUN_PARAMETERS["method"].check(
+      fields.get("method", RUN_PARAMETERS["method"].default))
+  defense = RUN_PARAMETERS["defense"].check(fields.get("defense"))
   fields["model_kwargs"] = {**fields.get("model_kwargs", {}),
                             **(args.model_kwargs or {})}
   fields["method_kwargs"] = {**fields.get("method_kwargs", {}),
                              **(args.method_kwargs or {}),
                              **_method_flags().given(args, method)}
   fields["defense_kwargs"] = {**fields.get("defense_kwargs", {}),
-                              **_defense_flags().given(args, fields.get("defense"))}
+                              **_defense_flags().given(args, defense)}
   if "out" not in fields:
     raise ValueError("--out is required (or 'out' in --config)")
   return RunConfig(**fields)
@@ -315,6 +332,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     return {"train": _train, "attack": _attack, "demo": _demo}[args.command](args)
   except (ValueError, OSError) as e:
+    if os.environ.get(DEBUG_VARIABLE):
+      raise
     print(f"tff-privacy {args.command}: error: {_one_line(e)}", file=sys.stderr)
     return EXIT_USAGE
   except KeyboardInterrupt:

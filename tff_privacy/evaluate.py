@@ -44,7 +44,14 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   clients = list(clients) if clients is not None else store.clients(round_num)
   records = [store.read(round_num, c) for c in clients]
   inversion = attacks.build(attack, **(attack_kwargs or {}))
-  inversion.targets(records)  # refuses uploads beyond max_examples
+  inversion.check_sizes(records)
+  attacks.inversion.check_device(device)
+  # everything the scoring reads is checked before a long attack
+  truth = GroundTruthStore(ground_truth or os.path.join(
+      os.path.dirname(os.path.abspath(updates)), "ground_truth"))
+  for c in clients:
+    truth.read(round_num, c)
+  weights = lpips.load_weights(lpips_weights) if lpips_weights else None
   if progress:
     print(inversion.plan(records), flush=True)
     estimate = inversion.estimate_seconds(records, device)
@@ -53,14 +60,11 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   reconstructions = inversion(records, device=device, seed=seed, progress=progress)
   seconds = time.perf_counter() - start
   value_range = tuple(records[0].metadata["value_range"])
-  truth = GroundTruthStore(ground_truth or os.path.join(
-      os.path.dirname(os.path.abspath(updates)), "ground_truth"))
   rows, pairs = report.score(reconstructions, records, truth, value_range)
   means = report.mean_scores(rows)
   lpips_note = ("not computed: needs pretrained AlexNet and LPIPS weights; "
                 "pass a weights file to compute it")
-  if lpips_weights:
-    weights = lpips.load_weights(lpips_weights)
+  if weights is not None:
     distances = lpips.lpips(np.stack([p[0] for p in pairs]),
                             np.stack([p[1] for p in pairs]), weights, value_range)
     for row, d in zip(rows, distances):

@@ -17,6 +17,7 @@ and the one-line error that names a wrong value and what is accepted.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Iterator, Optional
 
@@ -32,7 +33,7 @@ _KINDS = (int, float, str, bool)
 
 
 def _number(x: float) -> str:
-  return f"{x:g}" if isinstance(x, float) else str(x)
+  return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,22 +112,39 @@ class Param:
     return value
 
   def _convert(self, value: Any) -> Any:
-    numeric = isinstance(value, numbers.Number) and not isinstance(value, bool)
-    if self.kind is int and numeric and float(value) == int(value):
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    finite = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+              and (integral or math.isfinite(value)))
+    if self.kind is int and (integral or (finite and float(value).is_integer())):
       return int(value)
-    if self.kind is float and numeric:
-      return float(value)
+    if self.kind is float and finite:
+      try:
+        return float(value)
+      except OverflowError:
+        pass
     if self.kind in (str, bool) and isinstance(value, self.kind):
       return value
-    what = {int: "an integer", float: "a number", str: "a string",
+    what = {int: "an integer", float: "a finite number", str: "a string",
             bool: "true or false"}[self.kind]
     suffix = f" {self.accepted()}" if self.kind in (int, float) and (
         self.minimum is not None or self.maximum is not None) else ""
     raise ValueError(f"{self.name} must be {what}{suffix}, got {value!r}")
 
+  def default_text(self) -> str:
+    """'required', 'optional' (None), or the default as a user types it."""
+    if self.required:
+      return "required"
+    if self.default is None:
+      return "optional"
+    if isinstance(self.default, float):
+      return _number(self.default)
+    return str(self.default)
+
   def describe(self) -> str:
     """Help text with the accepted values and the default."""
-    default = "required" if self.required else f"default {self.default!r}"
+    default = self.default_text()
+    if default not in ("required", "optional"):
+      default = "default " + default
     return f"{self.help} ({self.accepted()}; {default})"
 
 
@@ -166,8 +184,9 @@ class Params:
     self._refuse_unknown(owner, values)
     missing = [p.name for p in self if p.required and p.name not in values]
     if missing:
-      raise ValueError(f"{owner} needs {', '.join(missing)}: "
-                       + "; ".join(f"{n} {self[n].describe()}" for n in missing))
+      raise ValueError(f"{owner} needs " + "; ".join(
+          f"{n}" + (f" (--{self[n].flag})" if self[n].cli else "")
+          + f": {self[n].help}, {self[n].accepted()}" for n in missing))
     resolved = self.defaults()
     for name, value in values.items():
       try:

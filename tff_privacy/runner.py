@@ -124,7 +124,8 @@ class RunConfig:
 
   def _check_capture_rounds(self) -> None:
     rounds = self.capture_rounds
-    if not all(isinstance(r, int) and not isinstance(r, bool) for r in rounds):
+    if not isinstance(rounds, (list, tuple)) or not all(
+        isinstance(r, int) and not isinstance(r, bool) for r in rounds):
       raise ValueError(f"capture_rounds must be a list of round numbers, got "
                        f"{rounds!r}")
     object.__setattr__(self, "capture_rounds", tuple(sorted(set(rounds))))
@@ -138,9 +139,14 @@ class RunConfig:
     return self.clients_per_round or self.clients
 
   def to_json(self) -> dict[str, Any]:
-    """The configuration as it reads back from config.json (`out` aside)."""
+    """The configuration as it reads back from config.json (`out` aside),
+    with every method and defence parameter resolved (defaults filled in),
+    so that equivalent configs compare equal."""
     d = dataclasses.asdict(self)
     d.pop("out")
+    d["method_kwargs"] = algorithms.method(self.method).resolve(self.method_kwargs)
+    if self.defense is not None:
+      d["defense_kwargs"] = defenses.resolve(self.defense, self.defense_kwargs)
     return io.canonical(d)
 
 
@@ -236,6 +242,7 @@ class Run:
                          config.alpha, config.seed, config.data_dir)
     self.spec = models.ModelSpec(config.model, self.fed.source.input_shape,
                                  self.fed.source.num_classes, config.model_kwargs)
+    self.spec.check_builds()
     defense = (defenses.build(config.defense, self.spec, **config.defense_kwargs)
                if config.defense else None)
     # Server-side defences replace the aggregator; client-side ones go into
@@ -362,16 +369,16 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   """Trains (or resumes) the run described by `config`; returns its metrics.
 
   Nothing is written under `config.out` until the data, model, defence and
-  method have been built from the config without error."""
+  method's processes have been built from the config without error."""
   _check_config(config)
   r = Run(config)
-  os.makedirs(config.out, exist_ok=True)
-  io.write_json(os.path.join(config.out, "config.json"), config.to_json())
   process = r.process(capture=False)
   if config.capture_rounds:
     # Built before any eager Keras model: tracing a TFF computation that builds
     # Keras layers invalidates Keras models made earlier in eager mode.
     r.process(capture=True)
+  os.makedirs(config.out, exist_ok=True)
+  io.write_json(os.path.join(config.out, "config.json"), config.to_json())
   manager = tff.program.FileProgramStateManager(
       os.path.join(config.out, "checkpoints"), keep_total=2, keep_first=False)
   initial = process.set_model_weights(

@@ -85,7 +85,8 @@ PERTURBATION = params.Params(
                  "lower bound of each perturbation entry's magnitude (linf) or "
                  "each sample's L2 norm", minimum=0),
     params.Param("rho_max", float, 8 / 255,
-                 "upper bound of the same, on [0, 1] data (8/255: radius 8 of 255)",
+                 "upper bound of each perturbation entry's magnitude (linf) or "
+                 "each sample's L2 norm, on [0, 1] data (8/255: radius 8 of 255)",
                  minimum=0, exclusive_minimum=True),
     params.Param("norm", str, "linf", "norm of the bounds", choices=NORMS,
                  flag="perturb-norm"))

@@ -103,7 +103,7 @@ class Target:
     """What a compiled attack function depends on besides its arguments."""
     meta = self.record.metadata
     return json.dumps([meta["model"], meta["upload_kind"], meta["protocol"],
-                       self.num_examples], sort_keys=True)
+                       meta["value_range"], self.num_examples], sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +192,11 @@ class GradientInversion(abc.ABC):
 
   def targets(self, records: Sequence[UpdateRecord]) -> list[Target]:
     """The records as targets; refuses uploads beyond `max_examples`."""
+    self.check_sizes(records)
+    return [Target.from_record(r) for r in records]
+
+  def check_sizes(self, records: Sequence[UpdateRecord]) -> None:
+    """Raises `ValueError` for an upload of more than `max_examples`."""
     for record in records:
       if record.num_examples > self.max_examples:
         raise ValueError(
@@ -199,7 +204,6 @@ class GradientInversion(abc.ABC):
             f"stands for {record.num_examples} examples, more than "
             f"max_examples={self.max_examples} (inverting that many images is "
             "slow and recovers little; raise --max-examples to try anyway)")
-    return [Target.from_record(r) for r in records]
 
   def plan(self, records: Sequence[UpdateRecord]) -> str:
     """One line: what the attack will do."""
@@ -216,9 +220,10 @@ class GradientInversion(abc.ABC):
     steps = min(10, self.iterations)
     with tf.device(device):
       state = self._start(target, self.rng(target, 0))
-      state, _ = self._advance(target, state, 0, 1)  # compiles
+      state, _ = self._advance(target, state, 0, 1)  # compiles the first chunk
+      state, _ = self._advance(target, state, 1, 1)  # and the later ones
       begin = time.perf_counter()
-      self._advance(target, state, 1, steps)
+      self._advance(target, state, 2, steps)
     per_iteration = (time.perf_counter() - begin) / steps
     return per_iteration * self.iterations * self.restarts * len(records)
 

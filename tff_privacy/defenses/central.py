@@ -3,7 +3,7 @@
 * `DPFedAvg` ('dp_fedavg', McMahan et al. 2018): each client's update is
   clipped to L2 norm C (on the client, as TFF's `DifferentiallyPrivateFactory`
   preprocesses records there), the server sums the clipped updates, adds
-  N(0, (z C)^2) and divides by the expected number of clients. This is central
+  N(0, (z C)^2) and divides by the fixed number of clients per round. This is central
   DP: it protects against whoever sees the released model, not against the
   server, which legitimately receives the clipped, un-noised updates; that is
   what the update store records (`server_view`).

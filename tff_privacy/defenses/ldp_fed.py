@@ -44,8 +44,9 @@ class LDPFed(UpdateDefense):
             maximum=6, flag="cldp-precision"),
       Param("fraction", float, 1.0, "fraction of entries each client shares",
             minimum=0, maximum=1, exclusive_minimum=True, flag="share-fraction"))
-  dp_relation = ("local DP: any two values of one shared entry are neighbours "
-                 "(their distance is at most the range's width, 2 clip)")
+  dp_relation = ("local DP: any two uploads of one client are neighbours (each "
+                 "shared entry ranges over [-clip, clip], width 2 clip; the "
+                 "shared entries compose)")
 
   def __init__(self, alpha: float = 1.0, clip: float = 0.05, precision: int = 3,
                fraction: float = 1.0):

@@ -16,6 +16,7 @@ resized to 64 (bilinear) so that AlexNet's strides leave spatial extent.
 from __future__ import annotations
 
 import os
+import zipfile
 
 import numpy as np
 import tensorflow as tf
@@ -33,8 +34,11 @@ def load_weights(path: str) -> dict[str, np.ndarray]:
   """Reads and checks an LPIPS weights file; errors name the missing key."""
   if not os.path.exists(path):
     raise FileNotFoundError(f"LPIPS weights file {path} does not exist")
-  with np.load(path, allow_pickle=False) as npz:
-    weights = {k: npz[k].astype(np.float32) for k in npz.files}
+  try:
+    with np.load(path, allow_pickle=False) as npz:
+      weights = {k: npz[k].astype(np.float32) for k in npz.files}
+  except (ValueError, OSError, zipfile.BadZipFile) as e:
+    raise ValueError(f"{path}: not a readable LPIPS weights .npz ({e})") from None
   in_ch = 3
   for i, (ch, k, _, _) in enumerate(_LAYERS, start=1):
     expected = {f"conv{i}_kernel": (k, k, in_ch, ch), f"conv{i}_bias": (ch,),

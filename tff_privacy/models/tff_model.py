@@ -40,6 +40,16 @@ class ModelSpec:
     return builders.build(self.name, self.input_shape, self.num_classes,
                           seed=seed, **self.kwargs)
 
+  def check_builds(self) -> None:
+    """Raises `ValueError` naming `model_kwargs` if the builder fails on
+    them (a wrong type or value; unknown names fail at construction)."""
+    try:
+      with tf.Graph().as_default():  # no eager Keras state before TFF traces
+        self.keras()
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"model_kwargs {self.kwargs}: model {self.name!r} cannot "
+                       f"be built from them ({' '.join(str(e).split())})") from None
+
   def initial_weights(self, seed: int) -> list[np.ndarray]:
     """Trainable weights of a freshly initialised model, fixed by `seed`."""
     return [v.numpy() for v in self.keras(seed).trainable_variables]
