@@ -48,6 +48,8 @@ def test_train_through_a_pipe_finishes_and_leaves_no_worker(tmp_path):
   assert not _orphaned_workers(start)
 
 
+@pytest.mark.slow  # its parts run in the fast suite: test_runner's resume test
+# and test_runtime's worker-dies-with-its-SIGKILLed-parent test
 def test_kill_9_mid_run_then_rerun_resumes_to_identical_metrics(tmp_path):
   rounds = 12
   args = ["--method", "fedavg", "--rounds", str(rounds)]
@@ -247,11 +249,11 @@ def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(
     assert json.load(f)["defense_kwargs"] == {"clip": 1.0, "noise_multiplier": 1.0}
 
 
-def test_fedem_flags_reach_the_method(tmp_path):
-  result = _train(tmp_path, "--method", "fedem", "--rounds", "1",
-                  "--perturb-steps", "2", "--rho-max", "0.05", "--perturb-norm", "l2",
-                  "--capture-rounds", "1")
-  assert result.returncode == 0, result.stderr
+def test_fedem_flags_reach_the_method(capsys, tmp_path):
+  code, _, err = _main(capsys, *_train_argv(
+      tmp_path, "--method", "fedem", "--rounds", "1", "--perturb-steps", "2",
+      "--rho-max", "0.05", "--perturb-norm", "l2", "--capture-rounds", "1"))
+  assert code == 0, err
   with open(os.path.join(tmp_path, "updates", "manifest.json")) as f:
     manifest = json.load(f)
   protocol = manifest["run"]["protocol"]
@@ -259,22 +261,21 @@ def test_fedem_flags_reach_the_method(tmp_path):
       2, 0.05, "l2")
 
 
-def test_unknown_method_is_rejected_by_the_parser(tmp_path):
-  result = _train(tmp_path, "--method", "bogus")
-  assert result.returncode == 2
-  assert "invalid choice: 'bogus'" in result.stderr
+def test_unknown_method_is_rejected_by_the_parser(capsys, tmp_path):
+  code, _, err = _main(capsys, *_train_argv(tmp_path, "--method", "bogus"))
+  assert code == 2
+  assert "invalid choice: 'bogus'" in err
 
 
-def test_attack_command_writes_scores_and_figure(tmp_path):
+def test_attack_command_writes_scores_and_figure(capsys, tmp_path):
   run = tmp_path / "run"
-  trained = subprocess.run(
-      CLI + ["train", "--out", str(run), "--method", "fedsgd", "--dataset",
-             "digits", "--model", "lenet", "--clients", "3", "--partition",
-             "one_per_client", "--batch-size", "1", "--rounds", "1",
-             "--capture-rounds", "1", "--quiet"],
-      capture_output=True, text=True, timeout=300)
-  assert trained.returncode == 0, trained.stderr
+  code, _, err = _main(capsys, "train", "--out", str(run), "--method", "fedsgd",
+                       "--dataset", "digits", "--model", "lenet", "--clients", "3",
+                       "--partition", "one_per_client", "--batch-size", "1",
+                       "--rounds", "1", "--capture-rounds", "1", "--quiet")
+  assert code == 0, err
   out = tmp_path / "attack"
+  # as a user runs it: its own process, its output through a pipe
   result = subprocess.run(
       CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",
              "--client", "all", "--attack", "idlg", "--iterations", "200",
@@ -288,10 +289,11 @@ def test_attack_command_writes_scores_and_figure(tmp_path):
   assert report["mean"]["ssim"] > 0.9  # undefended single-sample gradients leak
   assert report["lpips"].startswith("not computed") and "lpips" not in report["mean"]
   assert "lpips: not computed" in result.stdout
-  # the plan and a time estimate come before the attack; the summary names
-  # every file written
+  # the plan and a time estimate come before the attack, a progress bar
+  # during it; the summary names every file written
   assert "idlg: 3 record(s), 1 image(s) per record" in result.stdout
   assert "idlg: estimated time about" in result.stdout
+  assert "600/600" in result.stderr  # tqdm: 3 records x 200 iterations
   files = result.stdout.strip().splitlines()[-1]
   for name in ("attack.json", "reconstructions.png", "reconstructions.npz"):
     assert name in files and (out / name).exists()
@@ -300,18 +302,16 @@ def test_attack_command_writes_scores_and_figure(tmp_path):
     assert arrays["original"].shape == arrays["reconstructed"].shape == (3, 8, 8, 1)
     mse = ((arrays["original"] - arrays["reconstructed"]) ** 2).mean(axis=(1, 2, 3))
   np.testing.assert_allclose(mse, [s["mse"] for s in report["samples"]], rtol=1e-4)
-  wrong = subprocess.run(
-      CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",
-             "--attack", "dlg", "--tv-weight", "0.1", "--out", str(out)],
-      capture_output=True, text=True, timeout=300)
-  assert wrong.returncode == 2 and "--tv-weight does not apply" in wrong.stderr
-  quiet = subprocess.run(
-      CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",
-             "--client", "0", "--attack", "idlg", "--iterations", "5", "--quiet",
-             "--out", str(tmp_path / "quiet")], capture_output=True, text=True,
-      timeout=300)
-  assert quiet.returncode == 0, quiet.stderr
-  assert "estimated time" not in quiet.stdout and "it/s" not in quiet.stderr
+  code, _, err = _main(capsys, "attack", "--updates", str(run / "updates"),
+                       "--round", "1", "--attack", "dlg", "--tv-weight", "0.1",
+                       "--out", str(out))
+  assert code == 2 and "--tv-weight does not apply" in err
+  code, stdout, err = _main(capsys, "attack", "--updates", str(run / "updates"),
+                            "--round", "1", "--client", "0", "--attack", "idlg",
+                            "--iterations", "5", "--quiet", "--out",
+                            str(tmp_path / "quiet"))
+  assert code == 0, err
+  assert "estimated time" not in stdout and "it/s" not in err
 
 
 @pytest.mark.slow

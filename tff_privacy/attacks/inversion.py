@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_probability as tfp
 import tqdm
+from tensorflow_probability.python.optimizer import lbfgs as tfp_lbfgs
 
 from tff_privacy.attacks import functional
 from tff_privacy.attacks.labels import recover_labels
@@ -320,7 +321,10 @@ class DLG(GradientInversion):
   def _fixed_labels(self, target: Target) -> Optional[np.ndarray]:
     return None
 
-  def _build(self, target: Target, fixed_labels: bool, resume: bool):
+  def _build(self, target: Target, fixed_labels: bool):
+    """(start, minimize): the L-BFGS state at a starting point, and more
+    iterations from a state. One trace of the L-BFGS loop serves every
+    chunk, the first included."""
     n_x = int(np.prod(target.input_shape))
     shape, c = target.input_shape, target.num_classes
 
@@ -330,21 +334,32 @@ class DLG(GradientInversion):
           tf.reshape(flat[n_x:], (shape[0], c)))
       return l2_distance(target.simulate(broadcast, x, y_soft), upload)
 
-    def minimize(start, max_iterations, y_fixed, upload, broadcast):
+    def value_and_gradient_fn(y_fixed, upload, broadcast):
       def value_and_gradient(flat):
         with tf.GradientTape() as tape:
           tape.watch(flat)
           loss = objective(flat, y_fixed, upload, broadcast)
         return loss, tape.gradient(loss, flat)
+      return value_and_gradient
+
+    def start(flat, y_fixed, upload, broadcast):
+      # tfp's own constructor of the state lbfgs_minimize starts from (its
+      # public API starts and runs in one call; tfp is pinned, see
+      # requirements.lock)
+      return tfp_lbfgs._get_initial_state(  # pylint: disable=protected-access
+          value_and_gradient_fn(y_fixed, upload, broadcast), flat,
+          self.history, self.tolerance)
+
+    def minimize(state, max_iterations, y_fixed, upload, broadcast):
       # Line-search steps only ever lower the objective, so the current
       # position is the best iterate.
       return tfp.optimizer.lbfgs_minimize(
-          value_and_gradient,
-          initial_position=None if resume else start,
-          previous_optimizer_results=start if resume else None,
-          max_iterations=max_iterations, num_correction_pairs=self.history,
-          tolerance=self.tolerance, x_tolerance=0.0, f_relative_tolerance=0.0)
-    return minimize
+          value_and_gradient_fn(y_fixed, upload, broadcast),
+          initial_position=None, previous_optimizer_results=state,
+          max_iterations=max_iterations,
+          num_correction_pairs=self.history, tolerance=self.tolerance,
+          x_tolerance=0.0, f_relative_tolerance=0.0)
+    return start, minimize
 
   def _start(self, target, rng):
     labels = self._fixed_labels(target)
@@ -356,17 +371,17 @@ class DLG(GradientInversion):
           target.num_examples * target.num_classes), tf.float32))
     y_fixed = (tf.one_hot(labels, target.num_classes) if fixed else
                tf.zeros((target.num_examples, target.num_classes)))
-    return {"flat": tf.concat(parts, 0), "results": None, "labels": labels,
-            "y_fixed": y_fixed}
+    start = self.function(target, f"lbfgs-start-{fixed}",
+                          lambda t: self._build(t, fixed)[0])
+    results = start(tf.concat(parts, 0), y_fixed, target.upload, target.broadcast)
+    return {"results": results, "labels": labels, "y_fixed": y_fixed}
 
   def _advance(self, target, state, done, steps):
     fixed = state["labels"] is not None
-    resume = state["results"] is not None
-    minimize = self.function(target, f"lbfgs-{fixed}-{resume}",
-                             lambda t: self._build(t, fixed, resume))
-    results = minimize(state["results"] if resume else state["flat"],
-                       tf.constant(done + steps), state["y_fixed"], target.upload,
-                       target.broadcast)
+    minimize = self.function(target, f"lbfgs-{fixed}",
+                             lambda t: self._build(t, fixed)[1])
+    results = minimize(state["results"], tf.constant(done + steps),
+                       state["y_fixed"], target.upload, target.broadcast)
     stop = bool(results.converged) or bool(results.failed)
     return {**state, "results": results}, stop
 
