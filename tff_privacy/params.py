@@ -29,7 +29,9 @@ class _Required:
 
 REQUIRED: Any = _Required()  # default of a parameter the caller must give
 
-_KINDS = (int, float, str, bool)
+_KIND_NAMES = {int: "an integer", float: "a finite number", str: "a string",
+               bool: "true or false"}
+_KINDS = tuple(_KIND_NAMES)
 
 
 def _number(x: float) -> str:
@@ -91,8 +93,7 @@ class Param:
       return f"{'>' if self.exclusive_minimum else '>='} {_number(lo)}"
     if hi is not None:
       return f"{'<' if self.exclusive_maximum else '<='} {_number(hi)}"
-    return {int: "an integer", float: "a number", str: "a string",
-            bool: "true or false"}[self.kind]
+    return _KIND_NAMES[self.kind]
 
   def check(self, value: Any) -> Any:
     """`value` converted to the parameter's kind; `ValueError` naming the
@@ -124,8 +125,7 @@ class Param:
         pass
     if self.kind in (str, bool) and isinstance(value, self.kind):
       return value
-    what = {int: "an integer", float: "a finite number", str: "a string",
-            bool: "true or false"}[self.kind]
+    what = _KIND_NAMES[self.kind]
     suffix = f" {self.accepted()}" if self.kind in (int, float) and (
         self.minimum is not None or self.maximum is not None) else ""
     raise ValueError(f"{self.name} must be {what}{suffix}, got {value!r}")
