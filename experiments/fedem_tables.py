@@ -87,10 +87,9 @@ class Experiment:
     x, y = run.fed.test
     order = np.random.default_rng(0).permutation(len(y))
     val, test = order[: len(y) // 2], order[len(y) // 2:]
-    return {"test_accuracy": runner.Evaluator(run.spec, x[test], y[test])(weights)[
-                "test_accuracy"],
-            "val_accuracy": runner.Evaluator(run.spec, x[val], y[val])(weights)[
-                "test_accuracy"]}
+    evaluator = runner.Evaluator(run.spec)
+    return {"test_accuracy": evaluator(weights, x[test], y[test])[0],
+            "val_accuracy": evaluator(weights, x[val], y[val])[0]}
 
   def leakage(self, name: str, setting: dict) -> dict:
     out = os.path.join(self.args.out, name, "leakage")

@@ -39,8 +39,10 @@ def digits():
 
 @pytest.mark.parametrize("name", sorted(models.MODELS))
 def test_functional_forward_equals_keras(name):
-  model = models.build(name, (8, 8, 1), 10, seed=1)
-  x = tf.random.uniform((3, 8, 8, 1), seed=1)
+  shape = {"hyperfl_cnn": (28, 28, 1), "hyperfl_cnn_cifar": (32, 32, 3)}.get(
+      name, (8, 8, 1))
+  model = models.build(name, shape, 10, seed=1)
+  x = tf.random.uniform((3,) + shape, seed=1)
   out = functional.forward(model, [tf.constant(v) for v in model.trainable_variables], x)
   np.testing.assert_allclose(out, model(x), atol=1e-5)
 

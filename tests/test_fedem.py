@@ -138,4 +138,4 @@ def test_projection_keeps_each_entry_or_sample_within_its_bounds():
 def test_bad_parameters_name_themselves(kwargs, match):
   spec = models.ModelSpec("mlp", (4, 4, 1), 3)
   with pytest.raises(ValueError, match=match):
-    algorithms.get("fedem", spec.tff_model_fn(), **kwargs)
+    algorithms.get("fedem", spec, **kwargs)

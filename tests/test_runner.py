@@ -49,8 +49,8 @@ def test_metrics_json_and_tensorboard(fedsgd_run):
   assert saved == history
   run = runner.Run(config)
   final = runner.load_model_weights(config.out, run.spec)
-  assert runner.Evaluator(run.spec, *run.fed.test)(final) == {
-      k: history[-1][k] for k in ("test_accuracy", "test_loss")}
+  assert runner.Evaluator(run.spec)(final, *run.fed.test) == tuple(
+      history[-1][k] for k in ("test_accuracy", "test_loss"))
   assert [m["round"] for m in saved] == [1, 2, 3]
   for m in saved:
     assert {"round", "test_accuracy", "test_loss", "seconds"} <= set(m)

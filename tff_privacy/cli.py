@@ -219,11 +219,16 @@ def _train(args) -> int:
   last = history[-1] if history else {}
   privacy = (f" epsilon={last['epsilon']:.4g} delta={last['delta']:g}"
              if "epsilon" in last else "")
+  global_model = (f"test_accuracy={last['test_accuracy']:.4f} "
+                  f"test_loss={last['test_loss']:.4f} "
+                  if "test_accuracy" in last else "")
   print(f"method={config.method} dataset={config.dataset} model={config.model} "
-        f"defense={config.defense} rounds={last.get('round')} "
-        f"test_accuracy={last.get('test_accuracy'):.4f} "
-        f"test_loss={last.get('test_loss'):.4f}{privacy}")
-  print(f"results in {config.out}: config.json, metrics.json, model_weights.npz, "
+        f"defense={config.defense} rounds={last.get('round')} {global_model}"
+        f"personal_accuracy={last['personal_accuracy_mean']:.4f}"
+        f"+-{last['personal_accuracy_std']:.4f}{privacy}")
+  models_file = (runner.MODEL_WEIGHTS if "test_accuracy" in last
+                 else runner.PERSONAL_MODELS)
+  print(f"results in {config.out}: config.json, metrics.json, {models_file}, "
         "tensorboard/, checkpoints/"
         + (", updates/manifest.json, ground_truth/" if config.capture_rounds else ""))
   return 0

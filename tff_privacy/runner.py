@@ -5,14 +5,20 @@
 * `config.json`: the run's configuration, written once every argument has been
   checked (a re-run with another config into the same folder is refused);
 * `metrics.json`: one entry per finished round (`round`, `test_accuracy`,
-  `test_loss`, `train_loss`, `seconds`, ...), rewritten atomically each round;
+  `test_loss` of the global model on the test set, `personal_accuracy_mean`
+  / `_std` / `_min` and `personal_loss_mean` of each client's own model on
+  its own test split, `train_loss`, `seconds`, ...), rewritten atomically
+  each round;
 * `tensorboard/`: the same metrics as TensorBoard scalars;
-* `checkpoints/`: the algorithm state after each round
+* `checkpoints/`: the algorithm state after each round, with every client's
+  private state for personalised methods
   (`tff.program.FileProgramStateManager`); re-running the same command resumes
   after the last finished round and ends with the same numbers as an
   uninterrupted run, because every random choice (client sampling, local
   shuffling, initial weights) is a function of (seed, round, client);
-* `updates/` and `ground_truth/` for the rounds in `capture_rounds`.
+* `updates/` and `ground_truth/` for the rounds in `capture_rounds`;
+* `model_weights.npz` (the final global model) or, for personalised methods,
+  `personal_models.npz` (every client's final model).
 
 `run` uses TFF's current execution context; programs start it first with
 `tff_privacy.runtime.start()` (the CLI, tests, benchmarks and experiment
@@ -59,6 +65,9 @@ RUN_PARAMETERS = params.Params(
                  choices=data.PARTITIONS),
     params.Param("alpha", float, 0.5, "Dirichlet concentration of the "
                  "'dirichlet' partition", minimum=0, exclusive_minimum=True),
+    params.Param("samples_per_client", int, None, "training samples per client "
+                 "of the 'label_groups' partition; default: the training set "
+                 "divided among the clients", minimum=1),
     params.Param("seed", int, 0, "seed of every random choice of the run"),
     params.Param("defense", str, None, "defence: applied by every client to its "
                  "upload, or by the server's aggregator for dp_fedavg",
@@ -92,6 +101,7 @@ class RunConfig:
   method_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   partition: str = _run_default("partition")
   alpha: float = _run_default("alpha")
+  samples_per_client: Optional[int] = None
   seed: int = _run_default("seed")
   capture_rounds: tuple[int, ...] = ()
   data_dir: Optional[str] = None
@@ -111,6 +121,9 @@ class RunConfig:
         raise ValueError(f"{name} must be a JSON object (dict), got "
                          f"{getattr(self, name)!r}")
     self._check_capture_rounds()
+    if self.samples_per_client is not None and self.partition != "label_groups":
+      raise ValueError("samples_per_client applies to partition='label_groups' "
+                       f"only, got partition={self.partition!r}")
     if self.clients_per_round is not None and self.clients_per_round > self.clients:
       raise ValueError(f"clients_per_round must be in [1, clients={self.clients}]"
                        f", got {self.clients_per_round}")
@@ -196,30 +209,34 @@ def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
 
 
 class Evaluator:
-  """Test accuracy and loss of the global model, in plain TensorFlow."""
+  """Accuracy and loss of a model given its weights on given samples, in
+  plain TensorFlow (one trace for every weights and sample count)."""
 
-  def __init__(self, spec: models.ModelSpec, x: np.ndarray, y: np.ndarray):
+  def __init__(self, spec: models.ModelSpec):
     self._model = spec.keras()
     self._loss = models.loss_fn()
-    self._data = tf.data.Dataset.from_tensor_slices((x, y)).batch(_EVAL_BATCH)
-    self._n = len(y)
+    weights = [tf.TensorSpec(v.shape, v.dtype)
+               for v in self._model.trainable_variables]
+    self._sums = tf.function(self._sums_fn, input_signature=[
+        weights, tf.TensorSpec((None,) + spec.input_shape, tf.float32),
+        tf.TensorSpec((None,), tf.int32)])
 
-  @tf.function
-  def _sums(self, weights):
+  def _sums_fn(self, weights, x, y):
     for v, w in zip(self._model.trainable_variables, weights):
       v.assign(w)
     loss_sum, correct = tf.constant(0.0), tf.constant(0)
-    for xb, yb in self._data:
+    for xb, yb in tf.data.Dataset.from_tensor_slices((x, y)).batch(_EVAL_BATCH):
       logits = self._model(xb, training=False)
       loss_sum += self._loss(yb, logits) * tf.cast(tf.shape(yb)[0], tf.float32)
       correct += tf.reduce_sum(tf.cast(
           tf.equal(tf.argmax(logits, 1, output_type=tf.int32), yb), tf.int32))
     return loss_sum, correct
 
-  def __call__(self, weights: Sequence[np.ndarray]) -> dict[str, float]:
-    loss_sum, correct = self._sums([tf.constant(w) for w in weights])
-    return {"test_accuracy": float(correct) / self._n,
-            "test_loss": float(loss_sum) / self._n}
+  def __call__(self, weights: Sequence[np.ndarray], x: np.ndarray,
+               y: np.ndarray) -> tuple[float, float]:
+    """(accuracy, mean loss) on (x, y)."""
+    loss_sum, correct = self._sums([tf.constant(w) for w in weights], x, y)
+    return float(correct) / max(len(y), 1), float(loss_sum) / max(len(y), 1)
 
 
 def _scalar_metrics(tree, prefix: str = "") -> dict[str, float]:
@@ -239,7 +256,8 @@ class Run:
   def __init__(self, config: RunConfig):
     self.config = config
     self.fed = data.load(config.dataset, config.clients, config.partition,
-                         config.alpha, config.seed, config.data_dir)
+                         config.alpha, config.seed, config.data_dir,
+                         config.samples_per_client)
     self.spec = models.ModelSpec(config.model, self.fed.source.input_shape,
                                  self.fed.source.num_classes, config.model_kwargs)
     self.spec.check_builds()
@@ -249,12 +267,17 @@ class Run:
     # the method's client work.
     self.central = defense if isinstance(defense, defenses.DPFedAvg) else None
     self.algorithm = algorithms.get(
-        config.method, self.spec.tff_model_fn(), batch_size=config.batch_size,
+        config.method, self.spec, batch_size=config.batch_size,
         seed=config.seed, defense=None if self.central else defense,
         **config.method_kwargs)
-    self._processes: dict[bool, tff.learning.templates.LearningProcess] = {}
+    self._processes: dict[bool, tff.templates.IterativeProcess] = {}
 
-  def process(self, capture: bool) -> tff.learning.templates.LearningProcess:
+  @property
+  def personalized(self) -> bool:
+    """Whether clients keep private state (a `PersonalizedProcess`)."""
+    return self.algorithm.private_state is not None
+
+  def process(self, capture: bool) -> tff.templates.IterativeProcess:
     """The method's process; with `capture`, its aggregator reports uploads.
 
     Both share one state type, so either can run any round.
@@ -267,6 +290,67 @@ class Run:
       aggregator = CaptureFactory(inner, n, view) if capture else inner
       self._processes[capture] = self.algorithm.build_process(aggregator)
     return self._processes[capture]
+
+  def initial_state(self):
+    """The state before round 1: the process's server state, with (for
+    personalised methods) every client's initial private state."""
+    process = self.process(capture=False)
+    if self.personalized:
+      return collections.OrderedDict(
+          server=process.initialize(),
+          clients=[self.algorithm.private_state.initial(c)
+                   for c in range(self.config.clients)])
+    return process.set_model_weights(
+        process.initialize(),
+        tff.learning.models.ModelWeights(self.spec.initial_weights(self.config.seed),
+                                         []))
+
+  def server_weights(self, state) -> list[np.ndarray]:
+    """The model the server holds and broadcasts (a personalised method's
+    shared part, e.g. HyperFL's hypernetwork)."""
+    if self.personalized:
+      return list(self.process(False).get_model_weights(state["server"]))
+    return list(self.process(False).get_model_weights(state).trainable)
+
+  def step(self, state, clients, capture: bool):
+    """One round on `clients` (from `round_data`); returns (state, metrics).
+    Private states go in and come back CLIENTS-placed, in client order."""
+    datasets = [c[3] for c in clients]
+    if not self.personalized:
+      output = self.process(capture).next(state, datasets)
+      return output.state, output.metrics
+    table = list(state["clients"])
+    output = self.process(capture).next(
+        state["server"], datasets, [table[c[0]] for c in clients])
+    for (index, *_), new in zip(clients, output["client_states"]):
+      table[index] = new
+    return (collections.OrderedDict(server=output["state"], clients=table),
+            output["metrics"])
+
+  def personal_weights(self, state) -> list[list[np.ndarray]]:
+    """Every client's own model: for personalised methods from its private
+    state, for the others the global model."""
+    weights = self.server_weights(state)
+    if not self.personalized:
+      return [weights] * self.config.clients
+    return [self.algorithm.private_state.personal_weights(weights, own)
+            for own in state["clients"]]
+
+  def evaluate(self, evaluator: Evaluator, state) -> dict[str, float]:
+    """Personalised evaluation (each client's own model on its own test
+    split: mean, spread and minimum over clients) and, for methods with one
+    global model, that model on the whole test set."""
+    entry = {}
+    if not self.personalized:
+      entry["test_accuracy"], entry["test_loss"] = evaluator(
+          self.server_weights(state), *self.fed.test)
+    scores = np.array([evaluator(w, *self.fed.client_test_arrays(c))
+                       for c, w in enumerate(self.personal_weights(state))])
+    entry.update(personal_accuracy_mean=float(scores[:, 0].mean()),
+                 personal_accuracy_std=float(scores[:, 0].std()),
+                 personal_accuracy_min=float(scores[:, 0].min()),
+                 personal_loss_mean=float(scores[:, 1].mean()))
+    return entry
 
   def round_data(self, round_num: int):
     """Per sampled client: (index, x, y, dataset). The dataset holds the
@@ -362,9 +446,6 @@ def _check_config(config: RunConfig) -> None:
                        f"{', '.join(changed)}); choose another --out or delete it")
 
 
-MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name
-
-
 def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   """Trains (or resumes) the run described by `config`; returns its metrics.
 
@@ -372,7 +453,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   method's processes have been built from the config without error."""
   _check_config(config)
   r = Run(config)
-  process = r.process(capture=False)
+  r.process(capture=False)
   if config.capture_rounds:
     # Built before any eager Keras model: tracing a TFF computation that builds
     # Keras layers invalidates Keras models made earlier in eager mode.
@@ -381,9 +462,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   io.write_json(os.path.join(config.out, "config.json"), config.to_json())
   manager = tff.program.FileProgramStateManager(
       os.path.join(config.out, "checkpoints"), keep_total=2, keep_first=False)
-  initial = process.set_model_weights(
-      process.initialize(),
-      tff.learning.models.ModelWeights(r.spec.initial_weights(config.seed), []))
+  initial = r.initial_state()
   state, done = asyncio.run(manager.load_latest(initial))
   if state is None:
     state, done = initial, 0
@@ -391,7 +470,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   history = []
   if done and os.path.exists(metrics_path):
     history = [m for m in io.read_json(metrics_path) if m["round"] <= done]
-  evaluator = Evaluator(r.spec, *r.fed.test)
+  evaluator = Evaluator(r.spec)
   writer = tf.summary.create_file_writer(os.path.join(config.out, "tensorboard"))
   bar = tqdm.tqdm(range(done + 1, config.rounds + 1), disable=not progress,
                   initial=done, total=config.rounds, desc=config.method,
@@ -400,17 +479,16 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     start = time.perf_counter()
     capture = round_num in config.capture_rounds
     clients = r.round_data(round_num)
-    broadcast = process.get_model_weights(state).trainable
-    output = r.process(capture).next(state, [c[3] for c in clients])
-    state = output.state
-    entry = {"round": round_num, **evaluator(process.get_model_weights(state).trainable)}
-    train = output.metrics["client_work"]["train"]
+    broadcast = r.server_weights(state)
+    state, metrics = r.step(state, clients, capture)
+    entry = {"round": round_num, **r.evaluate(evaluator, state)}
+    train = metrics["client_work"]["train"]
     entry["train_loss"] = float(train["loss"])
     entry["train_accuracy"] = float(train["sparse_categorical_accuracy"])
     entry.update(r.privacy_spent(round_num))
     if capture:
       _write_capture(r, round_num, broadcast, clients,
-                     output.metrics["aggregator"]["captured"])
+                     metrics["aggregator"]["captured"])
     entry["seconds"] = time.perf_counter() - start
     history.append(entry)
     io.write_json(metrics_path, history)
@@ -420,12 +498,26 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
           tf.summary.scalar(k, v)
     writer.flush()
     asyncio.run(manager.save(state, round_num))
-    bar.set_postfix(acc=f"{entry['test_accuracy']:.4f}",
-                    loss=f"{entry['test_loss']:.4f}")
-  final = process.get_model_weights(state).trainable
-  io.write_npz(os.path.join(config.out, MODEL_WEIGHTS),
-               dict(zip(r.spec.variable_names(), final)))
+    bar.set_postfix(acc=f"{entry.get('test_accuracy', entry['personal_accuracy_mean']):.4f}",
+                    loss=f"{entry['train_loss']:.4f}")
+  _write_final_models(r, state)
   return history
+
+
+MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name
+PERSONAL_MODELS = "personal_models.npz"  # personalised: 'client_0003/conv1/kernel'
+
+
+def _write_final_models(r: Run, state) -> None:
+  names = r.spec.variable_names()
+  if not r.personalized:
+    io.write_npz(os.path.join(r.config.out, MODEL_WEIGHTS),
+                 dict(zip(names, r.server_weights(state))))
+    return
+  io.write_npz(os.path.join(r.config.out, PERSONAL_MODELS), {
+      f"{data.client_id(c)}/{name}": w
+      for c, weights in enumerate(r.personal_weights(state))
+      for name, w in zip(names, weights)})
 
 
 def load_model_weights(out: str, spec: models.ModelSpec) -> list[np.ndarray]:

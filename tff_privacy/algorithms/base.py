@@ -18,10 +18,10 @@ plug in here without touching the runner:
   the method's builder, closed over by its aggregator;
 * private per-client state kept across rounds (HyperFL's classifier and
   embedding) cannot travel through a `LearningProcess`, whose outputs are all
-  SERVER-placed: such a method builds a `tff.templates.IterativeProcess` that
-  takes and returns the state CLIENTS-placed, and the runner keeps it per
-  client id next to the server checkpoint. No method here needs it yet; the
-  first one that does adds that branch to the runner.
+  SERVER-placed: such a method declares its `PrivateState` and builds a
+  `tff_privacy.algorithms.personalized.PersonalizedProcess`, which takes and
+  returns the state CLIENTS-placed; the runner keeps it per client id and
+  checkpoints it with the server state.
 """
 
 from __future__ import annotations
@@ -40,8 +40,25 @@ UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights")
 LOCAL_DATA = ("one_batch", "epochs")
 
 ProcessBuilder = Callable[[Optional[tff.aggregators.WeightedAggregationFactory]],
-                          tff.learning.templates.LearningProcess]
+                          tff.templates.IterativeProcess]
 ClientInputs = Callable[[int, int], dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateState:
+  """The private per-client state of a personalised method.
+
+  Attributes:
+    initial: maps a client index to its state before its first round (a list
+      of arrays, a function of the run's seed and the client alone).
+    personal_weights: maps (the server's model weights, one client's state)
+      to that client's own model, as trainable weights in the `ModelSpec`'s
+      order: what personalised evaluation tests on the client's test split.
+  """
+
+  initial: Callable[[int], list[np.ndarray]]
+  personal_weights: Callable[[list[np.ndarray], list[np.ndarray]],
+                             list[np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +73,9 @@ class Algorithm:
       `local_epochs` times); `tff_privacy.protocol.local_batch_sizes` cuts
       the batches.
     build_process: maps an optional model aggregator (the runner passes an
-      upload-capturing wrapper on capture rounds) to the `LearningProcess`.
+      upload-capturing wrapper on capture rounds) to the method's process: a
+      `LearningProcess`, or a `PersonalizedProcess` when `private_state` is
+      set.
     protocol: public facts of the protocol (learning rates, local epochs...)
       written into every captured record's metadata.
     local_epochs: passes over the client's data per round ('epochs' only).
@@ -68,6 +87,9 @@ class Algorithm:
       mechanism; the runner composes it over rounds.
     pure_epsilon: the same for pure-DP mechanisms that `dp_accounting` does
       not model: maps the number of parameters to one round's epsilon.
+    private_state: for personalised methods, the per-client state the
+      clients keep (see `PrivateState`); None for methods with one global
+      model, which personalised evaluation tests on every client.
   """
 
   name: str
@@ -80,6 +102,7 @@ class Algorithm:
   defense: Optional[dict[str, Any]] = None
   dp_event: Optional[Callable[[int], Optional[dp_accounting.DpEvent]]] = None
   pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
+  private_state: Optional[PrivateState] = None
 
   def __post_init__(self):
     if self.upload_kind not in UPLOAD_KINDS:
@@ -93,8 +116,9 @@ class Algorithm:
 class Method:
   """A method by name: its declared parameters and its `Algorithm` factory.
 
-  `factory(model_fn, *, batch_size, seed, defense, **parameters)` receives
-  every declared parameter, resolved (checked, defaults filled in).
+  `factory(spec, *, batch_size, seed, defense, **parameters)` receives the
+  `tff_privacy.models.ModelSpec` the clients train and every declared
+  parameter, resolved (checked, defaults filled in).
   """
 
   name: str
@@ -106,9 +130,9 @@ class Method:
     """Every parameter's value from the given `kwargs` (checked)."""
     return self.parameters.resolve(f"method {self.name!r}", kwargs)
 
-  def build(self, model_fn, *, batch_size: int, seed: int, defense=None,
+  def build(self, spec, *, batch_size: int, seed: int, defense=None,
             **kwargs) -> Algorithm:
-    return self.factory(model_fn, batch_size=batch_size, seed=seed,
+    return self.factory(spec, batch_size=batch_size, seed=seed,
                         defense=defense, **self.resolve(kwargs))
 
 

@@ -59,7 +59,7 @@ def build_fedavg(
                                    model_aggregator)
 
 
-def algorithm(model_fn, *, batch_size: int, seed: int,
+def algorithm(spec, *, batch_size: int, seed: int,
               defense: Optional[UpdateDefense], client_learning_rate: float,
               server_learning_rate: float, local_epochs: int) -> Algorithm:
   """FedAvg as the runner drives it."""
@@ -68,7 +68,7 @@ def algorithm(model_fn, *, batch_size: int, seed: int,
       name="fedavg", upload_kind="model_delta", local_data="epochs",
       local_epochs=local_epochs,
       build_process=lambda aggregator: build_fedavg(
-          model_fn, client_learning_rate=client_learning_rate,
+          spec.tff_model_fn(), client_learning_rate=client_learning_rate,
           server_learning_rate=server_learning_rate, model_aggregator=aggregator,
           defense=defense),
       protocol={"client_learning_rate": client_learning_rate,

@@ -253,7 +253,7 @@ def build_fedem(
       tff.learning.optimizers.build_sgdm(server_learning_rate), model_aggregator)
 
 
-def algorithm(model_fn, *, batch_size: int, seed: int, defense,
+def algorithm(spec, *, batch_size: int, seed: int, defense,
               server_learning_rate: float, **perturbation) -> Algorithm:
   """FedEM as the runner drives it: one batch per client and round, its
   perturbation (keyword arguments: the fields of `Perturbation`) seeded per
@@ -267,7 +267,7 @@ def algorithm(model_fn, *, batch_size: int, seed: int, defense,
   return Algorithm(
       name="fedem", upload_kind="gradient", local_data="one_batch",
       build_process=lambda aggregator: build_fedem(
-          model_fn, perturbation=perturb,
+          spec.tff_model_fn(), perturbation=perturb,
           server_learning_rate=server_learning_rate, model_aggregator=aggregator),
       protocol={**fedsgd.protocol(server_learning_rate, batch_size,
                                   "mean loss over the perturbed batch"),

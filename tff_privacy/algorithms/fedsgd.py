@@ -60,14 +60,14 @@ def protocol(server_learning_rate: float, batch_size: int,
           "batch_size": batch_size, "local_steps": 1, "gradient_of": gradient_of}
 
 
-def algorithm(model_fn, *, batch_size: int, seed: int,
+def algorithm(spec, *, batch_size: int, seed: int,
               defense: Optional[UpdateDefense], server_learning_rate: float) -> Algorithm:
   """FedSGD as the runner drives it: one batch per client and round."""
   check_positive(batch_size=batch_size)
   return Algorithm(
       name="fedsgd", upload_kind="gradient", local_data="one_batch",
       build_process=lambda aggregator: build_fedsgd(
-          model_fn, server_learning_rate=server_learning_rate,
+          spec.tff_model_fn(), server_learning_rate=server_learning_rate,
           model_aggregator=aggregator, defense=defense),
       protocol=protocol(server_learning_rate, batch_size),
       **defense_fields(defense, seed))

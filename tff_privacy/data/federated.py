@@ -19,11 +19,14 @@ class FederatedData:
 
   `client_data` serves each client's samples as a `tf.data.Dataset` of
   `OrderedDict(x=..., y=...)` elements; `client_arrays` gives the same samples as
-  numpy arrays for code that batches them itself.
+  numpy arrays for code that batches them itself. Each client also has a
+  test split drawn from the test set the way its training samples were
+  (`client_test_arrays`, for personalised evaluation).
   """
 
   source: sources.Source
   client_indices: tuple[np.ndarray, ...]
+  client_test_indices: tuple[np.ndarray, ...]
 
   @property
   def client_ids(self) -> list[str]:
@@ -36,6 +39,10 @@ class FederatedData:
   def client_arrays(self, client: int) -> tuple[np.ndarray, np.ndarray]:
     idx = self.client_indices[client]
     return self.source.x_train[idx], self.source.y_train[idx]
+
+  def client_test_arrays(self, client: int) -> tuple[np.ndarray, np.ndarray]:
+    idx = self.client_test_indices[client]
+    return self.source.x_test[idx], self.source.y_test[idx]
 
   @property
   def client_data(self) -> tff.simulation.datasets.ClientData:
@@ -67,20 +74,27 @@ def client_id(index: int) -> str:
 
 
 def load(dataset: str, num_clients: int, partition: str = "iid",
-         alpha: float = 0.5, seed: int = 0,
-         data_dir: str | None = None) -> FederatedData:
+         alpha: float = 0.5, seed: int = 0, data_dir: str | None = None,
+         samples_per_client: int | None = None) -> FederatedData:
   """Loads `dataset` and splits its training set among `num_clients` clients.
 
   Args:
     dataset: one of `tff_privacy.data.DATASETS`.
     num_clients: number of clients (<= number of training samples).
-    partition: 'iid', 'dirichlet' (label skew with concentration `alpha`) or
-      'one_per_client'.
+    partition: 'iid', 'dirichlet' (label skew with concentration `alpha`),
+      'one_per_client' or 'label_groups' (HyperFL's non-IID split).
     alpha: Dirichlet concentration, > 0.
     seed: seeds the partition.
     data_dir: `tensorflow_datasets` data directory for the full data sets.
+    samples_per_client: training samples per client ('label_groups' only;
+      default: the training set divided among the clients).
   """
+  if samples_per_client is not None and partition != "label_groups":
+    raise ValueError("samples_per_client applies to partition='label_groups' "
+                     f"only, got partition={partition!r}")
   source = sources.load_source(dataset, data_dir=data_dir)
   parts = partitioners.partition(source.y_train, num_clients, partition, alpha,
-                                  seed)
-  return FederatedData(source, tuple(parts))
+                                 seed, samples_per_client)
+  tests = partitioners.test_split(source.y_train, source.y_test, parts,
+                                  partition, seed)
+  return FederatedData(source, tuple(parts), tuple(tests))

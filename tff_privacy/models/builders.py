@@ -86,10 +86,55 @@ def mlp(input_shape, num_classes, seed: int = 0, hidden: tuple[int, ...] = (200,
   return tf.keras.Sequential(layers, name="mlp")
 
 
+def _paper_cnn(name, input_shape, num_classes, seed, convs, leaky_slope,
+               weight_init):
+  """Convolutions (filters, kernel, zero padding) each followed by LeakyReLU
+  and a 2x2 max-pool, then fc1 (128, LeakyReLU) and fc2 (the classifier)."""
+  inits = _initializers(weight_init, seed)
+  layers = [L.InputLayer(input_shape)]
+  for i, (filters, kernel, pad) in enumerate(convs, start=1):
+    k, b = next(inits)
+    if pad:
+      layers.append(L.ZeroPadding2D(pad, name=f"pad{i}"))
+    layers += [L.Conv2D(filters, kernel, kernel_initializer=k, bias_initializer=b,
+                        name=f"conv{i}"),
+               L.LeakyReLU(leaky_slope, name=f"act{i}"), L.MaxPool2D(2)]
+  k1, b1 = next(inits)
+  k2, b2 = next(inits)
+  layers += [L.Flatten(),
+             L.Dense(128, kernel_initializer=k1, bias_initializer=b1, name="fc1"),
+             L.LeakyReLU(leaky_slope, name="act_fc1"),
+             L.Dense(num_classes, kernel_initializer=k2, bias_initializer=b2,
+                     name="fc2")]
+  return tf.keras.Sequential(layers, name=name)
+
+
+def hyperfl_cnn(input_shape, num_classes, seed: int = 0, leaky_slope: float = 0.01,
+                weight_init: str = "default") -> tf.keras.Model:
+  """HyperFL's target CNN for 28x28 inputs (Guo et al., Sec. 5.1): conv 16
+  5x5, max-pool, conv 32 5x5 with padding 1, max-pool, fc 800 -> 128, fc
+  128 -> classes, LeakyReLU (PyTorch's slope 0.01). The feature extractor is
+  everything up to fc1, the classifier is fc2."""
+  return _paper_cnn("hyperfl_cnn", input_shape, num_classes, seed,
+                    ((16, 5, 0), (32, 5, 1)), leaky_slope, weight_init)
+
+
+def hyperfl_cnn_cifar(input_shape, num_classes, seed: int = 0,
+                      leaky_slope: float = 0.01,
+                      weight_init: str = "default") -> tf.keras.Model:
+  """HyperFL's target CNN for 32x32 colour inputs: conv 16 5x5, conv 32 5x5
+  (padding 1), conv 64 3x3 (padding 1), each with a max-pool, then fc
+  576 -> 128 and fc 128 -> classes, LeakyReLU."""
+  return _paper_cnn("hyperfl_cnn_cifar", input_shape, num_classes, seed,
+                    ((16, 5, 0), (32, 5, 1), (64, 3, 1)), leaky_slope, weight_init)
+
+
 MODELS: dict[str, Callable[..., tf.keras.Model]] = {
     "lenet": lenet,
     "cnn": cnn,
     "mlp": mlp,
+    "hyperfl_cnn": hyperfl_cnn,
+    "hyperfl_cnn_cifar": hyperfl_cnn_cifar,
 }
 
 

@@ -17,6 +17,8 @@ import tensorflow as tf
 L = tf.keras.layers
 _PASS_THROUGH = (L.InputLayer, L.Dropout)
 _WEIGHTED = (L.Conv2D, L.Dense)
+_STATELESS = (L.MaxPool2D, L.Flatten, L.Activation, L.LeakyReLU, L.ReLU,
+              L.ZeroPadding2D)
 
 
 def _apply(layer, weights, i, h):
@@ -31,7 +33,7 @@ def _apply(layer, weights, i, h):
     else:
       h = tf.matmul(h, kernel)
     return layer.activation(h + bias if bias is not None else h), i
-  if isinstance(layer, (L.MaxPool2D, L.Flatten, L.Activation)):
+  if isinstance(layer, _STATELESS):
     return layer(h), i
   raise ValueError(f"layer {layer.name} ({type(layer).__name__}) is not "
                    "supported by the functional forward pass")

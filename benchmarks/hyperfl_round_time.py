@@ -1,0 +1,148 @@
+"""Wall time of one HyperFL round relative to one FedAvg round, same process.
+
+The HyperFL paper's Table 4 setting at a small scale: 20 clients with 150
+samples each (mnist5k, HyperFL's label-group split), batch 50, the 28x28
+target CNN; FedAvg runs 5 local epochs (SGD, lr 0.02), HyperFL its 1
+classifier epoch and 5 hypernetwork epochs. Both run through TFF on the same
+round's clients; rounds of the two methods alternate after one compiling
+round each.
+
+Prints the median seconds per round of each, `ratio_hyperfl_over_fedavg=`,
+the bytes each client uploads per round (float32 tensors), and the floating
+point operations per round: TensorFlow's profiler counts one local step's
+graph (FedAvg: forward and backward pass of the model; HyperFL's classifier
+step: the same on fixed generated weights; its hypernetwork step: generating
+the extractor, forward and backward pass, and the gradients HyperFL's client
+computes, see `tff_privacy.algorithms.hyperfl`), times the steps of a round;
+HyperFL's per-step low-rank row updates (about 6 S P operations at step S for
+P generated weights) are added by hand.
+
+  python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
+      [--samples 150]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tff_privacy import runner, runtime
+from tff_privacy.models.functional import forward
+from tff_privacy.models.hypernetwork import Hypernetwork
+
+
+def _run(method: str, out: str, clients: int, samples: int, **method_kwargs):
+  return runner.Run(runner.RunConfig(
+      out=out, method=method, dataset="mnist5k", model="hyperfl_cnn",
+      clients=clients, batch_size=50, partition="label_groups",
+      samples_per_client=samples, seed=0, method_kwargs=method_kwargs))
+
+
+def _flops(fn, *specs) -> int:
+  graph = tf.function(fn).get_concrete_function(*specs).graph
+  options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
+  options["output"] = "none"
+  return tf.compat.v1.profiler.profile(graph, options=options).total_float_ops
+
+
+def _step_flops(spec, hyper: Hypernetwork, batch: int) -> tuple[int, int, int]:
+  """FLOPs of a FedAvg step, a HyperFL classifier step and a HyperFL
+  hypernetwork step on one batch."""
+  model = spec.keras()
+  weights = [tf.TensorSpec(v.shape) for v in model.trainable_variables]
+  x = tf.TensorSpec((batch,) + spec.input_shape)
+  y = tf.TensorSpec((batch,), tf.int32)
+
+  def loss(w, x, y):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        y, forward(model, w, x)))
+
+  def model_step(w, x, y):
+    with tf.GradientTape() as tape:
+      tape.watch(w)
+      value = loss(w, x, y)
+    return tape.gradient(value, w)
+
+  split = len(hyper.target_shapes)
+
+  def classifier_step(w, x, y):
+    with tf.GradientTape() as tape:
+      tape.watch(w[split:])
+      value = loss(w, x, y)
+    return tape.gradient(value, w[split:])
+
+  hyper_specs = [tf.TensorSpec(s) for s in hyper.shapes]
+  v = tf.TensorSpec((hyper.embedding_dim,))
+
+  def hypernetwork_step(varphi, v, phi, x, y):
+    with tf.GradientTape() as tape:
+      tape.watch([varphi[0], varphi[1], v])
+      h = tf.nn.relu(tf.linalg.matvec(varphi[0], v, transpose_a=True) + varphi[1])
+      theta = tf.concat([tf.linalg.matvec(varphi[2 + 2 * i], h, transpose_a=True)
+                         + varphi[3 + 2 * i] for i in range(split)], 0)
+      sizes = [int(np.prod(s)) for s in hyper.target_shapes]
+      extractor = [tf.reshape(t, s) for t, s in
+                   zip(tf.split(theta, sizes), hyper.target_shapes)]
+      value = loss(extractor + list(phi), x, y)
+    return tape.gradient(value, [varphi[0], varphi[1], theta, v])
+
+  return (_flops(model_step, weights, x, y),
+          _flops(classifier_step, weights, x, y),
+          _flops(hypernetwork_step, hyper_specs, v, weights[split:], x, y))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--clients", type=int, default=20)
+  parser.add_argument("--samples", type=int, default=150)
+  args = parser.parse_args()
+  runtime.start()
+  with tempfile.TemporaryDirectory() as tmp:
+    runs = {"fedavg": _run("fedavg", os.path.join(tmp, "a"), args.clients,
+                           args.samples, local_epochs=5, client_learning_rate=0.02),
+            "hyperfl": _run("hyperfl", os.path.join(tmp, "h"), args.clients,
+                            args.samples)}
+    clients = {name: r.round_data(1) for name, r in runs.items()}
+    states = {name: r.step(r.initial_state(), clients[name], False)[0]  # compile
+              for name, r in runs.items()}
+    times = {name: [] for name in runs}
+    for _ in range(args.rounds):
+      for name, r in runs.items():
+        start = time.perf_counter()
+        states[name] = r.step(states[name], clients[name], False)[0]
+        times[name].append(time.perf_counter() - start)
+  fedavg, hyperfl = (statistics.median(times[n]) for n in ("fedavg", "hyperfl"))
+  spec = runs["fedavg"].spec
+  hyper = Hypernetwork.for_model(spec.keras())
+  model_params = sum(int(np.prod(w.shape)) for w in spec.initial_weights(0))
+  steps = -(-args.samples // 50)  # batches per epoch
+  model_step, classifier_step, hyper_step = _step_flops(spec, hyper, 50)
+  generated = sum(int(np.prod(s)) for s in hyper.target_shapes)
+  rows = sum(6 * s * generated for s in range(1, 5 * steps + 1))
+  flops_fedavg = args.clients * 5 * steps * model_step
+  flops_hyperfl = args.clients * (steps * classifier_step + 5 * steps * hyper_step
+                                  + rows)
+  print(f"setting: {args.clients} clients x {args.samples} samples, batch 50, "
+        "hyperfl_cnn; FedAvg 5 local epochs; HyperFL 1 + 5 epochs")
+  print(f"fedavg: {fedavg:.3f} s/round, hyperfl: {hyperfl:.3f} s/round "
+        f"(medians of {args.rounds})")
+  print(f"ratio_hyperfl_over_fedavg={hyperfl / fedavg:.2f}")
+  print(f"upload_bytes_per_client_per_round: fedavg={4 * model_params} "
+        f"hyperfl={4 * hyper.num_parameters}")
+  print(f"flops_per_round: fedavg={flops_fedavg:.4g} hyperfl={flops_hyperfl:.4g} "
+        f"(ratio {flops_hyperfl / flops_fedavg:.2f})")
+  runtime.stop()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,334 @@
+"""HyperFL (Guo et al., "A New Federated Learning Framework Against Gradient
+Inversion Attacks"): clients share a hypernetwork, never their models.
+
+Client i keeps a private embedding v_i and classifier phi_i; its feature
+extractor is generated, theta_i = h(v_i; varphi), by the shared hypernetwork
+(`tff_privacy.models.hypernetwork`). Round t:
+
+1. the server broadcasts varphi; client i sets varphi_i = varphi;
+2. (eq. 4) with theta_i = h(v_i; varphi_i) fixed, `classifier_epochs` epochs
+   of SGD on phi_i (lr `classifier_learning_rate`);
+3. (eq. 5) with phi_i fixed, `hypernetwork_epochs` epochs of SGD on varphi_i
+   and v_i through the generated weights (lr `hypernetwork_learning_rate` for
+   both), the gradients of varphi_i and of v_i each clipped to global norm
+   `max_grad_norm`;
+4. client i uploads varphi_i (upload kind 'hypernetwork_weights'); the server
+   sets varphi = sum_i n_i varphi_i / sum_i n_i (eq. 6) over the round's
+   clients and broadcasts it to all.
+
+Both local optimisers are PyTorch's SGD with `momentum` and coupled
+`weight_decay`, created afresh every round (as in the authors' code). All
+clients start from one initial model: the same embedding (N(0, 1)),
+hypernetwork (PyTorch's linear default) and classifier (the target model's
+seeded initial classifier). v_i, phi_i and theta_i never leave the client.
+
+The two phases split the client's batches of the round: the runner passes
+`classifier_epochs + hypernetwork_epochs` epochs of batches, every epoch
+cut the same way, so the first `classifier_epochs` / total of them are the
+classifier's.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy import params
+from tff_privacy.algorithms import personalized
+from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
+                                         check_positive)
+from tff_privacy.models.functional import forward
+from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
+
+PARAMETERS = params.Params(
+    params.Param("embedding_dim", int, 64, "size of each client's embedding",
+                 minimum=1),
+    params.Param("hidden_dim", int, 128, "width of the hypernetwork's hidden "
+                 "layer", minimum=1),
+    params.Param("classifier_learning_rate", float, 0.1, "SGD step of the "
+                 "classifier phase (eta_g)", minimum=0, exclusive_minimum=True,
+                 flag="classifier-lr"),
+    params.Param("classifier_epochs", int, 1, "epochs of the classifier phase",
+                 minimum=1),
+    params.Param("hypernetwork_learning_rate", float, 0.02, "SGD step of the "
+                 "hypernetwork and embedding phase (eta_h = eta_v)", minimum=0,
+                 exclusive_minimum=True, flag="hypernetwork-lr"),
+    params.Param("hypernetwork_epochs", int, 5, "epochs of the hypernetwork "
+                 "phase", minimum=1),
+    params.Param("momentum", float, 0.5, "SGD momentum of both phases",
+                 minimum=0, maximum=1, exclusive_maximum=True),
+    params.Param("weight_decay", float, 5e-4, "SGD weight decay of both phases",
+                 minimum=0),
+    params.Param("max_grad_norm", float, 50.0, "clip norm of the hypernetwork's "
+                 "and of the embedding's gradient", minimum=0,
+                 exclusive_minimum=True))
+
+_F32 = np.float32
+
+
+def _tensor_types(shapes):
+  return [tff.TensorType(_F32, s) for s in shapes]
+
+
+def build_hyperfl(
+    keras_model_fn: Callable[[], tf.keras.Model],
+    *,
+    seed: int = 0,
+    embedding_dim: int = 64,
+    hidden_dim: int = 128,
+    classifier_learning_rate: float = 0.1,
+    classifier_epochs: int = 1,
+    hypernetwork_learning_rate: float = 0.02,
+    hypernetwork_epochs: int = 5,
+    momentum: float = 0.5,
+    weight_decay: float = 5e-4,
+    max_grad_norm: float = 50.0,
+    model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+) -> personalized.PersonalizedProcess:
+  """Builds HyperFL's `PersonalizedProcess` (see the module docstring).
+
+  Args:
+    keras_model_fn: returns the target model (uncompiled, logits); its last
+      dense layer is the private classifier, the rest is generated.
+    seed: fixes the hypernetwork's initial weights.
+    embedding_dim, hidden_dim: the hypernetwork's sizes (paper: 64, 128).
+    classifier_learning_rate, classifier_epochs: eq. 4 (0.1, 1 epoch).
+    hypernetwork_learning_rate, hypernetwork_epochs: eq. 5 (0.02, 5 epochs).
+    momentum, weight_decay: both phases' SGD (0.5, 5e-4).
+    max_grad_norm: the gradient clip norm of eq. 5's phase (50).
+    model_aggregator: aggregates the uploaded hypernetworks, weighted by the
+      clients' numbers of samples (default `tff.aggregators.MeanFactory`).
+
+  Returns:
+    A `PersonalizedProcess` whose client states are
+    `OrderedDict(classifier=[kernel, bias], embedding=[v])`.
+
+  Raises:
+    ValueError: for a non-positive learning rate, epoch count or clip norm.
+  """
+  check_positive(classifier_learning_rate=classifier_learning_rate,
+                 hypernetwork_learning_rate=hypernetwork_learning_rate,
+                 classifier_epochs=classifier_epochs,
+                 hypernetwork_epochs=hypernetwork_epochs,
+                 max_grad_norm=max_grad_norm)
+  with tf.Graph().as_default():
+    model = keras_model_fn()
+    hyper = Hypernetwork.for_model(model, embedding_dim, hidden_dim)
+    split = num_extractor_tensors(model)
+    classifier_shapes = [tuple(v.shape) for v in model.trainable_variables[split:]]
+    input_shape = tuple(model.input_shape[1:])
+  total_epochs = classifier_epochs + hypernetwork_epochs
+  hyper_type = _tensor_types(hyper.shapes)
+  client_state_type = collections.OrderedDict(
+      classifier=_tensor_types(classifier_shapes),
+      embedding=_tensor_types([(embedding_dim,)]))
+  data_type = tff.SequenceType(collections.OrderedDict(
+      x=tff.TensorType(_F32, (None,) + input_shape),
+      y=tff.TensorType(np.int32, (None,))))
+  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
+      tff.to_type(hyper_type), tff.TensorType(_F32))
+  initial_hyper = hyper.initial_weights(seed)
+
+  def local_training(target, varphi, phi, v, dataset):
+    """Eqs. 4-5 on one client; returns (varphi, phi, v, training sums)."""
+    num_batches = dataset.reduce(tf.constant(0, tf.int64), lambda c, _: c + 1)
+    classifier_batches = num_batches // total_epochs * classifier_epochs
+
+    def loss_and_sums(extractor, phi, batch):
+      logits = forward(target, list(extractor) + list(phi), batch["x"])
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+          batch["y"], logits))
+      return loss, personalized.train_sums(loss, logits, batch["y"])
+
+    extractor = hyper.generate(varphi, v[0])
+
+    def classifier_step(carry, batch):
+      phi, buffers, sums = carry
+      with tf.GradientTape() as tape:
+        tape.watch(phi)
+        loss, batch_sums = loss_and_sums(extractor, phi, batch)
+      phi, buffers = personalized.sgd_step(
+          phi, tape.gradient(loss, phi), buffers, classifier_learning_rate,
+          momentum, weight_decay)
+      return phi, buffers, sums + batch_sums
+
+    # tuples: `reduce` would stack a list of tensors into one
+    zeros = lambda ts: tuple(tf.zeros_like(t) for t in ts)
+    phi, _, sums = dataset.take(classifier_batches).reduce(
+        (tuple(phi), zeros(phi), tf.zeros([3])), classifier_step)
+
+    varphi, v, sums = _hypernetwork_phase(
+        dataset.skip(classifier_batches), varphi, v, phi, loss_and_sums, sums,
+        hyper.target_shapes, hypernetwork_learning_rate, momentum, weight_decay,
+        max_grad_norm)
+    return varphi, phi, v, sums
+
+  @tff.tensorflow.computation(hyper_type, client_state_type, data_type)
+  def client_update(varphi, state, dataset):
+    target = keras_model_fn()
+    varphi, phi, v, sums = local_training(
+        target, varphi, state["classifier"], state["embedding"], dataset)
+    # sums[2] counts every example of every local epoch
+    weight = sums[2] / total_epochs
+    return (varphi, weight,
+            collections.OrderedDict(classifier=list(phi), embedding=list(v)), sums)
+
+  @tff.tensorflow.computation
+  def initial_hypernetwork():
+    return [tf.constant(w) for w in initial_hyper]
+
+  @tff.federated_computation
+  def initialize():
+    return tff.federated_zip(collections.OrderedDict(
+        hypernetwork=tff.federated_eval(initial_hypernetwork, tff.SERVER),
+        aggregator=aggregator.initialize()))
+
+  server_state_type = initialize.type_signature.result
+
+  @tff.federated_computation(server_state_type,
+                             tff.FederatedType(data_type, tff.CLIENTS),
+                             tff.FederatedType(client_state_type, tff.CLIENTS))
+  def next_fn(state, data, client_states):
+    varphi = tff.federated_broadcast(state.hypernetwork)
+    uploads, weights, new_states, sums = tff.federated_map(
+        client_update, (varphi, client_states, data))
+    aggregated = aggregator.next(state.aggregator, uploads, weights)
+    new_state = tff.federated_zip(collections.OrderedDict(
+        hypernetwork=aggregated.result, aggregator=aggregated.state))
+    metrics = tff.federated_zip(collections.OrderedDict(
+        client_work=tff.federated_map(personalized.train_metrics,
+                                      tff.federated_sum(sums)),
+        aggregator=aggregated.measurements))
+    return collections.OrderedDict(state=new_state, client_states=new_states,
+                                   metrics=metrics)
+
+  @tff.tensorflow.computation(server_state_type.member)
+  def get_model_weights(state):
+    return state["hypernetwork"]
+
+  return personalized.PersonalizedProcess(initialize, next_fn, get_model_weights)
+
+
+def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
+                        target_shapes, learning_rate, momentum, weight_decay,
+                        max_grad_norm):
+  """Eq. 5: SGD on (varphi, v) over `dataset` with phi fixed; returns
+  (varphi, v, sums).
+
+  The heads' kernels hold almost all of varphi (hidden x P numbers for P
+  generated ones), and their gradient at each step is an outer product
+  h_s g_s^T of the hidden activation and the gradient of the generated
+  weights. So, exactly (up to float rounding), the concatenated head kernel
+  K and its momentum buffer B stay of the form a K_0 + H^T C and
+  b K_0 + H^T D, with K_0 the broadcast kernel, scalars a and b, and one row
+  of H (h_s), C and D per step. A step updates the scalars and the S x P
+  rows (S the steps so far) instead of the hidden x P kernel, buffer and
+  gradient, and the kernel is formed once at the end. The small tensors
+  (hidden layer, head biases, embedding) take plain SGD steps. The global
+  gradient norm that is clipped includes the kernels' |h_s| |g_s|.
+  """
+  num_heads = len(target_shapes)
+  sizes = [int(np.prod(shape)) for shape in target_shapes]
+  kernel0 = tf.concat([varphi[2 + 2 * i] for i in range(num_heads)], axis=1)
+  small = (varphi[0], varphi[1],
+           tf.concat([varphi[3 + 2 * i] for i in range(num_heads)], axis=0))
+  hidden_dim = kernel0.shape[0]
+
+  def step(carry, batch):
+    small, small_buffers, v, v_buffers, a, b, rows, coef, coef_buffers, sums = carry
+    hidden_kernel, hidden_bias, head_bias = small
+    with tf.GradientTape() as tape:
+      tape.watch([hidden_kernel, hidden_bias, v])
+      h = tf.nn.relu(tf.linalg.matvec(hidden_kernel, v[0], transpose_a=True)
+                     + hidden_bias)
+      theta = (a * tf.linalg.matvec(kernel0, h, transpose_a=True)
+               + tf.linalg.matvec(coef, tf.linalg.matvec(rows, h),
+                                  transpose_a=True)
+               + head_bias)
+      extractor = [tf.reshape(t, shape) for t, shape
+                   in zip(tf.split(theta, sizes), target_shapes)]
+      loss, batch_sums = loss_and_sums(extractor, phi, batch)
+    g_kernel, g_bias, g_theta, g_v = tape.gradient(
+        loss, [hidden_kernel, hidden_bias, theta, list(v)])
+    # d loss / d head_bias = g_theta; d loss / dK = h g_theta^T
+    norm = tf.sqrt(tf.reduce_sum(g_kernel ** 2) + tf.reduce_sum(g_bias ** 2)
+                   + (tf.reduce_sum(h ** 2) + 1.0) * tf.reduce_sum(g_theta ** 2))
+    scale = max_grad_norm / tf.maximum(norm, max_grad_norm)
+    small, small_buffers = personalized.sgd_step(
+        small, (scale * g_kernel, scale * g_bias, scale * g_theta),
+        small_buffers, learning_rate, momentum, weight_decay)
+    g_v, _ = tf.clip_by_global_norm(g_v, max_grad_norm)
+    v, v_buffers = personalized.sgd_step(v, g_v, v_buffers, learning_rate,
+                                         momentum, weight_decay)
+    b = momentum * b + weight_decay * a
+    coef_buffers = tf.concat([momentum * coef_buffers + weight_decay * coef,
+                              scale * g_theta[tf.newaxis]], 0)
+    coef = tf.concat([coef, tf.zeros_like(g_theta)[tf.newaxis]], 0)
+    a = a - learning_rate * b
+    coef = coef - learning_rate * coef_buffers
+    rows = tf.concat([rows, h[tf.newaxis]], 0)
+    return (small, small_buffers, v, v_buffers, a, b, rows, coef, coef_buffers,
+            sums + batch_sums)
+
+  zeros = lambda ts: tuple(tf.zeros_like(t) for t in ts)
+  no_rows = tf.zeros([0, kernel0.shape[1]])
+  small, _, v, _, a, _, rows, coef, _, sums = dataset.reduce(
+      (small, zeros(small), tuple(v), zeros(v), tf.constant(1.0),
+       tf.constant(0.0), tf.zeros([0, hidden_dim]), no_rows, no_rows, sums),
+      step)
+  kernels = tf.split(a * kernel0 + tf.matmul(rows, coef, transpose_a=True),
+                     sizes, axis=1)
+  biases = tf.split(small[2], sizes)
+  varphi = [small[0], small[1]]
+  for kernel, bias in zip(kernels, biases):
+    varphi += [kernel, bias]
+  return varphi, v, sums
+
+
+def _private_state(spec, seed: int, hyper: Hypernetwork) -> PrivateState:
+  """HyperFL's client state: every client starts from one classifier and
+  one embedding; its own model is h(v_i; varphi) followed by phi_i."""
+  initial = spec.initial_weights(seed)
+  classifier = initial[len(hyper.target_shapes):]
+  embedding = hyper.initial_embedding(seed)
+
+  def personal_weights(varphi, state):
+    extractor = hyper.generate([tf.constant(w) for w in varphi],
+                               tf.constant(state["embedding"][0]))
+    return [t.numpy() for t in extractor] + list(state["classifier"])
+
+  return PrivateState(
+      initial=lambda client: collections.OrderedDict(
+          classifier=[c.copy() for c in classifier], embedding=[embedding.copy()]),
+      personal_weights=personal_weights)
+
+
+def algorithm(spec, *, batch_size: int, seed: int, defense,
+              **declared) -> Algorithm:
+  """HyperFL as the runner drives it (`declared`: the parameters of
+  `PARAMETERS`). HyperFL is its own defence; `defense` must be None."""
+  if defense is not None:
+    raise ValueError(f"method 'hyperfl' takes no client-side defense, got "
+                     f"{defense.name!r}")
+  check_positive(batch_size=batch_size)
+  with tf.Graph().as_default():
+    hyper = Hypernetwork.for_model(spec.keras(), declared["embedding_dim"],
+                                   declared["hidden_dim"])
+  return Algorithm(
+      name="hyperfl", upload_kind="hypernetwork_weights", local_data="epochs",
+      local_epochs=declared["classifier_epochs"] + declared["hypernetwork_epochs"],
+      build_process=lambda aggregator: build_hyperfl(
+          spec.keras, seed=seed, model_aggregator=aggregator, **declared),
+      protocol={**declared, "batch_size": batch_size,
+                "hypernetwork_parameters": hyper.num_parameters,
+                "client_optimizer": "sgd_momentum_coupled_weight_decay"},
+      private_state=_private_state(spec, seed, hyper))
+
+
+METHOD = Method("hyperfl", PARAMETERS, algorithm,
+                "a shared hypernetwork generates each client's feature "
+                "extractor; classifier and embedding stay private")

@@ -1,0 +1,102 @@
+"""Personalised methods: clients keep private state across rounds.
+
+A `tff.learning.templates.LearningProcess` returns only SERVER-placed values,
+so per-client state that must never leave its client (HyperFL's classifier
+and embedding, a local-only model) cannot travel through one. A
+`PersonalizedProcess` is the `tff.templates.IterativeProcess` such methods
+build instead::
+
+  initialize: ( -> S@SERVER)
+  next: (<S@SERVER, {D}@CLIENTS, {P}@CLIENTS>
+         -> <state=S@SERVER, client_states={P}@CLIENTS, metrics=M@SERVER>)
+  get_model_weights: (S -> W), the server's model, which it broadcasts
+
+The private states P enter and leave the computation CLIENTS-placed, in the
+order of the clients' data sets, and reach neither the aggregator nor the
+server: only what the method's client work hands to the aggregator is
+uploaded. The runner keeps each client's P between rounds, keyed by client,
+and checkpoints them with S (the TFF runtime holds no state between calls).
+
+The metrics M follow the `LearningProcess` layout the runner reads:
+`client_work/train/{loss, sparse_categorical_accuracy}` (example-weighted
+over every local step of every client) and `aggregator` (the aggregation
+process's measurements, where an upload-capturing aggregator reports the
+uploads).
+
+Also here: the local optimiser the personalised papers use (PyTorch's SGD
+with momentum and coupled weight decay, `sgd_step`), and the training-metric
+sums every client reports.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+
+class PersonalizedProcess(tff.templates.IterativeProcess):
+  """An `IterativeProcess` whose clients keep private state across rounds
+  (see the module docstring for the type signatures)."""
+
+  def __init__(self, initialize_fn: tff.Computation, next_fn: tff.Computation,
+               get_model_weights: tff.Computation):
+    super().__init__(initialize_fn, next_fn)
+    state_type = initialize_fn.type_signature.result
+    params = next_fn.type_signature.parameter
+    result = next_fn.type_signature.result
+    if len(params) != 3 or params[2].placement is not tff.CLIENTS:
+      raise TypeError("next_fn must take (server state, client data, client "
+                      f"states@CLIENTS), got {params}")
+    if not result.client_states.is_equivalent_to(params[2]):
+      raise TypeError("next_fn must return the client states with the type it "
+                      f"takes them: {params[2]} in, {result.client_states} out")
+    if not get_model_weights.type_signature.parameter.is_assignable_from(
+        state_type.member):
+      raise TypeError("get_model_weights must take the server state "
+                      f"{state_type.member}")
+    self._get_model_weights = get_model_weights
+
+  @property
+  def get_model_weights(self) -> tff.Computation:
+    return self._get_model_weights
+
+
+def sgd_step(params: Sequence[tf.Tensor], grads: Sequence[tf.Tensor],
+             buffers: Sequence[tf.Tensor], learning_rate: float, momentum: float,
+             weight_decay: float) -> tuple[tuple[tf.Tensor, ...], tuple[tf.Tensor, ...]]:
+  """One step of PyTorch's `torch.optim.SGD` (no dampening, no Nesterov):
+  g' = g + weight_decay * p; b = momentum * b + g'; p = p - lr * b. The
+  buffers start at zero, so the first step's b is g' as in PyTorch.
+
+  Returns:
+    (new params, new buffers), tuples (which `tf.data.Dataset.reduce` keeps
+    as structures, where it would stack a list into one tensor).
+  """
+  new_params, new_buffers = [], []
+  for p, g, b in zip(params, grads, buffers):
+    b = momentum * b + (g + weight_decay * p)
+    new_params.append(p - learning_rate * b)
+    new_buffers.append(b)
+  return tuple(new_params), tuple(new_buffers)
+
+
+def train_sums(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+  """[loss sum, correct, examples] of one batch (mean `loss` over it)."""
+  n = tf.cast(tf.shape(y)[0], tf.float32)
+  correct = tf.reduce_sum(tf.cast(
+      tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), tf.float32))
+  return tf.stack([loss * n, correct, n])
+
+
+SUMS_TYPE = tff.TensorType(tf.float32.as_numpy_dtype, [3])
+
+
+@tff.tensorflow.computation(SUMS_TYPE)
+def train_metrics(sums):
+  """The `client_work` measurements from summed `train_sums`."""
+  n = tf.maximum(sums[2], 1.0)
+  return collections.OrderedDict(train=collections.OrderedDict(
+      loss=sums[0] / n, sparse_categorical_accuracy=sums[1] / n))
