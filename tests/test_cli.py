@@ -113,7 +113,8 @@ def _train_argv(out, *extra):
     (["--method", "fedsgd", "--client-lr", "0.1"],
      "--client-lr does not apply to --method fedsgd; it applies to fedavg"),
     (["--method", "fedem", "--local-epochs", "2"],
-     "--local-epochs does not apply to --method fedem; it applies to fedavg"),
+     "--local-epochs does not apply to --method fedem; it applies to centaur, "
+     "dp_sgd_fedavg, fedavg, local_only, ppsgd"),
     (["--method", "fedsgd", "--method-kwargs", '{"local_epochs": 2}'],
      "method 'fedsgd' takes no local_epochs; its parameters: server_learning_rate"),
     (["--model-kwargs", '{"hiden": [8]}'],

@@ -269,7 +269,12 @@ class Run:
     self.algorithm = algorithms.get(
         config.method, self.spec, batch_size=config.batch_size,
         seed=config.seed, defense=None if self.central else defense,
+        federation=algorithms.Federation(
+            config.rounds, tuple(len(i) for i in self.fed.client_indices)),
         **config.method_kwargs)
+    if config.capture_rounds and self.algorithm.upload_kind == "none":
+      raise ValueError(f"capture_rounds: method {config.method!r} uploads "
+                       "nothing; leave --capture-rounds out")
     self._processes: dict[bool, tff.templates.IterativeProcess] = {}
 
   @property
@@ -382,8 +387,9 @@ class Run:
     event = self.algorithm.dp_event(self._num_params) if self.algorithm.dp_event else None
     if event is None:
       return None
-    return accounting.RoundEvent(event, self._defense_class.dp_relation,
-                                 _LOCAL_SAMPLING)
+    return accounting.RoundEvent(
+        event, self.algorithm.dp_relation or self._defense_class.dp_relation,
+        _LOCAL_SAMPLING)
 
   @property
   def _defense_class(self):
@@ -432,13 +438,20 @@ _LOCAL_SAMPLING = ("none assumed: every round counts for every client (an upper 
 
 def _check_config(config: RunConfig) -> None:
   """Refuses an output path that is a file, or a folder holding a run made
-  with another config (`rounds` may grow)."""
+  with another config (`rounds` may grow, except for methods sized by the
+  run, `Method.needs_federation`)."""
   if os.path.exists(config.out) and not os.path.isdir(config.out):
     raise ValueError(f"out={config.out!r} is a file; give a folder (new or "
                      "holding this run)")
   path = os.path.join(config.out, "config.json")
   if os.path.exists(path):
     old, new = io.read_json(path), config.to_json()
+    if (old.get("rounds") != new["rounds"]
+        and algorithms.method(config.method).needs_federation):
+      raise ValueError(
+          f"rounds: {config.out} holds a run of {old.get('rounds')} rounds and "
+          f"method {config.method!r} sizes itself by them (its noise spends "
+          "its budget over the run); keep --rounds or choose another --out")
     if {**old, "rounds": None} != {**new, "rounds": None}:
       changed = sorted(k for k in set(new) | set(old)
                        if old.get(k) != new.get(k) and k != "rounds")

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
-from tff_privacy.algorithms import fedavg, fedem, fedsgd, hyperfl
-from tff_privacy.algorithms.base import (UPLOAD_KINDS, Algorithm, Method,
-                                         PrivateState)
+from typing import Optional
+
+from tff_privacy.algorithms import (centaur, dp_sgd_fedavg, fedavg, fedem,
+                                    fedsgd, hyperfl, local_only, ppsgd)
+from tff_privacy.algorithms.base import (UPLOAD_KINDS, Algorithm, Federation,
+                                         Method, PrivateState)
 from tff_privacy.algorithms.fedavg import build_fedavg
 from tff_privacy.algorithms.fedem import Perturbation, build_fedem
 from tff_privacy.algorithms.fedsgd import build_fedsgd
+from tff_privacy.algorithms.centaur import build_centaur
+from tff_privacy.algorithms.dp_sgd_fedavg import build_dp_sgd_fedavg
 from tff_privacy.algorithms.hyperfl import build_hyperfl
-from tff_privacy.algorithms.personalized import PersonalizedProcess
+from tff_privacy.algorithms.local_only import build_local_only
+from tff_privacy.algorithms.personalized import (PersonalizedProcess,
+                                                 build_personalized_process)
+from tff_privacy.algorithms.ppsgd import build_ppsgd
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    fedavg.METHOD, fedem.METHOD, fedsgd.METHOD, hyperfl.METHOD)}
+    fedavg.METHOD, fedem.METHOD, fedsgd.METHOD, hyperfl.METHOD,
+    local_only.METHOD, dp_sgd_fedavg.METHOD, ppsgd.METHOD, centaur.METHOD)}
 
 
 def method(name: str) -> Method:
@@ -23,9 +32,11 @@ def method(name: str) -> Method:
 
 
 def get(name: str, spec, *, batch_size: int = 32, seed: int = 0,
-        defense=None, **kwargs) -> Algorithm:
+        defense=None, federation: Optional[Federation] = None,
+        **kwargs) -> Algorithm:
   """Method `name` configured by its declared parameters `kwargs` (paper
   defaults for the rest), for clients training the model of `spec` (a
-  `tff_privacy.models.ModelSpec`) with batches of `batch_size`."""
+  `tff_privacy.models.ModelSpec`) with batches of `batch_size` in the run
+  described by `federation` (see `Federation`)."""
   return method(name).build(spec, batch_size=batch_size, seed=seed,
-                            defense=defense, **kwargs)
+                            defense=defense, federation=federation, **kwargs)

@@ -36,12 +36,27 @@ import tensorflow_federated as tff
 from tff_privacy import params
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
 
-UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights")
+UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights",
+                "body_weights", "none")
 LOCAL_DATA = ("one_batch", "epochs")
 
 ProcessBuilder = Callable[[Optional[tff.aggregators.WeightedAggregationFactory]],
                           tff.templates.IterativeProcess]
 ClientInputs = Callable[[int, int], dict[str, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Federation:
+  """Facts of a run that a method may size itself by (a DP method calibrates
+  its noise to spend its budget over the whole run).
+
+  Attributes:
+    rounds: the number of rounds.
+    client_sizes: each client's number of training examples.
+  """
+
+  rounds: int
+  client_sizes: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +82,9 @@ class Algorithm:
 
   Attributes:
     name: the method's name (`--method`).
-    upload_kind: one of `UPLOAD_KINDS`: what a client sends to the server.
+    upload_kind: one of `UPLOAD_KINDS`: what a client sends to the server
+      ('body_weights': its new weights of every tensor but the classifier;
+      'none': nothing, the clients train alone).
     local_data: 'one_batch' (each client computes on one batch per round, as
       in FedSGD) or 'epochs' (each client passes over all its samples
       `local_epochs` times); `tff_privacy.protocol.local_batch_sizes` cuts
@@ -85,6 +102,8 @@ class Algorithm:
     dp_event: maps the model's number of parameters to the DP event of one
       client's upload in one round, for methods whose clients run a DP
       mechanism; the runner composes it over rounds.
+    dp_relation: the neighbouring relation of `dp_event`, in words, for
+      methods that run their own DP mechanism (default: the defence's).
     pure_epsilon: the same for pure-DP mechanisms that `dp_accounting` does
       not model: maps the number of parameters to one round's epsilon.
     private_state: for personalised methods, the per-client state the
@@ -101,6 +120,7 @@ class Algorithm:
   client_inputs: Optional[ClientInputs] = None
   defense: Optional[dict[str, Any]] = None
   dp_event: Optional[Callable[[int], Optional[dp_accounting.DpEvent]]] = None
+  dp_relation: Optional[str] = None
   pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
   private_state: Optional[PrivateState] = None
 
@@ -118,22 +138,26 @@ class Method:
 
   `factory(spec, *, batch_size, seed, defense, **parameters)` receives the
   `tff_privacy.models.ModelSpec` the clients train and every declared
-  parameter, resolved (checked, defaults filled in).
+  parameter, resolved (checked, defaults filled in); with
+  `needs_federation`, also `federation=` the run's `Federation` (None when
+  the method is built outside a run).
   """
 
   name: str
   parameters: params.Params
   factory: Callable[..., Algorithm]
   summary: str
+  needs_federation: bool = False
 
   def resolve(self, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Every parameter's value from the given `kwargs` (checked)."""
     return self.parameters.resolve(f"method {self.name!r}", kwargs)
 
   def build(self, spec, *, batch_size: int, seed: int, defense=None,
-            **kwargs) -> Algorithm:
+            federation: Optional[Federation] = None, **kwargs) -> Algorithm:
+    extra = {"federation": federation} if self.needs_federation else {}
     return self.factory(spec, batch_size=batch_size, seed=seed,
-                        defense=defense, **self.resolve(kwargs))
+                        defense=defense, **extra, **self.resolve(kwargs))
 
 
 def server_learning_rate(default: float) -> params.Param:
@@ -141,6 +165,14 @@ def server_learning_rate(default: float) -> params.Param:
   return params.Param("server_learning_rate", float, default,
                       "learning rate of the server's SGD step", minimum=0,
                       exclusive_minimum=True, flag="server-lr")
+
+
+def refuse_defense(method: str, defense) -> None:
+  """Raises `ValueError` if a client-side `defense` is given to a method that
+  is its own defence."""
+  if defense is not None:
+    raise ValueError(f"method {method!r} takes no client-side defense, got "
+                     f"{defense.name!r}")
 
 
 def check_positive(**values: float) -> None:

@@ -90,6 +90,15 @@ def compose_defended(model_fn: Callable, client_work, server_optimizer,
   def initial_model_weights_fn():
     return tff.learning.models.ModelWeights.from_model(model_fn())
 
+  return compose_from_weights(initial_model_weights_fn, client_work,
+                              server_optimizer, model_aggregator)
+
+
+def compose_from_weights(initial_model_weights_fn: tff.Computation, client_work,
+                         server_optimizer, model_aggregator
+                         ) -> tff.learning.templates.LearningProcess:
+  """`compose_defended` for a model given by its initial weights (a
+  computation returning `tff.learning.models.ModelWeights`)."""
   weights_type = initial_model_weights_fn.type_signature.result
   aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
       weights_type.trainable, tff.TensorType(np.float32))

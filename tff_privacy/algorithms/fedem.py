@@ -47,7 +47,7 @@ import tensorflow_federated as tff
 from tff_privacy import params
 from tff_privacy.algorithms import defended, fedsgd
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
-                                         server_learning_rate)
+                                         refuse_defense, server_learning_rate)
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
 from tff_privacy.models import loss_fn
 
@@ -259,9 +259,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
   perturbation (keyword arguments: the fields of `Perturbation`) seeded per
   (run, round, client). FedEM is itself the client-side defence; `defense`
   must be None (server-side dp_fedavg still applies through the aggregator)."""
-  if defense is not None:
-    raise ValueError(f"method 'fedem' takes no client-side defense, got "
-                     f"{defense.name!r}")
+  refuse_defense("fedem", defense)
   check_positive(batch_size=batch_size)
   perturb = Perturbation(**perturbation)
   return Algorithm(

@@ -40,7 +40,7 @@ import tensorflow_federated as tff
 from tff_privacy import params
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
-                                         check_positive)
+                                         check_positive, refuse_defense)
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 
@@ -104,7 +104,8 @@ def build_hyperfl(
       clients' numbers of samples (default `tff.aggregators.MeanFactory`).
 
   Returns:
-    A `PersonalizedProcess` whose client states are
+    A `PersonalizedProcess` (`personalized.build_personalized_process`)
+    sharing the hypernetwork, whose client states are
     `OrderedDict(classifier=[kernel, bias], embedding=[v])`.
 
   Raises:
@@ -122,19 +123,17 @@ def build_hyperfl(
     classifier_shapes = [tuple(v.shape) for v in model.trainable_variables[split:]]
     input_shape = tuple(model.input_shape[1:])
   total_epochs = classifier_epochs + hypernetwork_epochs
-  hyper_type = _tensor_types(hyper.shapes)
   client_state_type = collections.OrderedDict(
       classifier=_tensor_types(classifier_shapes),
       embedding=_tensor_types([(embedding_dim,)]))
   data_type = tff.SequenceType(collections.OrderedDict(
       x=tff.TensorType(_F32, (None,) + input_shape),
       y=tff.TensorType(np.int32, (None,))))
-  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
-      tff.to_type(hyper_type), tff.TensorType(_F32))
-  initial_hyper = hyper.initial_weights(seed)
 
-  def local_training(target, varphi, phi, v, dataset):
-    """Eqs. 4-5 on one client; returns (varphi, phi, v, training sums)."""
+  def local_training(varphi, state, dataset):
+    """Eqs. 4-5 on one client."""
+    target = keras_model_fn()
+    phi, v = state["classifier"], state["embedding"]
     num_batches = dataset.reduce(tf.constant(0, tf.int64), lambda c, _: c + 1)
     classifier_batches = num_batches // total_epochs * classifier_epochs
 
@@ -156,61 +155,21 @@ def build_hyperfl(
           momentum, weight_decay)
       return phi, buffers, sums + batch_sums
 
-    # tuples: `reduce` would stack a list of tensors into one
-    zeros = lambda ts: tuple(tf.zeros_like(t) for t in ts)
     phi, _, sums = dataset.take(classifier_batches).reduce(
-        (tuple(phi), zeros(phi), tf.zeros([3])), classifier_step)
-
+        (tuple(phi), personalized.zeros_like(phi), tf.zeros([3])),
+        classifier_step)
     varphi, v, sums = _hypernetwork_phase(
         dataset.skip(classifier_batches), varphi, v, phi, loss_and_sums, sums,
         hyper.target_shapes, hypernetwork_learning_rate, momentum, weight_decay,
         max_grad_norm)
-    return varphi, phi, v, sums
-
-  @tff.tensorflow.computation(hyper_type, client_state_type, data_type)
-  def client_update(varphi, state, dataset):
-    target = keras_model_fn()
-    varphi, phi, v, sums = local_training(
-        target, varphi, state["classifier"], state["embedding"], dataset)
     # sums[2] counts every example of every local epoch
-    weight = sums[2] / total_epochs
-    return (varphi, weight,
+    return (varphi, sums[2] / total_epochs,
             collections.OrderedDict(classifier=list(phi), embedding=list(v)), sums)
 
-  @tff.tensorflow.computation
-  def initial_hypernetwork():
-    return [tf.constant(w) for w in initial_hyper]
-
-  @tff.federated_computation
-  def initialize():
-    return tff.federated_zip(collections.OrderedDict(
-        hypernetwork=tff.federated_eval(initial_hypernetwork, tff.SERVER),
-        aggregator=aggregator.initialize()))
-
-  server_state_type = initialize.type_signature.result
-
-  @tff.federated_computation(server_state_type,
-                             tff.FederatedType(data_type, tff.CLIENTS),
-                             tff.FederatedType(client_state_type, tff.CLIENTS))
-  def next_fn(state, data, client_states):
-    varphi = tff.federated_broadcast(state.hypernetwork)
-    uploads, weights, new_states, sums = tff.federated_map(
-        client_update, (varphi, client_states, data))
-    aggregated = aggregator.next(state.aggregator, uploads, weights)
-    new_state = tff.federated_zip(collections.OrderedDict(
-        hypernetwork=aggregated.result, aggregator=aggregated.state))
-    metrics = tff.federated_zip(collections.OrderedDict(
-        client_work=tff.federated_map(personalized.train_metrics,
-                                      tff.federated_sum(sums)),
-        aggregator=aggregated.measurements))
-    return collections.OrderedDict(state=new_state, client_states=new_states,
-                                   metrics=metrics)
-
-  @tff.tensorflow.computation(server_state_type.member)
-  def get_model_weights(state):
-    return state["hypernetwork"]
-
-  return personalized.PersonalizedProcess(initialize, next_fn, get_model_weights)
+  return personalized.build_personalized_process(
+      initial_shared=hyper.initial_weights(seed),
+      client_state_type=client_state_type, data_type=data_type,
+      local_training=local_training, model_aggregator=model_aggregator)
 
 
 def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
@@ -274,7 +233,7 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
     return (small, small_buffers, v, v_buffers, a, b, rows, coef, coef_buffers,
             sums + batch_sums)
 
-  zeros = lambda ts: tuple(tf.zeros_like(t) for t in ts)
+  zeros = personalized.zeros_like
   no_rows = tf.zeros([0, kernel0.shape[1]])
   small, _, v, _, a, _, rows, coef, _, sums = dataset.reduce(
       (small, zeros(small), tuple(v), zeros(v), tf.constant(1.0),
@@ -311,9 +270,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
               **declared) -> Algorithm:
   """HyperFL as the runner drives it (`declared`: the parameters of
   `PARAMETERS`). HyperFL is its own defence; `defense` must be None."""
-  if defense is not None:
-    raise ValueError(f"method 'hyperfl' takes no client-side defense, got "
-                     f"{defense.name!r}")
+  refuse_defense("hyperfl", defense)
   check_positive(batch_size=batch_size)
   with tf.Graph().as_default():
     hyper = Hypernetwork.for_model(spec.keras(), declared["embedding_dim"],

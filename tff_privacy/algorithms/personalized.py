@@ -31,8 +31,9 @@ sums every client reports.
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -83,6 +84,11 @@ def sgd_step(params: Sequence[tf.Tensor], grads: Sequence[tf.Tensor],
   return tuple(new_params), tuple(new_buffers)
 
 
+def zeros_like(tensors: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
+  """Zero momentum buffers for `tensors` (a tuple, see `sgd_step`)."""
+  return tuple(tf.zeros_like(t) for t in tensors)
+
+
 def train_sums(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
   """[loss sum, correct, examples] of one batch (mean `loss` over it)."""
   n = tf.cast(tf.shape(y)[0], tf.float32)
@@ -100,3 +106,112 @@ def train_metrics(sums):
   n = tf.maximum(sums[2], 1.0)
   return collections.OrderedDict(train=collections.OrderedDict(
       loss=sums[0] / n, sparse_categorical_accuracy=sums[1] / n))
+
+
+def build_personalized_process(
+    *,
+    initial_shared: Sequence[np.ndarray],
+    client_state_type: tff.types.Type,
+    data_type: tff.SequenceType,
+    local_training: Callable,
+    model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+) -> PersonalizedProcess:
+  """The `PersonalizedProcess` of a method whose server holds one shared
+  part (HyperFL's hypernetwork, PPSGD's and CENTAUR's feature extractor) and
+  replaces it each round by the weighted mean of the clients' uploads.
+
+  Round t: the server broadcasts the shared part S; each client runs
+  `local_training(S, own_state, dataset) -> (upload, weight, new_state,
+  sums)` (a TensorFlow function: the upload has the shape of S, `sums` is the
+  sum of its `train_sums`); the model aggregator combines the uploads with
+  the weights, and its result is the next S. With no shared part
+  (`initial_shared` empty: local-only training) nothing is broadcast,
+  uploaded or aggregated, and `local_training` receives an empty list.
+
+  Args:
+    initial_shared: S before round 1.
+    client_state_type: the TFF type of one client's private state.
+    data_type: the TFF type of one client's data set.
+    local_training: one client's round, see above.
+    model_aggregator: aggregates the uploads, weighted (default
+      `tff.aggregators.MeanFactory`).
+
+  Returns:
+    A `PersonalizedProcess` whose server state is
+    `OrderedDict(shared=S, aggregator=...)` (`OrderedDict()` when nothing is
+    shared) and whose `get_model_weights` returns S.
+  """
+  shared_type = [tff.TensorType(np.float32, np.shape(w)) for w in initial_shared]
+  if not shared_type:
+    return _unshared_process(client_state_type, data_type, local_training)
+  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
+      tff.to_type(shared_type), tff.TensorType(np.float32))
+
+  @tff.tensorflow.computation(shared_type, client_state_type, data_type)
+  def client_update(shared, state, dataset):
+    upload, weight, new_state, sums = local_training(list(shared), state, dataset)
+    return list(upload), weight, new_state, sums
+
+  @tff.tensorflow.computation
+  def initial_shared_fn():
+    return [tf.constant(w, tf.float32) for w in initial_shared]
+
+  @tff.federated_computation
+  def initialize():
+    return tff.federated_zip(collections.OrderedDict(
+        shared=tff.federated_eval(initial_shared_fn, tff.SERVER),
+        aggregator=aggregator.initialize()))
+
+  state_type = initialize.type_signature.result
+
+  @tff.federated_computation(state_type, tff.FederatedType(data_type, tff.CLIENTS),
+                             tff.FederatedType(client_state_type, tff.CLIENTS))
+  def next_fn(state, data, client_states):
+    shared = tff.federated_broadcast(state.shared)
+    uploads, weights, new_states, sums = tff.federated_map(
+        client_update, (shared, client_states, data))
+    aggregated = aggregator.next(state.aggregator, uploads, weights)
+    new_state = tff.federated_zip(collections.OrderedDict(
+        shared=aggregated.result, aggregator=aggregated.state))
+    metrics = tff.federated_zip(collections.OrderedDict(
+        client_work=tff.federated_map(train_metrics, tff.federated_sum(sums)),
+        aggregator=aggregated.measurements))
+    return collections.OrderedDict(state=new_state, client_states=new_states,
+                                   metrics=metrics)
+
+  @tff.tensorflow.computation(state_type.member)
+  def get_model_weights(state):
+    return state["shared"]
+
+  return PersonalizedProcess(initialize, next_fn, get_model_weights)
+
+
+def _unshared_process(client_state_type, data_type, local_training):
+  """`build_personalized_process` with nothing shared (see there)."""
+
+  @tff.tensorflow.computation(client_state_type, data_type)
+  def client_update(state, dataset):
+    _, _, new_state, sums = local_training([], state, dataset)
+    return new_state, sums
+
+  @tff.federated_computation
+  def initialize():
+    return tff.federated_value(collections.OrderedDict(), tff.SERVER)
+
+  state_type = initialize.type_signature.result
+
+  @tff.federated_computation(state_type, tff.FederatedType(data_type, tff.CLIENTS),
+                             tff.FederatedType(client_state_type, tff.CLIENTS))
+  def next_fn(state, data, client_states):
+    new_states, sums = tff.federated_map(client_update, (client_states, data))
+    metrics = tff.federated_zip(collections.OrderedDict(
+        client_work=tff.federated_map(train_metrics, tff.federated_sum(sums))))
+    return collections.OrderedDict(state=state, client_states=new_states,
+                                   metrics=metrics)
+
+  @tff.tensorflow.computation(state_type.member)
+  def get_model_weights(state):
+    del state  # nothing is shared
+    return []
+
+  return PersonalizedProcess(initialize, next_fn, get_model_weights)

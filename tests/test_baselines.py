@@ -1,0 +1,216 @@
+"""The HyperFL paper's baselines: DP-SGD pieces, each method's TFF round
+against a plain TensorFlow reference, accounting and the runner."""
+
+import shutil
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_privacy as tfp_privacy
+
+from tff_privacy import algorithms, models, runner
+from tff_privacy.algorithms.defended import SEED_KEY
+from tff_privacy.dp import accounting, dp_sgd
+from tff_privacy.models.functional import forward
+from tff_privacy.updates import UpdateStore
+
+SPEC = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": (16,)})
+SGD = dict(momentum=0.5, weight_decay=5e-4)
+
+
+def test_clipped_sum_is_tensorflow_privacys_query_record_by_record():
+  rng = np.random.default_rng(0)
+  grads = [tf.constant(rng.normal(size=(7, 3, 2)), tf.float32),
+           tf.constant(rng.normal(size=(7, 4)), tf.float32)]
+  query = tfp_privacy.GaussianSumQuery(l2_norm_clip=0.8, stddev=0.0)
+  state = query.initial_global_state()
+  params = query.derive_sample_params(state)
+  total = query.initial_sample_state([g[0] for g in grads])
+  for i in range(7):
+    total = query.accumulate_record(params, total, [g[i] for g in grads])
+  for a, b in zip(dp_sgd.clipped_sum(grads, 0.8), total):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_private_gradient_noise_has_std_sigma_c_over_b_and_follows_its_seed():
+  grads = [tf.ones([10, 100, 100])]  # each example's norm is 100: clipped to 2
+  seed = tf.constant([3, 4], tf.int64)
+  noisy = dp_sgd.private_gradient(grads, 2.0, 3.0, seed)[0].numpy()
+  noise = noisy - 2.0 / 100  # clipped mean: every entry 2 / 100
+  assert noise.mean() == pytest.approx(0.0, abs=0.01)
+  assert noise.std() == pytest.approx(3.0 * 2.0 / 10, rel=0.03)
+  again = dp_sgd.private_gradient(grads, 2.0, 3.0, seed)[0].numpy()
+  other = dp_sgd.private_gradient(grads, 2.0, 3.0, seed + 1)[0].numpy()
+  np.testing.assert_array_equal(noisy, again)
+  assert not np.allclose(noisy, other)
+
+
+def test_noise_calibration_matches_opacus_for_the_papers_setting():
+  # the HyperFL authors' code: Opacus' get_noise_multiplier(4, 1e-5,
+  # sample_rate=50/600, epochs=200 x 5) returns 10.63 (tolerance 0.01 in eps)
+  sigma = dp_sgd.noise_multiplier_for(4.0, 1e-5, 50 / 600, 12000)
+  assert sigma == pytest.approx(10.63, abs=0.05)
+  spent = accounting.epsilon(dp_sgd.steps_event(sigma, 50 / 600, 12000), 1e-5)
+  assert 3.99 < spent <= 4.0
+
+
+def _sgd(params, grads, bufs, lr):
+  bufs = [SGD["momentum"] * b + g + SGD["weight_decay"] * w
+          for w, g, b in zip(params, grads, bufs)]
+  return [w - lr * b for w, b in zip(params, bufs)], bufs
+
+
+def _mean_grad(model, weights, wrt, x, y):
+  with tf.GradientTape() as tape:
+    free = [weights[i] for i in wrt]
+    tape.watch(free)
+    full = list(weights)
+    for i, t in zip(wrt, free):
+      full[i] = t
+    loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+        y, forward(model, full, x), from_logits=True))
+  return tape.gradient(loss, free)
+
+
+def _clipped_mean_grad(model, weights, wrt, x, y, clip):
+  """Noise-free DP-SGD gradient, one example at a time."""
+  total = None
+  for i in range(len(y)):
+    g, _ = tf.clip_by_global_norm(
+        _mean_grad(model, weights, wrt, x[i:i + 1], y[i:i + 1]), clip)
+    total = g if total is None else [a + b for a, b in zip(total, g)]
+  return [t / len(y) for t in total]
+
+
+def _zeros(ws):
+  return [tf.zeros_like(w) for w in ws]
+
+
+def _reference(method, weights, batches, p):
+  """One client's round of `method`, written out directly; returns its new
+  weights (body + classifier)."""
+  model = SPEC.keras()
+  w = [tf.constant(a) for a in weights]
+  body, head = list(range(2)), list(range(2, 4))
+  clip = p.get("l2_norm_clip")
+  if method == "local_only":
+    bufs = _zeros(w)
+    for x, y in batches:
+      w, bufs = _sgd(w, _mean_grad(model, w, range(4), x, y), bufs,
+                     p["learning_rate"])
+  elif method == "dp_sgd_fedavg":
+    bufs = _zeros(w)
+    for x, y in batches:
+      w, bufs = _sgd(w, _clipped_mean_grad(model, w, range(4), x, y, clip),
+                     bufs, p["learning_rate"])
+  elif method == "ppsgd":
+    hb, bb = _zeros(w[2:]), _zeros(w[:2])
+    for x, y in batches:
+      g_head = _mean_grad(model, w, head, x, y)
+      g_body = _clipped_mean_grad(model, w, body, x, y, clip)
+      new_head, hb = _sgd(w[2:], g_head, hb, p["classifier_learning_rate"])
+      new_body, bb = _sgd(w[:2], g_body, bb, p["learning_rate"])
+      w = new_body + new_head
+  elif method == "centaur":
+    hb, bb = _zeros(w[2:]), _zeros(w[:2])
+    per_epoch = len(batches) // 3  # 1 classifier epoch + 2 DP epochs
+    for x, y in batches[:per_epoch]:
+      new_head, hb = _sgd(w[2:], _mean_grad(model, w, head, x, y), hb,
+                          p["classifier_learning_rate"])
+      w = w[:2] + new_head
+    for x, y in batches[per_epoch:]:
+      new_body, bb = _sgd(w[:2], _clipped_mean_grad(model, w, body, x, y, clip),
+                          bb, p["learning_rate"])
+      w = new_body + w[2:]
+  return [a.numpy() for a in w]
+
+
+@pytest.mark.parametrize("method", ["local_only", "dp_sgd_fedavg", "ppsgd",
+                                    "centaur"])
+def test_round_matches_a_plain_reference(method):
+  epochs = 3  # centaur: 1 classifier epoch + 2 DP epochs
+  given = {"local_epochs": 2 if method == "centaur" else 3}
+  if method != "local_only":
+    given.update(l2_norm_clip=0.5, noise_multiplier=0.0)
+  declared = algorithms.method(method).resolve(given)
+  alg = algorithms.get(method, SPEC, batch_size=4, seed=0, **declared)
+  assert alg.local_epochs == epochs
+  process = alg.build_process(None)
+  rng = np.random.default_rng(0)
+  clients, batches = [], []
+  for n in (6, 9):  # batches 4+2 and 4+4+1 per epoch
+    x = rng.random((n, 8, 8, 1), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    sizes = [4] * (n // 4) + ([n % 4] if n % 4 else [])
+    extra = {SEED_KEY: np.array([0, n], np.int64)} if alg.client_inputs else None
+    clients.append(runner.client_dataset(np.concatenate([x] * epochs),
+                                         np.concatenate([y] * epochs),
+                                         sizes * epochs, extra))
+    cuts = np.cumsum([0] + sizes)
+    batches.append([(x[a:b], y[a:b]) for a, b in zip(cuts[:-1], cuts[1:])] * epochs)
+  initial = SPEC.initial_weights(0)
+  results = [_reference(method, initial, b, declared) for b in batches]
+  mean = [(6 * a + 9 * b) / 15 for a, b in zip(*results)]
+
+  def close(got, expected):
+    for a, b in zip(got, expected):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+  if alg.private_state is None:  # dp_sgd_fedavg: one global model
+    out = process.next(process.initialize(), clients)
+    close(process.get_model_weights(out.state).trainable, mean)
+    return
+  states = [alg.private_state.initial(c) for c in range(2)]
+  out = process.next(process.initialize(), clients, states)
+  shared = process.get_model_weights(out["state"])
+  if method == "local_only":
+    assert list(shared) == []
+    for got, expected in zip(out["client_states"], results):
+      close(got["model"], expected)
+    return
+  close(shared, mean[:2])  # the mean of the uploaded bodies
+  for got, expected in zip(out["client_states"], results):
+    close(got["classifier"], expected[2:])
+
+
+def _config(out, **kw):
+  base = dict(out=str(out), method="ppsgd", dataset="digits", model="mlp",
+              model_kwargs={"hidden": (16,)}, clients=3, rounds=2,
+              batch_size=10, partition="label_groups", samples_per_client=30,
+              seed=0, method_kwargs={"local_epochs": 1})
+  return runner.RunConfig(**{**base, **kw})
+
+
+def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path):
+  full = runner.run(_config(tmp_path / "full", capture_rounds=(1,)),
+                    progress=False)
+  # a run stopped after round 1's checkpoint, then started again
+  runner.run(_config(tmp_path / "resumed"), progress=False)
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "program_state_2")
+  resumed = runner.run(_config(tmp_path / "resumed"), progress=False)
+  for a, b in zip(full, resumed):
+    assert {k: v for k, v in a.items() if k != "seconds"} == {
+        k: v for k, v in b.items() if k != "seconds"}
+  # the noise was calibrated for 2 rounds: the run cannot grow
+  with pytest.raises(ValueError, match="rounds: .* sizes itself by them"):
+    runner.run(_config(tmp_path / "resumed", rounds=3), progress=False)
+  # sigma spends epsilon 4 over 2 rounds x 3 steps at rate 10 / 30
+  sigma = dp_sgd.noise_multiplier_for(4.0, 1e-5, 1 / 3, 6)
+  for entry, rounds in zip(full, (1, 2)):
+    assert entry["epsilon"] == pytest.approx(accounting.epsilon(
+        dp_sgd.steps_event(sigma, 1 / 3, 3 * rounds), 1e-5), rel=1e-6)
+    assert entry["dp_relation"] == dp_sgd.RELATION
+  assert full[-1]["epsilon"] <= 4.0
+  records = UpdateStore(str(tmp_path / "full" / "updates")).records(1)
+  assert len(records) == 3
+  for record in records:
+    assert record.upload_kind == "body_weights"
+    assert [u.shape for u in record.upload] == [(64, 16), (16,)]
+    assert record.metadata["protocol"]["noise_multiplier"] == pytest.approx(sigma)
+
+
+def test_local_only_refuses_capture_and_shares_nothing(tmp_path):
+  with pytest.raises(ValueError, match="uploads nothing"):
+    runner.run(_config(tmp_path / "a", method="local_only", method_kwargs={},
+                       capture_rounds=(1,)), progress=False)
+  assert not (tmp_path / "a").exists()

@@ -1,0 +1,161 @@
+"""CENTAUR (Shen et al., "Share Your Representation Only", 2023) as the
+HyperFL paper runs it: a private classifier trained first, then a shared
+feature extractor trained with DP-SGD.
+
+Client i holds its classifier phi_i; round t:
+
+1. the server broadcasts the body theta;
+2. `classifier_epochs` epochs of SGD on phi_i with theta fixed, at
+   `classifier_learning_rate`, without noise;
+3. `local_epochs` epochs of DP-SGD on theta with phi_i fixed, at
+   `learning_rate` (each example's body gradient clipped to
+   `l2_norm_clip`, Gaussian noise, see `tff_privacy.algorithms.local_dp_sgd`);
+4. client i uploads theta (upload kind 'body_weights'); the server sets the
+   body to the example-weighted mean of the uploads.
+
+Both optimisers are PyTorch's SGD (`momentum`, coupled `weight_decay`),
+fresh each round, as in the HyperFL authors' code. The noise is calibrated
+over the DP epochs only (rounds x `local_epochs`): the classifier's epochs
+are local and never uploaded.
+
+The two phases split the client's batches of the round: the runner passes
+`classifier_epochs + local_epochs` epochs of batches, every epoch cut the
+same way, so the first `classifier_epochs` / total of them are the
+classifier's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy import params
+from tff_privacy.algorithms import local_dp_sgd, personalized
+from tff_privacy.algorithms.local_dp_sgd import EPOCHS_HELP, LR_HELP
+from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
+                                         refuse_defense)
+from tff_privacy.dp import dp_sgd
+
+PARAMETERS = params.Params(
+    params.Param("classifier_learning_rate", float, 0.1, "SGD step of the "
+                 "private classifier", minimum=0, exclusive_minimum=True,
+                 flag="classifier-lr"),
+    params.Param("classifier_epochs", int, 1, "epochs of the classifier "
+                 "phase", minimum=1),
+    params.Param("learning_rate", float, 0.02, LR_HELP, minimum=0,
+                 exclusive_minimum=True, flag="lr"),
+    params.Param("local_epochs", int, 5, EPOCHS_HELP, minimum=1),
+    *local_dp_sgd.SGD_PARAMETERS, *local_dp_sgd.PARAMETERS)
+
+
+def build_centaur(
+    keras_model_fn: Callable[[], tf.keras.Model],
+    *,
+    noise_multiplier: float,
+    l2_norm_clip: float = 0.04,
+    classifier_learning_rate: float = 0.1,
+    classifier_epochs: int = 1,
+    learning_rate: float = 0.02,
+    local_epochs: int = 5,
+    momentum: float = 0.5,
+    weight_decay: float = 5e-4,
+    model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+) -> personalized.PersonalizedProcess:
+  """Builds CENTAUR's `PersonalizedProcess` (see the module docstring).
+
+  Args:
+    keras_model_fn: returns the model (uncompiled, logits), initialised as
+      the server's body and every client's classifier start; its last dense
+      layer is the private classifier.
+    noise_multiplier, l2_norm_clip: the body's DP-SGD (sigma, C).
+    classifier_learning_rate, classifier_epochs: the classifier phase (0.1,
+      1 epoch).
+    learning_rate, local_epochs: the DP phase on the body (0.02, 5 epochs).
+    momentum, weight_decay: both optimisers' (0.5, 5e-4).
+    model_aggregator: aggregates the uploaded bodies, weighted by examples.
+
+  Returns:
+    A `PersonalizedProcess` sharing the body, whose client states are
+    `OrderedDict(classifier=[kernel, bias])`.
+
+  Raises:
+    ValueError: for a non-positive learning rate, epoch count or clip, or a
+      negative noise multiplier.
+  """
+  check_positive(classifier_learning_rate=classifier_learning_rate,
+                 classifier_epochs=classifier_epochs,
+                 learning_rate=learning_rate, local_epochs=local_epochs,
+                 l2_norm_clip=l2_norm_clip)
+  if noise_multiplier < 0:
+    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+  dp = local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier)
+  total_epochs = classifier_epochs + local_epochs
+
+  def local_training(target, body, head, dataset):
+    num_batches = dataset.reduce(tf.constant(0, tf.int64), lambda c, _: c + 1)
+    classifier_batches = num_batches // total_epochs * classifier_epochs
+
+    def classifier_step(carry, batch):
+      head, buffers, sums = carry
+      with tf.GradientTape() as tape:
+        tape.watch(head)
+        loss, batch_sums = local_dp_sgd.batch_loss(
+            target, list(body) + list(head), batch)
+      head, buffers = personalized.sgd_step(
+          head, tape.gradient(loss, head), buffers, classifier_learning_rate,
+          momentum, weight_decay)
+      return head, buffers, sums + batch_sums
+
+    def body_step(carry, batch):
+      body, buffers, sums, i = carry
+      weights = list(body) + list(head)
+      _, batch_sums = local_dp_sgd.batch_loss(target, weights, batch)
+      grad = local_dp_sgd.private_gradient(target, weights, range(len(body)),
+                                           batch, dp, i)
+      body, buffers = personalized.sgd_step(body, grad, buffers, learning_rate,
+                                            momentum, weight_decay)
+      return body, buffers, sums + batch_sums, i + 1
+
+    zeros = personalized.zeros_like
+    head, _, sums = dataset.take(classifier_batches).reduce(
+        (tuple(head), zeros(head), tf.zeros([3])), classifier_step)
+    body, _, sums, _ = dataset.skip(classifier_batches).reduce(
+        (tuple(body), zeros(body), sums, tf.constant(0, tf.int64)), body_step)
+    return list(body), list(head), sums
+
+  return local_dp_sgd.build_body_head_process(
+      keras_model_fn, local_training, total_epochs, model_aggregator)
+
+
+def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
+              **declared) -> Algorithm:
+  """CENTAUR as the runner drives it (`declared`: the parameters of
+  `PARAMETERS`); CENTAUR is its own defence."""
+  refuse_defense("centaur", defense)
+  check_positive(batch_size=batch_size)
+  sgd = {k: declared.pop(k) for k in ("classifier_learning_rate",
+                                       "classifier_epochs", "learning_rate",
+                                       "local_epochs", "momentum",
+                                       "weight_decay")}
+  dp = local_dp_sgd.configure("centaur", federation, batch_size,
+                              sgd["local_epochs"], **declared)
+  return Algorithm(
+      name="centaur", upload_kind="body_weights", local_data="epochs",
+      local_epochs=sgd["classifier_epochs"] + sgd["local_epochs"],
+      build_process=lambda aggregator: build_centaur(
+          lambda: spec.keras(seed), noise_multiplier=dp.noise_multiplier,
+          l2_norm_clip=dp.l2_norm_clip, model_aggregator=aggregator, **sgd),
+      protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
+                "client_optimizer": "sgd_momentum_coupled_weight_decay"},
+      client_inputs=local_dp_sgd.seed_inputs(seed),
+      dp_event=lambda num_params: dp.round_event(),
+      dp_relation=dp_sgd.RELATION,
+      private_state=local_dp_sgd.private_classifier(spec, seed))
+
+
+METHOD = Method("centaur", PARAMETERS, algorithm,
+                "a private classifier epoch, then DP-SGD epochs on the shared "
+                "feature extractor; only the extractor is uploaded",
+                needs_federation=True)

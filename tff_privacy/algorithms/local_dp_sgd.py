@@ -1,0 +1,233 @@
+"""What the HyperFL paper's DP baselines share: local DP-SGD on the client.
+
+DP-FedAvg (`dp_sgd_fedavg`), PPSGD (`ppsgd`) and CENTAUR (`centaur`) run
+DP-SGD (`tff_privacy.dp.dp_sgd`) in their clients' local steps, as in the
+authors' code: each example's gradient clipped to `l2_norm_clip` (0.04),
+Gaussian noise of std `noise_multiplier * l2_norm_clip` added to the sum,
+divided by the batch size. Unless given, the noise multiplier is calibrated
+(RDP) so that a client spends `target_epsilon` (4) at `target_delta` (1e-5)
+over all its DP steps of the run: rounds x DP epochs per round x batches
+per epoch, each a Poisson sample at rate batch_size / n. Clients of unequal
+sizes share one noise multiplier, calibrated for the smallest client
+(the highest sampling rate); larger clients spend less, so the reported
+epsilon (the smallest client's) bounds every client's.
+
+Every DP step draws its noise from a seed of (run, round, client, step), so
+runs are reproducible and a resumed run equals an uninterrupted one.
+
+Also here: the plumbing of the two methods that share a DP-trained feature
+extractor (the "body": every tensor but the last dense layer) and keep the
+classifier private (PPSGD, CENTAUR).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+from typing import Optional, Sequence
+
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy import params
+from tff_privacy.algorithms import personalized
+from tff_privacy.algorithms.base import Federation, PrivateState
+from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
+from tff_privacy.dp import dp_sgd
+from tff_privacy.models.functional import forward
+from tff_privacy.models.hypernetwork import num_extractor_tensors
+
+PARAMETERS = (
+    params.Param("l2_norm_clip", float, 0.04, "C, the bound on each example's "
+                 "gradient", minimum=0, exclusive_minimum=True, flag="dp-clip"),
+    params.Param("noise_multiplier", float, None, "sigma, noise std over C "
+                 "(default: calibrated to target_epsilon over the run)",
+                 minimum=0, flag="dp-noise-multiplier"),
+    params.Param("target_epsilon", float, 4.0, "epsilon a client spends over "
+                 "the run (calibrates the noise)", minimum=0,
+                 exclusive_minimum=True),
+    params.Param("target_delta", float, 1e-5, "delta of target_epsilon",
+                 minimum=0, maximum=1, exclusive_minimum=True,
+                 exclusive_maximum=True))
+
+# one help text per flag that several methods declare
+LR_HELP = ("the clients' SGD step (of the feature extractor where the "
+           "classifier has its own)")
+EPOCHS_HELP = ("local passes per round (centaur: of DP-SGD on the feature "
+               "extractor, after the classifier's)")
+
+SGD_PARAMETERS = (
+    params.Param("momentum", float, 0.5, "SGD momentum", minimum=0, maximum=1,
+                 exclusive_maximum=True),
+    params.Param("weight_decay", float, 5e-4, "SGD weight decay (coupled)",
+                 minimum=0))
+
+
+@dataclasses.dataclass(frozen=True)
+class DPSGD:
+  """A client's DP-SGD: clip, noise and what one round costs.
+
+  Attributes:
+    l2_norm_clip: C.
+    noise_multiplier: sigma.
+    sample_rate: batch_size / n of the smallest client (None outside a run).
+    steps_per_round: that client's DP steps per round (None outside a run).
+  """
+
+  l2_norm_clip: float
+  noise_multiplier: float
+  sample_rate: Optional[float] = None
+  steps_per_round: Optional[int] = None
+
+  def round_event(self) -> Optional[dp_accounting.DpEvent]:
+    """One round's DP event of the smallest client (None outside a run or
+    without noise)."""
+    if self.sample_rate is None or self.noise_multiplier == 0:
+      return None
+    return dp_sgd.steps_event(self.noise_multiplier, self.sample_rate,
+                              self.steps_per_round)
+
+  def protocol(self) -> dict:
+    return {"l2_norm_clip": self.l2_norm_clip,
+            "noise_multiplier": self.noise_multiplier,
+            "dp_sample_rate": self.sample_rate,
+            "dp_steps_per_round": self.steps_per_round}
+
+
+def configure(method: str, federation: Optional[Federation], batch_size: int,
+              dp_epochs: int, *, l2_norm_clip: float,
+              noise_multiplier: Optional[float], target_epsilon: float,
+              target_delta: float) -> DPSGD:
+  """The run's `DPSGD` (see the module docstring).
+
+  Raises:
+    ValueError: if neither `noise_multiplier` nor `federation` is given.
+  """
+  if federation is None:
+    if noise_multiplier is None:
+      raise ValueError(f"method {method!r} outside a run needs "
+                       "noise_multiplier (it calibrates from the run's rounds "
+                       "and client sizes otherwise)")
+    return DPSGD(l2_norm_clip, noise_multiplier)
+  n = min(federation.client_sizes)
+  sample_rate = min(1.0, batch_size / n)
+  steps = math.ceil(n / batch_size) * dp_epochs
+  if noise_multiplier is None:
+    noise_multiplier = dp_sgd.noise_multiplier_for(
+        target_epsilon, target_delta, sample_rate, steps * federation.rounds)
+  return DPSGD(l2_norm_clip, noise_multiplier, sample_rate, steps)
+
+
+def data_type(input_shape: Sequence[int]) -> tff.SequenceType:
+  """A client's batches: inputs, labels and the round's noise seed."""
+  return tff.SequenceType(collections.OrderedDict(
+      x=tff.TensorType(np.float32, (None,) + tuple(input_shape)),
+      y=tff.TensorType(np.int32, (None,)), **{SEED_KEY: SEED_TYPE}))
+
+
+def seed_inputs(run_seed: int):
+  """`Algorithm.client_inputs`: each client's noise seed of the round."""
+  return lambda client, round_num: {SEED_KEY: client_seed(run_seed, round_num,
+                                                          client)}
+
+
+def step_seed(batch, step: tf.Tensor) -> tf.Tensor:
+  """The noise seed of local step `step` (the batch carries the round's)."""
+  return tf.random.experimental.stateless_fold_in(batch[SEED_KEY], step)
+
+
+def batch_loss(model: tf.keras.Model, weights: Sequence[tf.Tensor], batch):
+  """(mean cross-entropy, `train_sums`) of `model` with `weights` on a batch."""
+  logits = forward(model, list(weights), batch["x"])
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      batch["y"], logits))
+  return loss, personalized.train_sums(loss, logits, batch["y"])
+
+
+def private_gradient(model: tf.keras.Model, weights: Sequence[tf.Tensor],
+                     wrt: Sequence[int], batch, dp: DPSGD,
+                     step: tf.Tensor) -> list[tf.Tensor]:
+  """DP-SGD's gradient of the batch's loss for `weights[i]`, i in `wrt`
+  (the others fixed): per-example gradients (one vectorised map) clipped
+  together and noised (`tff_privacy.dp.dp_sgd.private_gradient`)."""
+  wrt = list(wrt)
+
+  def one_example(example):
+    x, y = example
+    with tf.GradientTape() as tape:
+      free = [weights[i] for i in wrt]
+      tape.watch(free)
+      full = list(weights)
+      for i, t in zip(wrt, free):
+        full[i] = t
+      loss = tf.nn.sparse_softmax_cross_entropy_with_logits(
+          y[tf.newaxis], forward(model, full, x[tf.newaxis]))[0]
+    return tape.gradient(loss, free)
+
+  with _quiet_tf_logger():  # pfor warns of its while_loop for conv filters
+    grads = tf.vectorized_map(one_example, (batch["x"], batch["y"]))
+  return dp_sgd.private_gradient(grads, dp.l2_norm_clip, dp.noise_multiplier,
+                                 step_seed(batch, step))
+
+
+@contextlib.contextmanager
+def _quiet_tf_logger():
+  logger = tf.get_logger()
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
+
+
+def split_index(keras_model_fn) -> int:
+  """Where the classifier (the last dense layer) starts in the model's
+  trainable tensors: the body is before, the head from there on."""
+  with tf.Graph().as_default():
+    return num_extractor_tensors(keras_model_fn())
+
+
+def private_classifier(spec, seed: int) -> PrivateState:
+  """The `PrivateState` of a shared-body, private-head method: each client's
+  classifier, all starting from the seeded model's; a client's model is the
+  server's body followed by its classifier."""
+  initial = spec.initial_weights(seed)
+  head = initial[split_index(spec.keras):]
+  return PrivateState(
+      initial=lambda client: collections.OrderedDict(
+          classifier=[h.copy() for h in head]),
+      personal_weights=lambda body, state: list(body) + list(state["classifier"]))
+
+
+def build_body_head_process(keras_model_fn, local_training, epochs: int,
+                            model_aggregator=None) -> personalized.PersonalizedProcess:
+  """The `PersonalizedProcess` of a shared-body, private-head method: the
+  server holds the body (initially `keras_model_fn()`'s), each client its
+  classifier (`OrderedDict(classifier=[kernel, bias])`);
+  `local_training(target, body, head, dataset) -> (body, head, sums)` is a
+  client's round; the client uploads its body, weighted by its examples
+  per epoch (`sums` counts all epochs' examples, and `local_training.epochs`
+  says how many)."""
+  model = keras_model_fn()  # eager: its initial weights are the server's
+  split = num_extractor_tensors(model)
+  initial = [v.numpy() for v in model.trainable_variables]
+  input_shape = tuple(model.input_shape[1:])
+  head_type = collections.OrderedDict(classifier=[
+      tff.TensorType(np.float32, w.shape) for w in initial[split:]])
+
+  def client_round(body, state, dataset):
+    body, head, sums = local_training(keras_model_fn(), body,
+                                      state["classifier"], dataset)
+    return (body, sums[2] / epochs,
+            collections.OrderedDict(classifier=list(head)), sums)
+
+  return personalized.build_personalized_process(
+      initial_shared=initial[:split], client_state_type=head_type,
+      data_type=data_type(input_shape), local_training=client_round,
+      model_aggregator=model_aggregator)

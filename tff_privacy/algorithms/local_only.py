@@ -1,0 +1,104 @@
+"""Local-only training: every client trains its own model on its own data
+and nothing leaves it (the HyperFL paper's "Local-only" baseline).
+
+Each round, client i runs `local_epochs` epochs of PyTorch's SGD
+(`learning_rate`, `momentum`, coupled `weight_decay`; fresh each round, as
+in the HyperFL authors' code) on its private model, which all clients start
+from one seeded initialisation. Nothing is broadcast, uploaded or
+aggregated (upload kind 'none'), so there is nothing for an attacker on the
+server to capture; rounds only pace training and evaluation.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_privacy import params
+from tff_privacy.algorithms import local_dp_sgd, personalized
+from tff_privacy.algorithms.local_dp_sgd import EPOCHS_HELP, LR_HELP
+from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
+                                         check_positive, refuse_defense)
+
+PARAMETERS = params.Params(
+    params.Param("learning_rate", float, 0.02, LR_HELP,
+                 minimum=0, exclusive_minimum=True, flag="lr"),
+    params.Param("local_epochs", int, 5, EPOCHS_HELP, minimum=1),
+    *local_dp_sgd.SGD_PARAMETERS)
+
+
+def build_local_only(
+    keras_model_fn: Callable[[], tf.keras.Model],
+    *,
+    learning_rate: float = 0.02,
+    momentum: float = 0.5,
+    weight_decay: float = 5e-4,
+) -> personalized.PersonalizedProcess:
+  """Builds local-only training as a `PersonalizedProcess` (see the module
+  docstring) whose client states are `OrderedDict(model=[weights...])`.
+
+  Raises:
+    ValueError: for a non-positive learning rate.
+  """
+  check_positive(learning_rate=learning_rate)
+  with tf.Graph().as_default():
+    model = keras_model_fn()
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    input_shape = tuple(model.input_shape[1:])
+  state_type = collections.OrderedDict(
+      model=[tff.TensorType(np.float32, s) for s in shapes])
+  data_type = tff.SequenceType(collections.OrderedDict(
+      x=tff.TensorType(np.float32, (None,) + input_shape),
+      y=tff.TensorType(np.int32, (None,))))
+
+  def local_training(shared, state, dataset):
+    del shared  # nothing is shared
+    target = keras_model_fn()
+
+    def step(carry, batch):
+      w, buffers, sums = carry
+      with tf.GradientTape() as tape:
+        tape.watch(w)
+        loss, batch_sums = local_dp_sgd.batch_loss(target, w, batch)
+      w, buffers = personalized.sgd_step(w, tape.gradient(loss, w), buffers,
+                                         learning_rate, momentum, weight_decay)
+      return w, buffers, sums + batch_sums
+
+    w = tuple(state["model"])
+    w, _, sums = dataset.reduce((w, personalized.zeros_like(w), tf.zeros([3])),
+                                step)
+    return [], None, collections.OrderedDict(model=list(w)), sums
+
+  return personalized.build_personalized_process(
+      initial_shared=[], client_state_type=state_type, data_type=data_type,
+      local_training=local_training)
+
+
+def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float,
+              local_epochs: int, momentum: float, weight_decay: float) -> Algorithm:
+  """Local-only training as the runner drives it."""
+  refuse_defense("local_only", defense)
+  check_positive(batch_size=batch_size)
+  initial = spec.initial_weights(seed)
+  return Algorithm(
+      name="local_only", upload_kind="none", local_data="epochs",
+      local_epochs=local_epochs,
+      build_process=lambda aggregator: build_local_only(
+          spec.keras, learning_rate=learning_rate, momentum=momentum,
+          weight_decay=weight_decay),
+      protocol={"learning_rate": learning_rate, "local_epochs": local_epochs,
+                "momentum": momentum, "weight_decay": weight_decay,
+                "batch_size": batch_size,
+                "client_optimizer": "sgd_momentum_coupled_weight_decay"},
+      private_state=PrivateState(
+          initial=lambda client: collections.OrderedDict(
+              model=[w.copy() for w in initial]),
+          personal_weights=lambda shared, state: list(state["model"])))
+
+
+METHOD = Method("local_only", PARAMETERS, algorithm,
+                "every client trains its own model; nothing is uploaded")
