@@ -309,13 +309,14 @@ def test_local_batch_sizes_by_hand():
 
 def test_one_epoch_fedavg_delta_is_the_attackers_simulated_upload(tmp_path):
   """With one local epoch the attacker's own simulation (`simulate_upload`
-  on the client's samples in their order, batches by `local_batch_sizes`)
-  equals the delta TFF computed, for N % B != 0."""
+  on the client's samples in their order, batches by `local_batch_sizes`,
+  the protocol's momentum) equals the delta TFF computed, for N % B != 0."""
   from tff_privacy.attacks import functional
   config = runner.RunConfig(
       out=str(tmp_path), method="fedavg", clients=30, clients_per_round=2,
       batch_size=5, rounds=1, capture_rounds=(1,), seed=3,
-      method_kwargs={"client_learning_rate": 0.3}, dataset="digits",
+      method_kwargs={"client_learning_rate": 0.3, "client_momentum": 0.5},
+      dataset="digits",
       model="mlp", model_kwargs={"hidden": [16]})
   runner.run(config, progress=False)
   store = UpdateStore(os.path.join(config.out, "updates"))

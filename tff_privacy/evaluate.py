@@ -44,7 +44,7 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   clients = list(clients) if clients is not None else store.clients(round_num)
   records = [store.read(round_num, c) for c in clients]
   inversion = attacks.build(attack, **(attack_kwargs or {}))
-  inversion.check_sizes(records)
+  inversion.check_records(records)
   attacks.inversion.check_device(device)
   # everything the scoring reads is checked before a long attack
   truth = GroundTruthStore(ground_truth or os.path.join(

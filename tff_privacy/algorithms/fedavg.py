@@ -29,7 +29,10 @@ PARAMETERS = params.Params(
                  exclusive_minimum=True, flag="client-lr"),
     server_learning_rate(1.0),
     params.Param("local_epochs", int, 1, "local passes over each client's data",
-                 minimum=1))
+                 minimum=1),
+    params.Param("client_momentum", float, 0.0, "momentum of the clients' "
+                 "local SGD (the HyperFL paper's FedAvg: 0.5)", minimum=0,
+                 maximum=1, exclusive_maximum=True))
 
 
 def build_fedavg(
@@ -37,14 +40,17 @@ def build_fedavg(
     *,
     client_learning_rate: float = 0.1,
     server_learning_rate: float = 1.0,
+    client_momentum: float = 0.0,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
     defense: Optional[UpdateDefense] = None,
 ) -> tff.learning.templates.LearningProcess:
-  """Builds the FedAvg `LearningProcess` (clients use plain SGD); with
-  `defense`, every client transforms its model delta before uploading it."""
+  """Builds the FedAvg `LearningProcess` (clients use SGD, with
+  `client_momentum` if > 0, its buffer fresh each round); with `defense`,
+  every client transforms its model delta before uploading it."""
   check_positive(client_learning_rate=client_learning_rate,
                  server_learning_rate=server_learning_rate)
-  client_optimizer = tff.learning.optimizers.build_sgdm(client_learning_rate)
+  client_optimizer = tff.learning.optimizers.build_sgdm(
+      client_learning_rate, momentum=client_momentum or None)
   server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
   if defense is None:
     return tff.learning.algorithms.build_weighted_fed_avg(
@@ -61,7 +67,8 @@ def build_fedavg(
 
 def algorithm(spec, *, batch_size: int, seed: int,
               defense: Optional[UpdateDefense], client_learning_rate: float,
-              server_learning_rate: float, local_epochs: int) -> Algorithm:
+              server_learning_rate: float, local_epochs: int,
+              client_momentum: float) -> Algorithm:
   """FedAvg as the runner drives it."""
   check_positive(batch_size=batch_size)
   return Algorithm(
@@ -69,12 +76,13 @@ def algorithm(spec, *, batch_size: int, seed: int,
       local_epochs=local_epochs,
       build_process=lambda aggregator: build_fedavg(
           spec.tff_model_fn(), client_learning_rate=client_learning_rate,
-          server_learning_rate=server_learning_rate, model_aggregator=aggregator,
+          server_learning_rate=server_learning_rate,
+          client_momentum=client_momentum, model_aggregator=aggregator,
           defense=defense),
       protocol={"client_learning_rate": client_learning_rate,
                 "server_learning_rate": server_learning_rate,
                 "local_epochs": local_epochs, "batch_size": batch_size,
-                "client_optimizer": "sgd",
+                "client_optimizer": "sgd", "client_momentum": client_momentum,
                 "delta_convention": "broadcast_minus_local"},
       **defense_fields(defense, seed))
 

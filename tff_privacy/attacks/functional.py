@@ -28,19 +28,32 @@ def batch_loss(model, weights, x, y_soft) -> tf.Tensor:
 
 
 def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
-              batch_sizes: Sequence[int]) -> list[tf.Tensor]:
-  """w0 - wK after plain SGD steps over consecutive batches of the sample
-  sequence (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention)."""
+              batch_sizes: Sequence[int], momentum: float = 0.0,
+              weight_decay: float = 0.0) -> list[tf.Tensor]:
+  """w0 - wK after SGD steps over consecutive batches of the sample sequence
+  (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention). With
+  `momentum` or `weight_decay`, PyTorch's SGD (b = momentum b + g +
+  weight_decay w; w = w - learning_rate b, b starting at 0), which is TFF's
+  `build_sgdm` when `weight_decay` is 0."""
   current, start = list(weights), 0
+  buffers = [tf.zeros_like(w) for w in current]
   for size in batch_sizes:
     with tf.GradientTape() as tape:
       tape.watch(current)
       loss = batch_loss(model, current, x_seq[start:start + size],
                         y_seq[start:start + size])
     grads = tape.gradient(loss, current)
-    current = [w - learning_rate * g for w, g in zip(current, grads)]
+    buffers = [momentum * b + g + weight_decay * w
+               for w, g, b in zip(current, grads, buffers)]
+    current = [w - learning_rate * b for w, b in zip(current, buffers)]
     start += size
   return [w0 - w for w0, w in zip(weights, current)]
+
+
+def learning_rate(protocol: dict) -> float:
+  """The clients' learning rate a protocol states (FedAvg's
+  `client_learning_rate`, the DP baselines' `learning_rate`)."""
+  return protocol.get("client_learning_rate", protocol.get("learning_rate"))
 
 
 def simulate_upload(model, weights, x, y_soft, upload_kind: str,
@@ -49,9 +62,12 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
 
   'gradient': the gradient of the mean loss over the batch (FedSGD).
   'model_delta': w0 - wK after `local_epochs` passes of minibatch SGD with
-  `client_learning_rate`, batches cut by `local_batch_sizes`, the samples in
-  the order given in every epoch, since an attacker cannot know the client's
-  shuffling (FedAvg; TFF's sign convention).
+  the protocol's learning rate (`client_learning_rate`, or `learning_rate`),
+  momentum (`client_momentum` or `momentum`) and `weight_decay`, batches cut
+  by `local_batch_sizes`, the samples in the order given in every epoch,
+  since an attacker cannot know the client's shuffling (FedAvg; TFF's sign
+  convention). A DP client's clipping and noise are not simulated: the
+  attacker cannot know the noise.
   """
   if upload_kind == "gradient":
     with tf.GradientTape() as tape:
@@ -62,8 +78,10 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
     n = int(x.shape[0]) if num_examples is None else num_examples
     epochs = protocol.get("local_epochs", 1)
     sizes = local_batch_sizes(n, protocol["batch_size"], epochs)
-    return local_sgd(model, weights, tf.concat([x] * epochs, 0),
-                     tf.concat([y_soft] * epochs, 0),
-                     protocol["client_learning_rate"], sizes)
+    return local_sgd(
+        model, weights, tf.concat([x] * epochs, 0),
+        tf.concat([y_soft] * epochs, 0),
+        learning_rate(protocol), sizes, protocol.get("client_momentum", protocol.get("momentum", 0.0)),
+        protocol.get("weight_decay", 0.0))
   raise ValueError(f"upload_kind={upload_kind!r} cannot be simulated; "
                    "supported: 'gradient', 'model_delta'")

@@ -164,6 +164,8 @@ def _iterations(default: int) -> Param:
 
 
 _RESTARTS = Param("restarts", int, 1, "random restarts, the best kept", minimum=1)
+_ATTACKS_BY_KIND = {"hypernetwork_weights": "'ig_hyperfl' or 'tailored_hyperfl'",
+                    "body_weights": "'ig_body'"}
 _INIT = Param("init", str, "randn", "start of the dummy inputs", choices=INITS)
 _MAX_EXAMPLES = Param("max_examples", int, MAX_EXAMPLES,
                       "largest number of examples behind one upload that the "
@@ -181,6 +183,7 @@ class GradientInversion(abc.ABC):
   """
 
   name = "inversion"
+  UPLOAD_KINDS = ("gradient", "model_delta")  # what `Target.simulate` covers
   PARAMETERS = Params()
   CHUNK = 100  # iterations per compiled call
 
@@ -192,13 +195,20 @@ class GradientInversion(abc.ABC):
     self._functions: dict[tuple[str, str], Callable] = {}
 
   def targets(self, records: Sequence[UpdateRecord]) -> list[Target]:
-    """The records as targets; refuses uploads beyond `max_examples`."""
-    self.check_sizes(records)
+    """The records as targets (see `check_records`)."""
+    self.check_records(records)
     return [Target.from_record(r) for r in records]
 
-  def check_sizes(self, records: Sequence[UpdateRecord]) -> None:
-    """Raises `ValueError` for an upload of more than `max_examples`."""
+  def check_records(self, records: Sequence[UpdateRecord]) -> None:
+    """Raises `ValueError` for an upload of a kind the attack does not
+    handle, or of more than `max_examples` examples."""
     for record in records:
+      if record.upload_kind not in self.UPLOAD_KINDS:
+        raise ValueError(
+            f"attack {self.name!r} handles {', '.join(self.UPLOAD_KINDS)} "
+            f"uploads; method {record.metadata['method']!r} uploads "
+            f"{record.upload_kind!r}: use "
+            f"{_ATTACKS_BY_KIND.get(record.upload_kind, 'none here')}")
       if record.num_examples > self.max_examples:
         raise ValueError(
             f"round {record.round_num} client {record.client_index}: the upload "
@@ -490,18 +500,3 @@ class InvertingGradients(GradientInversion):
   def _finish(self, target, state):
     return (state["best_x"].numpy(), state["labels"],
             float(state["best_loss"]))
-
-
-ATTACKS = {"dlg": DLG, "idlg": IDLG, "ig": InvertingGradients}
-
-
-def attack_class(name: str) -> type[GradientInversion]:
-  """The class of attack `name` (one of `ATTACKS`)."""
-  if name not in ATTACKS:
-    raise ValueError(f"attack={name!r} is unknown; choose one of {sorted(ATTACKS)}")
-  return ATTACKS[name]
-
-
-def build(name: str, **kwargs) -> GradientInversion:
-  """Attack `name` (one of `ATTACKS`) with its declared parameters."""
-  return attack_class(name)(**kwargs)

@@ -37,7 +37,7 @@ def mean_gradient(upload, upload_kind: str, protocol: dict, num_examples: int):
     return upload
   steps = len(local_batch_sizes(num_examples, protocol["batch_size"],
                                 protocol.get("local_epochs", 1)))
-  scale = protocol["client_learning_rate"] * steps
+  scale = functional.learning_rate(protocol) * steps
   return [np.asarray(u) / scale for u in upload]
 
 

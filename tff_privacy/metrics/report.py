@@ -15,6 +15,9 @@ from tff_privacy.metrics.image import (feature_mse, image_scores, match_by_mse,
 from tff_privacy.updates import GroundTruthStore
 
 
+WHOLE_MODEL_UPLOADS = ("gradient", "model_delta")
+
+
 def score(reconstructions: Sequence[Any], records: Sequence[Any],
           truth: GroundTruthStore,
           value_range) -> tuple[list[dict[str, Any]], list[tuple[np.ndarray, np.ndarray]]]:
@@ -22,7 +25,10 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
   the aligned (true, reconstructed) image pairs for the figure.
 
   `records` are the attacked `UpdateRecord`s, in the same order; their
-  broadcast model gives the features of the feature MSE.
+  broadcast model gives the features of the feature MSE. Where the
+  broadcast is not the client's whole model (HyperFL's hypernetwork, a
+  shared feature extractor) the feature MSE is not computed (NaN): the
+  client's own model is private.
   """
   rows, pairs = [], []
   for rec, record in zip(reconstructions, records):
@@ -31,9 +37,11 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
     perm = match_by_mse(x_true, np.clip(rec.x, lo, hi))
     x_rec, labels = rec.x[perm], np.asarray(rec.labels)[perm]
     model = record.model_spec.keras()
+    whole_model = record.upload_kind in WHOLE_MODEL_UPLOADS
     for i, s in enumerate(image_scores(x_true, x_rec, value_range)):
-      s["feature_mse"] = feature_mse(model, record.broadcast, x_true[i:i + 1],
-                                     np.clip(x_rec[i:i + 1], lo, hi))
+      s["feature_mse"] = (feature_mse(model, record.broadcast, x_true[i:i + 1],
+                                      np.clip(x_rec[i:i + 1], lo, hi))
+                          if whole_model else float("nan"))
       rows.append({"round": rec.round_num, "client": rec.client_index,
                    "sample": i, **s, "recovered_label": int(labels[i]),
                    "true_label": int(y_true[i]),
