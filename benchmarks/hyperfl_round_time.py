@@ -1,13 +1,16 @@
-"""Wall time of one HyperFL round relative to one FedAvg round, same process.
+"""Wall time of one round of HyperFL and of the DP baselines relative to one
+FedAvg round, same process (the HyperFL paper's Table 4).
 
-The HyperFL paper's Table 4 setting at a small scale: 20 clients with 150
-samples each (mnist5k, HyperFL's label-group split), batch 50, the 28x28
-target CNN; FedAvg runs 5 local epochs (SGD, lr 0.02), HyperFL its 1
-classifier epoch and 5 hypernetwork epochs. Both run through TFF on the same
-round's clients; rounds of the two methods alternate after one compiling
-round each.
+The paper's setting at a small scale: 20 clients with 150 samples each
+(mnist5k, HyperFL's label-group split), batch 50, the 28x28 target CNN;
+FedAvg runs 5 local epochs (SGD, lr 0.02, momentum 0.5), HyperFL its 1
+classifier epoch and 5 hypernetwork epochs, DP-FedAvg and PPSGD 5 DP-SGD
+epochs, CENTAUR 1 classifier epoch and 5 DP-SGD epochs (`--baselines`
+chooses which of these to time). All run through TFF on the same round's
+clients; rounds of the methods alternate after one compiling round each.
 
-Prints the median seconds per round of each, `ratio_hyperfl_over_fedavg=`,
+Prints the median seconds per round of each, `ratio_hyperfl_over_fedavg=`
+and `ratio_<baseline>_over_fedavg=` for each baseline,
 the bytes each client uploads per round (float32 tensors), and the floating
 point operations per round: TensorFlow's profiler counts one local step's
 graph (FedAvg: forward and backward pass of the model; HyperFL's classifier
@@ -18,7 +21,7 @@ HyperFL's per-step low-rank row updates (about 6 S P operations at step S for
 P generated weights) are added by hand.
 
   python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
-      [--samples 150]
+      [--samples 150] [--baselines dp_sgd_fedavg,ppsgd,centaur]
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import tensorflow as tf
 from tff_privacy import runner, runtime
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork
+
+BASELINES = ("dp_sgd_fedavg", "ppsgd", "centaur")
 
 
 def _run(method: str, out: str, clients: int, samples: int, **method_kwargs):
@@ -105,13 +110,21 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--clients", type=int, default=20)
   parser.add_argument("--samples", type=int, default=150)
+  parser.add_argument("--baselines", default=",".join(BASELINES),
+                      help="comma-separated, from: " + ", ".join(BASELINES))
   args = parser.parse_args()
+  baselines = [b for b in args.baselines.split(",") if b]
+  if set(baselines) - set(BASELINES):
+    parser.error(f"--baselines: {baselines}; choose from {', '.join(BASELINES)}")
   runtime.start()
   with tempfile.TemporaryDirectory() as tmp:
-    runs = {"fedavg": _run("fedavg", os.path.join(tmp, "a"), args.clients,
-                           args.samples, local_epochs=5, client_learning_rate=0.02),
-            "hyperfl": _run("hyperfl", os.path.join(tmp, "h"), args.clients,
-                            args.samples)}
+    runs = {"fedavg": _run("fedavg", os.path.join(tmp, "fedavg"), args.clients,
+                           args.samples, local_epochs=5, client_learning_rate=0.02,
+                           client_momentum=0.5),
+            "hyperfl": _run("hyperfl", os.path.join(tmp, "hyperfl"),
+                            args.clients, args.samples)}
+    for name in baselines:
+      runs[name] = _run(name, os.path.join(tmp, name), args.clients, args.samples)
     clients = {name: r.round_data(1) for name, r in runs.items()}
     states = {name: r.step(r.initial_state(), clients[name], False)[0]  # compile
               for name, r in runs.items()}
@@ -137,6 +150,10 @@ def main() -> None:
   print(f"fedavg: {fedavg:.3f} s/round, hyperfl: {hyperfl:.3f} s/round "
         f"(medians of {args.rounds})")
   print(f"ratio_hyperfl_over_fedavg={hyperfl / fedavg:.2f}")
+  for name in baselines:
+    seconds = statistics.median(times[name])
+    print(f"{name}: {seconds:.3f} s/round, "
+          f"ratio_{name}_over_fedavg={seconds / fedavg:.2f}")
   print(f"upload_bytes_per_client_per_round: fedavg={4 * model_params} "
         f"hyperfl={4 * hyper.num_parameters}")
   print(f"flops_per_round: fedavg={flops_fedavg:.4g} hyperfl={flops_hyperfl:.4g} "

@@ -1,6 +1,8 @@
-"""HyperFL's Table 1 (Guo et al.): personalised accuracy of HyperFL and its
-baselines on the label-group non-IID split, small by default.
+"""HyperFL's Tables 1 and 3 (Guo et al.): personalised accuracy of HyperFL
+and its baselines on the label-group non-IID split, and how much their
+uploads leak to gradient inversion; small by default.
 
+Table 1 (utility).
 Every method trains on the same clients and is scored the paper's way: the
 mean over clients of each client's own model's accuracy on its own test
 split (drawn like its training samples), after the last round; the spread
@@ -18,8 +20,21 @@ beside ours: its numbers come from 200 rounds on the full data sets, ours
 from `--rounds` rounds on the data set chosen here, so they are context, not
 a reproduction target.
 
+Table 3 (leakage). Each method's round 1 on `--leak-clients` clients with
+`--leak-samples` samples each (one batch), captured and attacked with what
+fits its upload: Inverting Gradients ('ig') on FedAvg's and DP-FedAvg's
+model deltas, IG with the classifier unknown ('ig_body') on CENTAUR's and
+PPSGD's feature extractors, and on HyperFL's hypernetwork both IG on the
+hypernetwork update (eq. 8, 'ig_hyperfl') and the tailored attack (eqs.
+9-10, 'tailored_hyperfl'). Every attack runs `--attack-iterations`
+iterations. PSNR and SSIM of the reconstructions against the true samples
+(after matching), LPIPS only where weights are given (`--lpips-weights`),
+and reconstructions.png: originals, then each method's reconstructions.
+The Table 4 timing ratios come from `benchmarks/hyperfl_round_time.py`.
+
 Each run lives in OUT/<setting>/<method>/ and resumes where it stopped;
-row.json there caches its result. Tables: OUT/table1.md and .csv.
+row.json there caches its result. Tables: OUT/table1.md, OUT/table3.md and
+their .csv.
 
   python experiments/hyperfl_tables.py                  # small: mnist5k
   python experiments/hyperfl_tables.py --dataset fashion_mnist --scale full
@@ -34,7 +49,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 
-from tff_privacy import io, runner, runtime
+import numpy as np
+
+from tff_privacy import evaluate, io, runner, runtime
+from tff_privacy.metrics import report
 
 METHODS = {  # label -> (method, method_kwargs)
     "Local-only": ("local_only", {}),
@@ -54,6 +72,14 @@ PAPER_20 = {"Local-only": (85.93, 73.41), "FedAvg": (85.67, 72.77),
 SETTINGS = {"small": {"20 clients": (20, 20, 150), "100 clients": (100, 30, 40)},
             "full": {"20 clients": (20, 20, 600), "100 clients": (100, 30, 600)}}
 ROUNDS = {"small": 20, "full": 200}
+# Table 3: label -> attacks on the method of METHODS[label]
+ATTACKS = {"FedAvg": ("ig",), "DP-FedAvg": ("ig",), "CENTAUR": ("ig_body",),
+           "PPSGD": ("ig_body",), "HyperFL": ("ig_hyperfl", "tailored_hyperfl")}
+# Table 3 of the paper, IG: (PSNR, SSIM) on EMNIST
+PAPER_IG = {"FedAvg": (32.64, 0.8925), "pFedHN": (31.24, 0.8701),
+            "pFedHN-PC": (28.38, 0.8713), "DP-FedAvg": (7.74, 0.2978),
+            "CENTAUR": (9.52, 0.2136), "PPSGD": (9.73, 0.1889),
+            "HyperFL": (7.85, 0.3010)}
 MODELS = {"cifar10": "hyperfl_cnn_cifar"}
 
 
@@ -79,6 +105,67 @@ def run_row(args, setting: str, label: str) -> dict:
          "seconds_per_round": sum(h["seconds"] for h in history) / len(history)}
   io.write_json(path, row)
   return row
+
+
+def leak_rows(args, label: str) -> list[dict]:
+  """Table 3's rows of one method: its round-1 capture, each attack."""
+  method, kwargs = METHODS[label]
+  base = os.path.join(args.out, "leakage", method)
+  run = os.path.join(base, "run")
+  if not os.path.exists(os.path.join(run, "updates", "manifest.json")):
+    print(f"leakage: {label}", flush=True)
+    runner.run(runner.RunConfig(
+        out=run, method=method, method_kwargs=kwargs, dataset=args.dataset,
+        model=MODELS.get(args.dataset, "hyperfl_cnn"), clients=args.leak_clients,
+        rounds=1, batch_size=args.leak_samples, partition="label_groups",
+        samples_per_client=args.leak_samples, seed=args.seed,
+        data_dir=args.data_dir, capture_rounds=(1,)), progress=False)
+  rows = []
+  for attack in ATTACKS[label]:
+    path = os.path.join(base, attack, "row.json")
+    if not os.path.exists(path):
+      result = evaluate.attack_round(
+          os.path.join(run, "updates"), 1, os.path.join(base, attack), attack,
+          attack_kwargs={"iterations": args.attack_iterations},
+          lpips_weights=args.lpips_weights, progress=not args.quiet)
+      io.write_json(path, {"method": label, "attack": attack,
+                           **{k: result["mean"].get(k) for k in
+                              ("psnr", "ssim", "lpips", "label_accuracy")},
+                           "seconds": result["seconds"]})
+    rows.append(io.read_json(path))
+  return rows
+
+
+def write_leak_table(args, rows: list[dict]) -> str:
+  columns = ["method", "attack", "PSNR", "SSIM", "LPIPS", "label acc.",
+             "paper IG PSNR (EMNIST)", "paper IG SSIM (EMNIST)"]
+  lines = [f"### Table 3: reconstructions from round-1 uploads ({args.dataset}, "
+           f"{args.leak_clients} clients x {args.leak_samples} samples, "
+           f"{args.attack_iterations} attack iterations)", "",
+           "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  for r in rows:
+    # the paper's IG row; its tailored attack's numbers are in its appendix
+    paper = (PAPER_IG.get(r["method"], (None, None))
+             if r["attack"] != "tailored_hyperfl" else (None, None))
+    lines.append("| " + " | ".join([
+        r["method"], r["attack"], f"{r['psnr']:.2f}", f"{r['ssim']:.4f}",
+        "not computed" if r["lpips"] is None else f"{r['lpips']:.4f}",
+        f"{r['label_accuracy']:.2f}",
+        *("-" if p is None else f"{p:g}" for p in paper)]) + " |")
+  lines += ["", "LPIPS needs pretrained weights (--lpips-weights); pFedHN and "
+            "pFedHN-PC are not yet available in this library."]
+  text = "\n".join(lines) + "\n"
+  io.write_text(os.path.join(args.out, "table3.md"), text)
+  io.write_csv(os.path.join(args.out, "table3.csv"), rows, list(rows[0]))
+  images = {}
+  for r in rows:
+    folder = os.path.join(args.out, "leakage", METHODS[r["method"]][0], r["attack"])
+    with np.load(os.path.join(folder, "reconstructions.npz")) as f:
+      images.setdefault("original", list(f["original"]))
+      images[f"{r['method']} ({r['attack']})"] = list(f["reconstructed"])
+  report.save_grid(images, os.path.join(args.out, "reconstructions.png"),
+                   (0.0, 1.0), title=f"round-1 reconstructions ({args.dataset})")
+  return text
 
 
 def write_table(out: str, rows: list[dict], dataset: str, rounds: int) -> str:
@@ -116,6 +203,12 @@ def main() -> None:
                       help="comma-separated, from: " + ", ".join(SETTINGS["small"]))
   parser.add_argument("--methods", default=",".join(METHODS),
                       help="comma-separated, from: " + ", ".join(METHODS))
+  parser.add_argument("--tables", default="1,3", help="comma-separated, from 1, 3")
+  parser.add_argument("--leak-clients", type=int, default=4)
+  parser.add_argument("--leak-samples", type=int, default=4,
+                      help="samples per client in the leakage runs (one batch)")
+  parser.add_argument("--attack-iterations", type=int, default=2000)
+  parser.add_argument("--lpips-weights", help="LPIPS weights file (optional)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--data-dir", help="tensorflow_datasets data directory "
                       "(full scale; downloads when the data set is missing)")
@@ -134,8 +227,15 @@ def main() -> None:
   args.out = args.out or os.path.join("results",
                                       f"hyperfl_{args.dataset}_{args.scale}")
   runtime.start()
-  rows = [run_row(args, s, m) for s in settings for m in methods]
-  print(write_table(args.out, rows, args.dataset, args.rounds))
+  tables = {t.strip() for t in args.tables.split(",") if t.strip()}
+  if not tables or tables - {"1", "3"}:
+    parser.error(f"--tables: {sorted(tables)}; choose from 1, 3")
+  if "1" in tables:
+    rows = [run_row(args, s, m) for s in settings for m in methods]
+    print(write_table(args.out, rows, args.dataset, args.rounds))
+  if "3" in tables:
+    rows = [r for m in methods if m in ATTACKS for r in leak_rows(args, m)]
+    print(write_leak_table(args, rows))
   runtime.stop()
 
 

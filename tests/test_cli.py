@@ -50,9 +50,16 @@ def test_train_through_a_pipe_finishes_and_leaves_no_worker(tmp_path):
 
 @pytest.mark.slow  # its parts run in the fast suite: test_runner's resume test
 # and test_runtime's worker-dies-with-its-SIGKILLed-parent test
-def test_kill_9_mid_run_then_rerun_resumes_to_identical_metrics(tmp_path):
+@pytest.mark.parametrize("method_args", [
+    ["--method", "fedavg"],
+    # private client state and hypernetwork checkpointed together
+    ["--method", "hyperfl", "--partition", "label_groups",
+     "--samples-per-client", "24", "--embedding-dim", "8", "--hidden-dim", "16"],
+], ids=["fedavg", "hyperfl"])
+def test_kill_9_mid_run_then_rerun_resumes_to_identical_metrics(tmp_path,
+                                                                method_args):
   rounds = 12
-  args = ["--method", "fedavg", "--rounds", str(rounds)]
+  args = method_args + ["--rounds", str(rounds)]
   reference = tmp_path / "reference"
   assert _train(reference, *args).returncode == 0
 

@@ -1,7 +1,6 @@
 """HyperFL: hypernetwork, partition, the TFF process against a plain
 TensorFlow reference, and the runner's private client state."""
 
-import collections
 import os
 
 import numpy as np

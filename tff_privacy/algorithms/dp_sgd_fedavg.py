@@ -21,15 +21,12 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.algorithms import defended, local_dp_sgd, personalized
-from tff_privacy.algorithms.local_dp_sgd import EPOCHS_HELP, LR_HELP
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          refuse_defense, server_learning_rate)
-from tff_privacy.dp import dp_sgd
 
 PARAMETERS = params.Params(
-    params.Param("learning_rate", float, 0.02, LR_HELP,
-                 minimum=0, exclusive_minimum=True, flag="lr"),
-    params.Param("local_epochs", int, 5, EPOCHS_HELP, minimum=1),
+    local_dp_sgd.LEARNING_RATE,
+    local_dp_sgd.LOCAL_EPOCHS,
     server_learning_rate(1.0),
     *local_dp_sgd.SGD_PARAMETERS, *local_dp_sgd.PARAMETERS)
 
@@ -136,11 +133,9 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
   `PARAMETERS`); it is its own defence."""
   refuse_defense("dp_sgd_fedavg", defense)
   check_positive(batch_size=batch_size)
-  sgd = {k: declared.pop(k) for k in ("learning_rate", "local_epochs",
-                                       "momentum", "weight_decay",
-                                       "server_learning_rate")}
+  sgd, dp_declared = local_dp_sgd.split_declared(declared)
   dp = local_dp_sgd.configure("dp_sgd_fedavg", federation, batch_size,
-                              sgd["local_epochs"], **declared)
+                              sgd["local_epochs"], **dp_declared)
   return Algorithm(
       name="dp_sgd_fedavg", upload_kind="model_delta", local_data="epochs",
       local_epochs=sgd["local_epochs"],
@@ -150,9 +145,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "dp_sgd_momentum_coupled_weight_decay",
                 "delta_convention": "broadcast_minus_local"},
-      client_inputs=local_dp_sgd.seed_inputs(seed),
-      dp_event=lambda num_params: dp.round_event(),
-      dp_relation=dp_sgd.RELATION)
+      **local_dp_sgd.algorithm_fields(dp, seed))
 
 
 METHOD = Method("dp_sgd_fedavg", PARAMETERS, algorithm,

@@ -40,7 +40,6 @@ import collections
 import dataclasses
 from typing import Callable, Optional
 
-import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 

@@ -55,11 +55,17 @@ PARAMETERS = (
                  minimum=0, maximum=1, exclusive_minimum=True,
                  exclusive_maximum=True))
 
-# one help text per flag that several methods declare
-LR_HELP = ("the clients' SGD step (of the feature extractor where the "
-           "classifier has its own)")
-EPOCHS_HELP = ("local passes per round (centaur: of DP-SGD on the feature "
-               "extractor, after the classifier's)")
+# declared alike by the HyperFL paper's baselines (one help text per flag)
+LEARNING_RATE = params.Param(
+    "learning_rate", float, 0.02, "the clients' SGD step (of the feature "
+    "extractor where the classifier has its own)", minimum=0,
+    exclusive_minimum=True, flag="lr")
+LOCAL_EPOCHS = params.Param(
+    "local_epochs", int, 5, "local passes per round (centaur: of DP-SGD on "
+    "the feature extractor, after the classifier's)", minimum=1)
+CLASSIFIER_LEARNING_RATE = params.Param(
+    "classifier_learning_rate", float, 0.1, "SGD step of the private "
+    "classifier", minimum=0, exclusive_minimum=True, flag="classifier-lr")
 
 SGD_PARAMETERS = (
     params.Param("momentum", float, 0.5, "SGD momentum", minimum=0, maximum=1,
@@ -121,6 +127,22 @@ def configure(method: str, federation: Optional[Federation], batch_size: int,
     noise_multiplier = dp_sgd.noise_multiplier_for(
         target_epsilon, target_delta, sample_rate, steps * federation.rounds)
   return DPSGD(l2_norm_clip, noise_multiplier, sample_rate, steps)
+
+
+def algorithm_fields(dp: DPSGD, run_seed: int) -> dict:
+  """The `Algorithm` fields of a method whose clients run `dp`: their noise
+  seeds, the DP event of a round and its neighbouring relation."""
+  return {"client_inputs": seed_inputs(run_seed),
+          "dp_event": lambda num_params: dp.round_event(),
+          "dp_relation": dp_sgd.RELATION}
+
+
+def split_declared(declared: dict) -> tuple[dict, dict]:
+  """(the optimisation parameters, the DP ones: `PARAMETERS`) of a method's
+  resolved `declared` parameters."""
+  names = {p.name for p in PARAMETERS}
+  return ({k: v for k, v in declared.items() if k not in names},
+          {k: v for k, v in declared.items() if k in names})
 
 
 def data_type(input_shape: Sequence[int]) -> tff.SequenceType:

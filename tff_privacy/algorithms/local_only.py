@@ -20,14 +20,12 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
-from tff_privacy.algorithms.local_dp_sgd import EPOCHS_HELP, LR_HELP
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, refuse_defense)
 
 PARAMETERS = params.Params(
-    params.Param("learning_rate", float, 0.02, LR_HELP,
-                 minimum=0, exclusive_minimum=True, flag="lr"),
-    params.Param("local_epochs", int, 5, EPOCHS_HELP, minimum=1),
+    local_dp_sgd.LEARNING_RATE,
+    local_dp_sgd.LOCAL_EPOCHS,
     *local_dp_sgd.SGD_PARAMETERS)
 
 

@@ -30,18 +30,13 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
-from tff_privacy.algorithms.local_dp_sgd import EPOCHS_HELP, LR_HELP
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          refuse_defense)
-from tff_privacy.dp import dp_sgd
 
 PARAMETERS = params.Params(
-    params.Param("classifier_learning_rate", float, 0.1, "SGD step of the "
-                 "private classifier", minimum=0, exclusive_minimum=True,
-                 flag="classifier-lr"),
-    params.Param("learning_rate", float, 0.02, LR_HELP, minimum=0,
-                 exclusive_minimum=True, flag="lr"),
-    params.Param("local_epochs", int, 5, EPOCHS_HELP, minimum=1),
+    local_dp_sgd.CLASSIFIER_LEARNING_RATE,
+    local_dp_sgd.LEARNING_RATE,
+    local_dp_sgd.LOCAL_EPOCHS,
     *local_dp_sgd.SGD_PARAMETERS, *local_dp_sgd.PARAMETERS)
 
 
@@ -121,11 +116,9 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
   `PARAMETERS`); PPSGD is its own defence."""
   refuse_defense("ppsgd", defense)
   check_positive(batch_size=batch_size)
-  sgd = {k: declared.pop(k) for k in ("classifier_learning_rate",
-                                       "learning_rate", "local_epochs",
-                                       "momentum", "weight_decay")}
+  sgd, dp_declared = local_dp_sgd.split_declared(declared)
   dp = local_dp_sgd.configure("ppsgd", federation, batch_size,
-                              sgd["local_epochs"], **declared)
+                              sgd["local_epochs"], **dp_declared)
   return Algorithm(
       name="ppsgd", upload_kind="body_weights", local_data="epochs",
       local_epochs=sgd["local_epochs"],
@@ -134,9 +127,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           l2_norm_clip=dp.l2_norm_clip, model_aggregator=aggregator, **sgd),
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},
-      client_inputs=local_dp_sgd.seed_inputs(seed),
-      dp_event=lambda num_params: dp.round_event(),
-      dp_relation=dp_sgd.RELATION,
+      **local_dp_sgd.algorithm_fields(dp, seed),
       private_state=local_dp_sgd.private_classifier(spec, seed))
 
 
