@@ -214,3 +214,88 @@ def test_local_only_refuses_capture_and_shares_nothing(tmp_path):
     runner.run(_config(tmp_path / "a", method="local_only", method_kwargs={},
                        capture_rounds=(1,)), progress=False)
   assert not (tmp_path / "a").exists()
+
+
+def _pfedhn_reference(hyper, generator, index, batches, p, classifier):
+  """One client's pFedHN round and the server's direction for it, written
+  out on full tensors: (new generator direction, delta, new classifier)."""
+  model = SPEC.keras()
+  generator = [tf.constant(w) for w in generator]
+  with tf.GradientTape() as tape:
+    tape.watch(generator)
+    sent = hyper.generate(generator[:-1], generator[-1][index])
+  w = list(sent) + [tf.constant(c) for c in classifier]
+  bufs = _zeros(w)
+  momentum = dict(momentum=p["momentum"], weight_decay=p["weight_decay"])
+  for x, y in batches:
+    grads = _mean_grad(model, w, range(len(w)), x, y)
+    bufs = [momentum["momentum"] * b + g + momentum["weight_decay"] * a
+            for a, g, b in zip(w, grads, bufs)]
+    w = [a - p["learning_rate"] * b for a, b in zip(w, bufs)]
+  delta = [s - a for s, a in zip(sent, w)]
+  direction = tape.gradient(sent, generator, output_gradients=delta)
+  return direction, delta, w[len(sent):]
+
+
+@pytest.mark.parametrize("method", ["pfedhn", "pfedhn_pc"])
+def test_pfedhn_round_matches_a_plain_reference(method):
+  from tff_privacy.algorithms.pfedhn import hypernetwork_for
+  declared = algorithms.method(method).resolve(
+      {"local_epochs": 2, "hidden_dim": 8, "server_weight_decay": 0.01})
+  federation = algorithms.Federation(1, (6, 9))
+  alg = algorithms.get(method, SPEC, batch_size=4, seed=0,
+                       federation=federation, **declared)
+  assert declared["embedding_dim"] is None and alg.protocol["embedding_dim"] == 1
+  process = alg.build_process(None)
+  rng = np.random.default_rng(0)
+  clients, batches = [], []
+  for n in (6, 9):
+    x = rng.random((n, 8, 8, 1), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    sizes = [4] * (n // 4) + ([n % 4] if n % 4 else [])
+    clients.append(runner.client_dataset(np.concatenate([x] * 2),
+                                         np.concatenate([y] * 2), sizes * 2))
+    cuts = np.cumsum([0] + sizes)
+    batches.append([(x[a:b], y[a:b]) for a, b in zip(cuts[:-1], cuts[1:])] * 2)
+  state = process.initialize()
+  generator = list(process.get_model_weights(state))
+  states = [alg.private_state.initial(c) for c in range(2)]
+  out = process.next(state, clients, states)
+
+  pc = method == "pfedhn_pc"
+  hyper = hypernetwork_for(SPEC.keras(), pc, 1, 8)
+  classifier = SPEC.initial_weights(0)[2:] if pc else []
+  results = [_pfedhn_reference(hyper, generator, i, b, declared, classifier)
+             for i, b in enumerate(batches)]
+  # the server's first step: b = mean direction + wd w; w - lr b
+  for got, w, d0, d1 in zip(process.get_model_weights(out["state"]), generator,
+                            results[0][0], results[1][0]):
+    step = (d0 + d1) / 2 + declared["server_weight_decay"] * w
+    np.testing.assert_allclose(got, w - declared["server_learning_rate"] * step,
+                               rtol=1e-4, atol=1e-7)
+  for got, (_, _, head) in zip(out["client_states"], results):
+    assert int(got["index"]) in (0, 1)
+    for a, b in zip(got.get("classifier", []), head):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # what client 1 was sent, and its own model after the round
+  sent = alg.private_state.sent(generator, states[1])
+  assert [s.shape for s in sent] == [tuple(t) for t in hyper.target_shapes]
+  assert len(alg.private_state.personal_weights(generator, states[1])) == 4
+
+
+def test_pfedhn_capture_records_what_each_client_was_sent(tmp_path):
+  config = _config(tmp_path, method="pfedhn", rounds=1, capture_rounds=(1,),
+                   method_kwargs={"local_epochs": 1, "hidden_dim": 8})
+  runner.run(config, progress=False)
+  records = UpdateStore(str(tmp_path / "updates")).records(1)
+  sent = [r.broadcast for r in records]
+  assert not np.allclose(sent[0][0], sent[1][0])  # each its own model
+  for record in records:
+    assert record.upload_kind == "model_delta"
+    assert [u.shape for u in record.upload] == [(64, 16), (16,), (16, 10), (10,)]
+  attacks_module = __import__("tff_privacy.attacks", fromlist=["build"])
+  attacks_module.build("ig").check_records(records)  # IG takes them as they are
+  with pytest.raises(ValueError, match="transforms the aggregate"):
+    runner.Run(_config(tmp_path / "dp", method="pfedhn", defense="dp_fedavg",
+                       defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0},
+                       method_kwargs={}))

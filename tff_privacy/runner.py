@@ -272,6 +272,10 @@ class Run:
         federation=algorithms.Federation(
             config.rounds, tuple(len(i) for i in self.fed.client_indices)),
         **config.method_kwargs)
+    if self.central and not self.algorithm.aggregates_uploads:
+      raise ValueError(f"defense {config.defense!r} transforms the aggregate, "
+                       f"which method {config.method!r} does not use; choose "
+                       "a method that averages its uploads")
     if config.capture_rounds and self.algorithm.upload_kind == "none":
       raise ValueError(f"capture_rounds: method {config.method!r} uploads "
                        "nothing; leave --capture-rounds out")
@@ -331,6 +335,16 @@ class Run:
       table[index] = new
     return (collections.OrderedDict(server=output["state"], clients=table),
             output["metrics"])
+
+  def sent_models(self, state, clients) -> Optional[dict[int, list[np.ndarray]]]:
+    """What each of `clients` (from `round_data`) is sent this round, for
+    methods whose server sends each client its own model; else None (they
+    all get `server_weights`)."""
+    private = self.algorithm.private_state
+    if private is None or private.sent is None:
+      return None
+    weights = self.server_weights(state)
+    return {c[0]: private.sent(weights, state["clients"][c[0]]) for c in clients}
 
   def personal_weights(self, state) -> list[list[np.ndarray]]:
     """Every client's own model: for personalised methods from its private
@@ -493,6 +507,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     capture = round_num in config.capture_rounds
     clients = r.round_data(round_num)
     broadcast = r.server_weights(state)
+    sent = r.sent_models(state, clients) if capture else None
     state, metrics = r.step(state, clients, capture)
     entry = {"round": round_num, **r.evaluate(evaluator, state)}
     train = metrics["client_work"]["train"]
@@ -500,8 +515,8 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     entry["train_accuracy"] = float(train["sparse_categorical_accuracy"])
     entry.update(r.privacy_spent(round_num))
     if capture:
-      _write_capture(r, round_num, broadcast, clients,
-                     metrics["aggregator"]["captured"])
+      _write_capture(r, round_num, None if sent else broadcast, clients,
+                     metrics["aggregator"]["captured"], sent)
     entry["seconds"] = time.perf_counter() - start
     history.append(entry)
     io.write_json(metrics_path, history)
@@ -539,7 +554,8 @@ def load_model_weights(out: str, spec: models.ModelSpec) -> list[np.ndarray]:
     return [f[name] for name in spec.variable_names()]
 
 
-def _write_capture(r: Run, round_num: int, broadcast, clients, captured) -> None:
+def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
+                   sent=None) -> None:
   count = int(captured["num_uploads"])
   if count != len(clients):
     raise RuntimeError(f"captured {count} uploads from {len(clients)} clients")
@@ -548,7 +564,8 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured) -> None
              for i, (index, _, y, _) in enumerate(clients)]
   meta = r.run_metadata()
   UpdateStore(os.path.join(r.config.out, "updates")).write_round(
-      round_num, list(broadcast), uploads, meta)
+      round_num, None if broadcast is None else list(broadcast), uploads, meta,
+      sent)
   GroundTruthStore(os.path.join(r.config.out, "ground_truth")).write_round(
       round_num, [(index, x, y) for index, x, y, _ in clients],
       {"dataset": meta["dataset"], "value_range": meta["value_range"]})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from tff_privacy.algorithms import (centaur, dp_sgd_fedavg, fedavg, fedem,
-                                    fedsgd, hyperfl, local_only, ppsgd)
+                                    fedsgd, hyperfl, local_only, pfedhn, ppsgd)
 from tff_privacy.algorithms.base import (UPLOAD_KINDS, Algorithm, Federation,
                                          Method, PrivateState)
 from tff_privacy.algorithms.fedavg import build_fedavg
@@ -15,13 +15,15 @@ from tff_privacy.algorithms.centaur import build_centaur
 from tff_privacy.algorithms.dp_sgd_fedavg import build_dp_sgd_fedavg
 from tff_privacy.algorithms.hyperfl import build_hyperfl
 from tff_privacy.algorithms.local_only import build_local_only
+from tff_privacy.algorithms.pfedhn import build_pfedhn
 from tff_privacy.algorithms.personalized import (PersonalizedProcess,
                                                  build_personalized_process)
 from tff_privacy.algorithms.ppsgd import build_ppsgd
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     fedavg.METHOD, fedem.METHOD, fedsgd.METHOD, hyperfl.METHOD,
-    local_only.METHOD, dp_sgd_fedavg.METHOD, ppsgd.METHOD, centaur.METHOD)}
+    local_only.METHOD, dp_sgd_fedavg.METHOD, ppsgd.METHOD, centaur.METHOD,
+    pfedhn.METHOD, pfedhn.METHOD_PC)}
 
 
 def method(name: str) -> Method:

@@ -37,7 +37,7 @@ from tff_privacy import params
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
 
 UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights",
-                "body_weights", "none")
+                "body_weights", "body_delta", "none")
 LOCAL_DATA = ("one_batch", "epochs")
 
 ProcessBuilder = Callable[[Optional[tff.aggregators.WeightedAggregationFactory]],
@@ -69,11 +69,16 @@ class PrivateState:
     personal_weights: maps (the server's model weights, one client's state)
       to that client's own model, as trainable weights in the `ModelSpec`'s
       order: what personalised evaluation tests on the client's test split.
+    sent: for methods whose server sends each client a model of its own
+      (pFedHN), maps (the server's weights, the client's state before the
+      round) to what the client received, in the model's order (recorded
+      with captured uploads); None when every client gets the broadcast.
   """
 
   initial: Callable[[int], list[np.ndarray]]
   personal_weights: Callable[[list[np.ndarray], list[np.ndarray]],
                              list[np.ndarray]]
+  sent: Optional[Callable[[list[np.ndarray], Any], list[np.ndarray]]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +89,7 @@ class Algorithm:
     name: the method's name (`--method`).
     upload_kind: one of `UPLOAD_KINDS`: what a client sends to the server
       ('body_weights': its new weights of every tensor but the classifier;
+      'body_delta': their change, what it was sent minus what it reached;
       'none': nothing, the clients train alone).
     local_data: 'one_batch' (each client computes on one batch per round, as
       in FedSGD) or 'epochs' (each client passes over all its samples
@@ -109,6 +115,9 @@ class Algorithm:
     private_state: for personalised methods, the per-client state the
       clients keep (see `PrivateState`); None for methods with one global
       model, which personalised evaluation tests on every client.
+    aggregates_uploads: whether the server's next model is the model
+      aggregator's result (False for pFedHN, whose server turns each upload
+      into a hypernetwork step; server-side defences cannot apply).
   """
 
   name: str
@@ -123,6 +132,7 @@ class Algorithm:
   dp_relation: Optional[str] = None
   pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
   private_state: Optional[PrivateState] = None
+  aggregates_uploads: bool = True
 
   def __post_init__(self):
     if self.upload_kind not in UPLOAD_KINDS:

@@ -165,7 +165,7 @@ def _iterations(default: int) -> Param:
 
 _RESTARTS = Param("restarts", int, 1, "random restarts, the best kept", minimum=1)
 _ATTACKS_BY_KIND = {"hypernetwork_weights": "'ig_hyperfl' or 'tailored_hyperfl'",
-                    "body_weights": "'ig_body'"}
+                    "body_weights": "'ig_body'", "body_delta": "'ig_body'"}
 _INIT = Param("init", str, "randn", "start of the dummy inputs", choices=INITS)
 _MAX_EXAMPLES = Param("max_examples", int, MAX_EXAMPLES,
                       "largest number of examples behind one upload that the "

@@ -28,9 +28,10 @@ range; classifier, embedding and label logits take plain Adam steps):
   stayed constant over the steps), and theta = K^T h + c at the broadcast
   weights: a closed form of eq. 10's search. When every hidden unit is
   inactive (h = 0) theta is the head biases, whatever v.
-* `ExtractorInversion` ('ig_body', on 'body_weights'): the second stage
-  alone, on the extractor the server broadcast and its update (eq. 8 for
-  PPSGD and CENTAUR, whose unknowns are x, labels and phi).
+* `ExtractorInversion` ('ig_body', on 'body_weights' and 'body_delta'):
+  the second stage alone, on the extractor the server sent and its update
+  (eq. 8 for PPSGD, CENTAUR and pFedHN-PC, whose unknowns are x, labels and
+  phi).
 
 Labels: soft label logits are optimised (DLG-style); the classifier that
 would reveal them (iDLG) is what the server lacks. The classifier starts
@@ -76,6 +77,10 @@ class ExtractorView:
 
   @classmethod
   def of_body(cls, target: Target) -> "ExtractorView":
+    """From what the client was sent and its new weights ('body_weights')
+    or their change ('body_delta')."""
+    if target.record.upload_kind == "body_delta":
+      return cls(list(target.broadcast), list(target.upload))
     return cls(list(target.broadcast),
                [b - u for b, u in zip(target.broadcast, target.upload)])
 
@@ -226,7 +231,7 @@ class ExtractorInversion(_ExtractorSearch):
   ('body_weights' uploads; see the module docstring)."""
 
   name = "ig_body"
-  UPLOAD_KINDS = ("body_weights",)
+  UPLOAD_KINDS = ("body_weights", "body_delta")
 
   def _view(self, target):
     return ExtractorView.of_body(target)

@@ -7,6 +7,9 @@ Layout under the store's root::
   round_0001/broadcast.npz    the global model the server broadcast that round
   round_0001/client_0007.npz  client 7's upload, tensors t000, t001, ... in the
                               model's trainable-variable order
+  round_0001/sent_0007.npz    instead of broadcast.npz, for methods whose
+                              server sends each client its own model (pFedHN):
+                              what client 7 received
 
 Each client's manifest entry also holds its aggregation weight and the number
 of examples behind its upload (the distinct samples the client computed on
@@ -154,29 +157,41 @@ class UpdateStore:
     self._dir = _ChecksummedDir(root, FORMAT)
     self.root = root
 
-  def write_round(self, round_num: int, broadcast: list[np.ndarray],
+  def write_round(self, round_num: int, broadcast: list[np.ndarray] | None,
                   uploads: list[tuple[int, str, list[np.ndarray], float, int]],
-                  run_metadata: dict[str, Any]) -> None:
+                  run_metadata: dict[str, Any],
+                  sent: dict[int, list[np.ndarray]] | None = None) -> None:
     """Writes round `round_num`: the broadcast model and, for each uploading
-    client, `(client_index, client_id, tensors, weight, num_examples)`.
+    client, `(client_index, client_id, tensors, weight, num_examples)`; or,
+    with `broadcast` None, what each client was sent (`sent`, by client
+    index).
 
     Every round of a store belongs to one run: its metadata, compared after a
     JSON round-trip (tuples and lists alike), must match the manifest's."""
+    if (broadcast is None) == (sent is None):
+      raise ValueError("give either broadcast or sent")
     names = ModelSpec.from_json(run_metadata["model"]).variable_names()
-    run = io.canonical(dict(run_metadata, tensors=_tensor_specs(broadcast, names)))
+    model = broadcast if broadcast is not None else next(iter(sent.values()))
+    run = io.canonical(dict(run_metadata, tensors=_tensor_specs(model, names)))
     manifest = self._dir.manifest_or_new(run)
     if manifest["run"] != run:
       raise UpdateStoreError(f"{self._dir.manifest_path}: belongs to a different "
                              "run (metadata differs); use a new directory")
     rdir = _round_dir(round_num)
-    entry = {"broadcast": self._dir.put(f"{rdir}/broadcast.npz",
-                                        _as_arrays(broadcast)),
-             "clients": {}}
+    entry = {"clients": {}}
+    if broadcast is not None:
+      entry["broadcast"] = self._dir.put(f"{rdir}/broadcast.npz",
+                                         _as_arrays(broadcast))
     for index, cid, tensors, weight, num_examples in uploads:
-      if _tensor_specs(tensors, names) != run["tensors"]:
-        raise UpdateStoreError(f"upload of client {index} in round {round_num} "
-                               "does not match the model's tensors")
+      own = [] if sent is None else [sent[index]]
+      for arrays in [tensors] + own:
+        if _tensor_specs(arrays, names) != run["tensors"]:
+          raise UpdateStoreError(f"upload of client {index} in round {round_num} "
+                                 "does not match the model's tensors")
       client = self._dir.put(f"{rdir}/client_{index:04d}.npz", _as_arrays(tensors))
+      if own:
+        client["sent"] = self._dir.put(f"{rdir}/sent_{index:04d}.npz",
+                                       _as_arrays(own[0]))
       entry["clients"][str(index)] = dict(client, client_id=cid,
                                           weight=float(weight),
                                           num_examples=int(num_examples))
@@ -210,8 +225,8 @@ class UpdateStore:
           f"{self._dir.manifest_path}: round {round_num} has no client "
           f"{client_index}; captured: {sorted(int(c) for c in entry['clients'])}")
     specs = manifest["run"]["tensors"]
-    broadcast = _tensors(self._dir.get(entry["broadcast"]),
-                         entry["broadcast"]["file"], specs)
+    sent = client.get("sent", entry.get("broadcast"))
+    broadcast = _tensors(self._dir.get(sent), sent["file"], specs)
     upload = _tensors(self._dir.get(client), client["file"], specs)
     metadata = dict(manifest["run"], round=round_num, client_index=client_index,
                     client_id=client["client_id"])
