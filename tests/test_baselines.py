@@ -184,16 +184,18 @@ def _config(out, **kw):
 def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path):
   full = runner.run(_config(tmp_path / "full", capture_rounds=(1,)),
                     progress=False)
-  # a run stopped after round 1's checkpoint, then started again
-  runner.run(_config(tmp_path / "resumed"), progress=False)
+  # the run as if stopped after round 1's checkpoint, then started again
+  shutil.copytree(tmp_path / "full", tmp_path / "resumed")
   shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "program_state_2")
-  resumed = runner.run(_config(tmp_path / "resumed"), progress=False)
+  resumed = runner.run(_config(tmp_path / "resumed", capture_rounds=(1,)),
+                       progress=False)
   for a, b in zip(full, resumed):
     assert {k: v for k, v in a.items() if k != "seconds"} == {
         k: v for k, v in b.items() if k != "seconds"}
   # the noise was calibrated for 2 rounds: the run cannot grow
   with pytest.raises(ValueError, match="rounds: .* sizes itself by them"):
-    runner.run(_config(tmp_path / "resumed", rounds=3), progress=False)
+    runner.run(_config(tmp_path / "resumed", rounds=3, capture_rounds=(1,)),
+               progress=False)
   # sigma spends epsilon 4 over 2 rounds x 3 steps at rate 10 / 30
   sigma = dp_sgd.noise_multiplier_for(4.0, 1e-5, 1 / 3, 6)
   for entry, rounds in zip(full, (1, 2)):

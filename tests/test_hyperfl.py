@@ -150,10 +150,14 @@ def test_process_matches_a_plain_reference_round(tmp_path):
   assert not np.allclose(mean[-2], varphi0[-2])
 
 
+# HyperFL generates any model's extractor: a small MLP keeps runs quick
+MLP = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": (16,)})
+
+
 def _config(out, **kw):
-  base = dict(out=str(out), method="hyperfl", dataset="mnist5k",
-              model="hyperfl_cnn", clients=4, rounds=2, batch_size=50,
-              partition="label_groups", samples_per_client=60, seed=0,
+  base = dict(out=str(out), method="hyperfl", dataset="digits", model="mlp",
+              model_kwargs=MLP.kwargs, clients=4, rounds=2, batch_size=10,
+              partition="label_groups", samples_per_client=30, seed=0,
               method_kwargs=dict(SMALL, hypernetwork_epochs=1))
   return runner.RunConfig(**{**base, **kw})
 
@@ -172,19 +176,19 @@ def test_hyperfl_run_keeps_state_private_and_resumes_exactly(tmp_path):
   assert 0 <= entry["personal_accuracy_min"] <= entry["personal_accuracy_mean"] <= 1
 
   records = UpdateStore(str(tmp_path / "full" / "updates")).records(2)
-  spec = models.ModelSpec("hyperfl_cnn", (28, 28, 1), 10)
+  spec = MLP
   hyper = Hypernetwork.for_model(spec.keras(), **SMALL)
   assert len(records) == 4
   for record in records:
     assert record.upload_kind == "hypernetwork_weights"
     assert [u.shape for u in record.upload] == hyper.shapes
-    assert record.num_examples == 60
+    assert record.num_examples == 30
   # the personal models: each client's own classifier
   with np.load(os.path.join(tmp_path, "full", runner.PERSONAL_MODELS)) as f:
     fc2 = [f[f"{data.client_id(c)}/fc2/kernel"] for c in range(4)]
   assert not np.allclose(fc2[0], fc2[1])
   # what the evaluator scored is what the file holds
-  fed = data.load("mnist5k", 4, "label_groups", seed=0, samples_per_client=60)
+  fed = data.load("digits", 4, "label_groups", seed=0, samples_per_client=30)
   with np.load(os.path.join(tmp_path, "full", runner.PERSONAL_MODELS)) as f:
     accs = []
     for c in range(4):
@@ -197,15 +201,14 @@ def test_hyperfl_run_keeps_state_private_and_resumes_exactly(tmp_path):
 
 def test_fedavg_is_evaluated_per_client_with_its_global_model(tmp_path):
   history = runner.run(runner.RunConfig(
-      out=str(tmp_path), method="fedavg", dataset="mnist5k", model="cnn",
-      clients=3, rounds=1, batch_size=64, partition="label_groups",
-      samples_per_client=64, seed=0), progress=False)
-  spec = models.ModelSpec("cnn", (28, 28, 1), 10)
-  weights = runner.load_model_weights(str(tmp_path), spec)
-  fed = data.load("mnist5k", 3, "label_groups", seed=0, samples_per_client=64)
-  model = spec.keras()
+      out=str(tmp_path), method="fedavg", dataset="digits", model="mlp",
+      model_kwargs=MLP.kwargs, clients=3, rounds=1, batch_size=16,
+      partition="label_groups", samples_per_client=32, seed=0), progress=False)
+  weights = runner.load_model_weights(str(tmp_path), MLP)
+  fed = data.load("digits", 3, "label_groups", seed=0, samples_per_client=32)
+  model = MLP.keras()
   accs = [np.mean(np.argmax(forward(model, weights, fed.client_test_arrays(c)[0]),
                             1) == fed.client_test_arrays(c)[1]) for c in range(3)]
   assert history[0]["personal_accuracy_mean"] == pytest.approx(np.mean(accs), abs=1e-6)
   assert history[0]["personal_accuracy_std"] == pytest.approx(np.std(accs), abs=1e-6)
-  assert io.read_json(str(tmp_path / "config.json"))["samples_per_client"] == 64
+  assert io.read_json(str(tmp_path / "config.json"))["samples_per_client"] == 32
