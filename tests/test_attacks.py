@@ -65,6 +65,23 @@ def test_batch_label_counts_are_recovered(digits):
   assert sorted(got.tolist()) == sorted(y[:6].tolist())
 
 
+def test_momentum_delta_is_scaled_back_to_a_mean_gradient_by_hand():
+  from tff_privacy.attacks.labels import mean_gradient
+  # 3 steps (6 samples, batch 2), lr 0.1, momentum 0.5 on a constant g:
+  # b = g, 1.5 g, 1.75 g; delta = 0.1 * 4.25 g
+  protocol = {"batch_size": 2, "learning_rate": 0.1, "momentum": 0.5}
+  got = mean_gradient([np.full(3, 0.425)], "model_delta", protocol, 6)
+  np.testing.assert_allclose(got[0], np.ones(3), rtol=1e-6)
+
+
+def test_label_counts_stay_non_negative_when_the_signal_overshoots():
+  from tff_privacy.attacks.labels import whole_counts
+  # the estimated counts sum to 7 for 4 labels; zeros must stay zeros
+  got = whole_counts(np.array([0.0, 3.6, 0.0, 3.4]), 4)
+  assert got.sum() == 4 and (got >= 0).all()
+  np.testing.assert_array_equal(got, [0, 2, 0, 2])
+
+
 def _invert_one(attack, digits, i, **record_kwargs):
   """Attacks the upload of sample i alone; returns (recovered labels, scores)."""
   x, y = digits

@@ -32,13 +32,31 @@ def _last_layer_signal(upload, num_classes: int) -> tuple[np.ndarray, bool]:
 
 
 def mean_gradient(upload, upload_kind: str, protocol: dict, num_examples: int):
-  """The upload expressed as an average per-step gradient."""
+  """The upload expressed as an average per-step gradient.
+
+  A model delta of T steps of SGD with learning rate lr and momentum mu on a
+  constant gradient g is lr g sum_{k=1..T} (1 - mu^k) / (1 - mu) (lr T g
+  without momentum); the upload is divided by that factor."""
   if upload_kind == "gradient":
     return upload
   steps = len(local_batch_sizes(num_examples, protocol["batch_size"],
                                 protocol.get("local_epochs", 1)))
-  scale = functional.learning_rate(protocol) * steps
+  mu = protocol.get("client_momentum", protocol.get("momentum", 0.0))
+  scale = functional.learning_rate(protocol) * sum(
+      (1 - mu ** k) / (1 - mu) for k in range(1, steps + 1))
   return [np.asarray(u) / scale for u in upload]
+
+
+def whole_counts(counts: np.ndarray, total: int) -> np.ndarray:
+  """Non-negative integers summing to `total`, each near its entry of
+  `counts` (>= 0): floors, then units moved where the rounding erred most."""
+  whole = np.floor(counts).astype(int)
+  while whole.sum() > total:
+    excess = np.where(whole > 0, whole - counts, -np.inf)
+    whole[np.argmax(excess)] -= 1
+  while whole.sum() < total:
+    whole[np.argmax(counts - whole)] += 1
+  return whole
 
 
 def recover_labels(model: tf.keras.Model, broadcast, upload, num_examples: int,
@@ -58,9 +76,5 @@ def recover_labels(model: tf.keras.Model, broadcast, upload, num_examples: int,
                               tf.constant(probe, tf.float32))
   pbar = tf.reduce_mean(tf.nn.softmax(logits), axis=0).numpy()
   counts = np.clip(num_examples * (pbar - signal), 0, None)
-  whole = np.floor(counts).astype(int)
-  while whole.sum() > num_examples:
-    whole[np.argmax(whole - counts)] -= 1
-  while whole.sum() < num_examples:
-    whole[np.argmax(counts - whole)] += 1
-  return np.repeat(np.arange(num_classes), whole).astype(np.int32)
+  return np.repeat(np.arange(num_classes),
+                   whole_counts(counts, num_examples)).astype(np.int32)
