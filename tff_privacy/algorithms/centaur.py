@@ -96,7 +96,7 @@ def build_centaur(
       head, buffers, sums = carry
       with tf.GradientTape() as tape:
         tape.watch(head)
-        loss, batch_sums = local_dp_sgd.batch_loss(
+        loss, batch_sums = personalized.batch_loss(
             target, list(body) + list(head), batch)
       head, buffers = personalized.sgd_step(
           head, tape.gradient(loss, head), buffers, classifier_learning_rate,
@@ -106,7 +106,7 @@ def build_centaur(
     def body_step(carry, batch):
       body, buffers, sums, i = carry
       weights = list(body) + list(head)
-      _, batch_sums = local_dp_sgd.batch_loss(target, weights, batch)
+      _, batch_sums = personalized.batch_loss(target, weights, batch)
       grad = local_dp_sgd.private_gradient(target, weights, range(len(body)),
                                            batch, dp, i)
       body, buffers = personalized.sgd_step(body, grad, buffers, learning_rate,

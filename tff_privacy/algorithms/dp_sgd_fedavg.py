@@ -48,7 +48,7 @@ def build_dp_sgd_client_work(
 
     def step(carry, batch):
       w, buffers, sums, i = carry
-      _, batch_sums = local_dp_sgd.batch_loss(target, w, batch)
+      _, batch_sums = personalized.batch_loss(target, w, batch)
       grad = local_dp_sgd.private_gradient(target, w, every, batch, dp, i)
       w, buffers = personalized.sgd_step(w, grad, buffers, learning_rate,
                                          momentum, weight_decay)

@@ -41,7 +41,6 @@ from tff_privacy import params
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, refuse_defense)
-from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 
 PARAMETERS = params.Params(
@@ -138,10 +137,7 @@ def build_hyperfl(
     classifier_batches = num_batches // total_epochs * classifier_epochs
 
     def loss_and_sums(extractor, phi, batch):
-      logits = forward(target, list(extractor) + list(phi), batch["x"])
-      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-          batch["y"], logits))
-      return loss, personalized.train_sums(loss, logits, batch["y"])
+      return personalized.batch_loss(target, list(extractor) + list(phi), batch)
 
     extractor = hyper.generate(varphi, v[0])
 

@@ -163,14 +163,6 @@ def step_seed(batch, step: tf.Tensor) -> tf.Tensor:
   return tf.random.experimental.stateless_fold_in(batch[SEED_KEY], step)
 
 
-def batch_loss(model: tf.keras.Model, weights: Sequence[tf.Tensor], batch):
-  """(mean cross-entropy, `train_sums`) of `model` with `weights` on a batch."""
-  logits = forward(model, list(weights), batch["x"])
-  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-      batch["y"], logits))
-  return loss, personalized.train_sums(loss, logits, batch["y"])
-
-
 def private_gradient(model: tf.keras.Model, weights: Sequence[tf.Tensor],
                      wrt: Sequence[int], batch, dp: DPSGD,
                      step: tf.Tensor) -> list[tf.Tensor]:

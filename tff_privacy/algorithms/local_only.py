@@ -55,21 +55,9 @@ def build_local_only(
 
   def local_training(shared, state, dataset):
     del shared  # nothing is shared
-    target = keras_model_fn()
-
-    def step(carry, batch):
-      w, buffers, sums = carry
-      with tf.GradientTape() as tape:
-        tape.watch(w)
-        loss, batch_sums = local_dp_sgd.batch_loss(target, w, batch)
-      w, buffers = personalized.sgd_step(w, tape.gradient(loss, w), buffers,
-                                         learning_rate, momentum, weight_decay)
-      return w, buffers, sums + batch_sums
-
-    w = tuple(state["model"])
-    w, _, sums = dataset.reduce((w, personalized.zeros_like(w), tf.zeros([3])),
-                                step)
-    return [], None, collections.OrderedDict(model=list(w)), sums
+    w, sums = personalized.local_sgd(keras_model_fn(), state["model"], dataset,
+                                     learning_rate, momentum, weight_decay)
+    return [], None, collections.OrderedDict(model=w), sums
 
   return personalized.build_personalized_process(
       initial_shared=[], client_state_type=state_type, data_type=data_type,

@@ -37,6 +37,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_privacy.models.functional import forward
+
 
 class PersonalizedProcess(tff.templates.IterativeProcess):
   """An `IterativeProcess` whose clients keep private state across rounds
@@ -82,6 +84,33 @@ def sgd_step(params: Sequence[tf.Tensor], grads: Sequence[tf.Tensor],
     new_params.append(p - learning_rate * b)
     new_buffers.append(b)
   return tuple(new_params), tuple(new_buffers)
+
+
+def batch_loss(model: tf.keras.Model, weights: Sequence[tf.Tensor], batch):
+  """(mean cross-entropy, `train_sums`) of `model` with `weights` on a batch."""
+  logits = forward(model, list(weights), batch["x"])
+  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+      batch["y"], logits))
+  return loss, train_sums(loss, logits, batch["y"])
+
+
+def local_sgd(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
+              learning_rate: float, momentum: float, weight_decay: float):
+  """`sgd_step`s on every weight over the batches of `dataset`, buffers
+  fresh; returns (weights, summed `train_sums`)."""
+
+  def step(carry, batch):
+    w, buffers, sums = carry
+    with tf.GradientTape() as tape:
+      tape.watch(w)
+      loss, batch_sums = batch_loss(model, w, batch)
+    w, buffers = sgd_step(w, tape.gradient(loss, w), buffers, learning_rate,
+                          momentum, weight_decay)
+    return w, buffers, sums + batch_sums
+
+  w = tuple(weights)
+  w, _, sums = dataset.reduce((w, zeros_like(w), tf.zeros([3])), step)
+  return list(w), sums
 
 
 def zeros_like(tensors: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:

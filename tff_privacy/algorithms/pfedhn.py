@@ -174,18 +174,8 @@ def build_pfedhn(
     sent = generate(generator, state["index"])
     own = list(state["classifier"]) if personal_classifier else []
 
-    def step(carry, batch):
-      w, buffers, sums = carry
-      with tf.GradientTape() as tape:
-        tape.watch(w)
-        loss, batch_sums = local_dp_sgd.batch_loss(target, w, batch)
-      w, buffers = personalized.sgd_step(w, tape.gradient(loss, w), buffers,
-                                         learning_rate, momentum, weight_decay)
-      return w, buffers, sums + batch_sums
-
-    w = tuple(sent + own)
-    w, _, sums = dataset.reduce((w, personalized.zeros_like(w), tf.zeros([3])),
-                                step)
+    w, sums = personalized.local_sgd(target, sent + own, dataset, learning_rate,
+                                     momentum, weight_decay)
     upload = [a - b for a, b in zip(sent, w)]
     new_state = collections.OrderedDict(index=state["index"])
     if personal_classifier:

@@ -89,7 +89,7 @@ def build_ppsgd(
       weights = list(body) + list(head)
       with tf.GradientTape() as tape:
         tape.watch(head)
-        loss, batch_sums = local_dp_sgd.batch_loss(target, weights, batch)
+        loss, batch_sums = personalized.batch_loss(target, weights, batch)
       head_grad = tape.gradient(loss, head)
       body_grad = local_dp_sgd.private_gradient(
           target, weights, range(num_body), batch, dp, i)
