@@ -41,6 +41,7 @@ public (all clients start from it).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 import numpy as np
@@ -116,12 +117,13 @@ class _AdamSearch(GradientInversion):
       Param("tv_weight", float, 1e-4, "total-variation weight", minimum=0),
       _RESTARTS, _INIT, _MAX_EXAMPLES)
 
+  @abc.abstractmethod
   def _objective_fn(self, target: Target):
     """(x, unknowns, constants) -> matching loss without the TV term."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def _constants(self, target: Target) -> list[tf.Tensor]:
-    raise NotImplementedError
+    """The known tensors the objective reads (weights, observed update)."""
 
   def _unknowns(self, target: Target, rng: np.random.Generator) -> list[tf.Tensor]:
     """The unknowns besides x, from a random start."""
@@ -215,8 +217,9 @@ def _extractor_matching(target: Target):
 class _ExtractorSearch(_AdamSearch):
   """Inverts an extractor's update (`_view`) with the classifier unknown."""
 
+  @abc.abstractmethod
   def _view(self, target: Target) -> ExtractorView:
-    raise NotImplementedError
+    """The extractor and its update that the attacker inverts."""
 
   def _objective_fn(self, target):
     return _extractor_matching(target)
