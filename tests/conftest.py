@@ -22,6 +22,24 @@ def pytest_configure(config):
   runtime.install()
 
 
+# builder arguments that keep a model quick to build in tests
+QUICK_MODEL_KWARGS = {"lpm_resnet": {"widths": (4, 8), "pretrain_dataset": "lfw_subset",
+                                     "pretrain_epochs": 1}}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _backbone_cache(tmp_path_factory):
+  """Default backbones are pre-trained into the session's own cache."""
+  from tff_privacy.models import backbone
+  old = os.environ.get(backbone.CACHE_VARIABLE)
+  os.environ[backbone.CACHE_VARIABLE] = str(tmp_path_factory.mktemp("cache"))
+  yield
+  if old is None:
+    del os.environ[backbone.CACHE_VARIABLE]
+  else:
+    os.environ[backbone.CACHE_VARIABLE] = old
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_tff_worker():
   yield

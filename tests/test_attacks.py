@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import QUICK_MODEL_KWARGS
 
 from tff_privacy import attacks, metrics, models
 from tff_privacy.attacks import functional
@@ -41,7 +42,7 @@ def digits():
 def test_functional_forward_equals_keras(name):
   shape = {"hyperfl_cnn": (28, 28, 1), "hyperfl_cnn_cifar": (32, 32, 3)}.get(
       name, (8, 8, 1))
-  model = models.build(name, shape, 10, seed=1)
+  model = models.build(name, shape, 10, seed=1, **QUICK_MODEL_KWARGS.get(name, {}))
   x = tf.random.uniform((3,) + shape, seed=1)
   out = functional.forward(model, [tf.constant(v) for v in model.trainable_variables], x)
   np.testing.assert_allclose(out, model(x), atol=1e-5)

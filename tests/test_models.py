@@ -1,13 +1,15 @@
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import QUICK_MODEL_KWARGS
 
 from tff_privacy import models
 
 
 @pytest.mark.parametrize("name", sorted(models.MODELS))
 def test_builders_produce_logits(name):
-  model = models.build(name, (28, 28, 1), 10, seed=3)
+  model = models.build(name, (28, 28, 1), 10, seed=3,
+                       **QUICK_MODEL_KWARGS.get(name, {}))
   assert model(tf.zeros((2, 28, 28, 1))).shape == (2, 10)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 from tff_privacy.algorithms import (centaur, dp_sgd_fedavg, fedavg, fedem,
-                                    fedsgd, hyperfl, local_only, pfedhn, ppsgd)
+                                    fedsgd, hyperfl, hyperfl_lpm, local_only,
+                                    pfedhn, ppsgd)
 from tff_privacy.algorithms.base import (UPLOAD_KINDS, Algorithm, Federation,
                                          Method, PrivateState)
 from tff_privacy.algorithms.fedavg import build_fedavg
@@ -14,6 +15,7 @@ from tff_privacy.algorithms.fedsgd import build_fedsgd
 from tff_privacy.algorithms.centaur import build_centaur
 from tff_privacy.algorithms.dp_sgd_fedavg import build_dp_sgd_fedavg
 from tff_privacy.algorithms.hyperfl import build_hyperfl
+from tff_privacy.algorithms.hyperfl_lpm import build_hyperfl_lpm
 from tff_privacy.algorithms.local_only import build_local_only
 from tff_privacy.algorithms.pfedhn import build_pfedhn
 from tff_privacy.algorithms.personalized import (PersonalizedProcess,
@@ -21,7 +23,7 @@ from tff_privacy.algorithms.personalized import (PersonalizedProcess,
 from tff_privacy.algorithms.ppsgd import build_ppsgd
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    fedavg.METHOD, fedem.METHOD, fedsgd.METHOD, hyperfl.METHOD,
+    fedavg.METHOD, fedem.METHOD, fedsgd.METHOD, hyperfl.METHOD, hyperfl_lpm.METHOD,
     local_only.METHOD, dp_sgd_fedavg.METHOD, ppsgd.METHOD, centaur.METHOD,
     pfedhn.METHOD, pfedhn.METHOD_PC)}
 

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from tff_privacy.models.lpm import lpm_resnet
+
 L = tf.keras.layers
 
 WEIGHT_INITS = ("default", "uniform")
@@ -135,6 +137,7 @@ MODELS: dict[str, Callable[..., tf.keras.Model]] = {
     "mlp": mlp,
     "hyperfl_cnn": hyperfl_cnn,
     "hyperfl_cnn_cifar": hyperfl_cnn_cifar,
+    "lpm_resnet": lpm_resnet,
 }
 
 

@@ -14,11 +14,13 @@ from typing import Optional, Sequence
 
 import tensorflow as tf
 
+from tff_privacy.models.lpm import Adapter, FrozenStage
+
 L = tf.keras.layers
 _PASS_THROUGH = (L.InputLayer, L.Dropout)
 _WEIGHTED = (L.Conv2D, L.Dense)
 _STATELESS = (L.MaxPool2D, L.Flatten, L.Activation, L.LeakyReLU, L.ReLU,
-              L.ZeroPadding2D)
+              L.ZeroPadding2D, L.GlobalAveragePooling2D, FrozenStage)
 
 
 def _apply(layer, weights, i, h):
@@ -33,6 +35,9 @@ def _apply(layer, weights, i, h):
     else:
       h = tf.matmul(h, kernel)
     return layer.activation(h + bias if bias is not None else h), i
+  if isinstance(layer, Adapter):
+    n = len(layer.trainable_weights)
+    return layer.call_with_weights(weights[i:i + n], h), i + n
   if isinstance(layer, _STATELESS):
     return layer(h), i
   raise ValueError(f"layer {layer.name} ({type(layer).__name__}) is not "
@@ -72,5 +77,7 @@ def kernel_index(model: tf.keras.Model, layer_name: str) -> int:
       return i
     if isinstance(layer, _WEIGHTED):
       i += 2 if layer.use_bias else 1
+    elif isinstance(layer, Adapter):
+      i += len(layer.trainable_weights)
   raise ValueError(f"layer={layer_name!r} is not a layer of {model.name}; "
                    f"dense layers: {dense_layers(model)}")

@@ -1,0 +1,184 @@
+"""HyperFL-LPM: the frozen backbone, its weights files, the adapters, and
+the method on the runner."""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import QUICK_MODEL_KWARGS
+
+from tff_privacy import algorithms, cli, models, runner
+from tff_privacy.models import backbone as backbone_lib
+from tff_privacy.models import lpm
+from tff_privacy.models.functional import forward
+from tff_privacy.models.hypernetwork import Hypernetwork
+from tff_privacy.updates import UpdateStore
+
+# a tiny backbone pre-trained for one epoch on 160 face crops
+TINY = QUICK_MODEL_KWARGS["lpm_resnet"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+  monkeypatch.setenv(backbone_lib.CACHE_VARIABLE, str(tmp_path / "cache"))
+  monkeypatch.setattr(backbone_lib, "_MEMO", {})
+
+
+def _random_weights(backbone, seed=0):
+  rng = np.random.default_rng(seed)
+  return {k: rng.normal(0, 0.3, s).astype(np.float32)
+          for k, s in backbone.shapes.items()}
+
+
+def test_backbone_stages_match_keras_layers():
+  backbone = backbone_lib.Backbone(channels=2, widths=(3, 5))
+  w = _random_weights(backbone)
+  x = np.random.default_rng(1).random((2, 9, 9, 2)).astype(np.float32)
+
+  def conv(name, stride=1, kernel=3):
+    layer = tf.keras.layers.Conv2D(w[f"{name}/bias"].shape[0], kernel, stride,
+                                   padding="same")
+    layer.build((None, None, None, w[f"{name}/kernel"].shape[2]))
+    layer.set_weights([w[f"{name}/kernel"], w[f"{name}/bias"]])
+    return layer
+
+  relu = tf.nn.relu
+  h = relu(conv("stem")(x))
+  h1 = relu(conv("block1/conv2")(relu(conv("block1/conv1")(h))) + h)
+  h2 = relu(conv("block2/conv2")(relu(conv("block2/conv1", 2)(h1)))
+            + conv("block2/shortcut", 2, 1)(h1))
+  assert "block1/shortcut/kernel" not in w  # same width, stride 1: identity
+  np.testing.assert_allclose(backbone.stage(w, 1, x), h1, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(backbone.stage(w, 2, h1), h2, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(backbone.features(w, x), np.mean(h2, axis=(1, 2)),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_folded_batch_norm_is_keras_batch_norm_in_inference():
+  backbone = backbone_lib.Backbone(channels=1, widths=(3,))
+  w = _random_weights(backbone)
+  norm = backbone_lib._BatchNorm(backbone)
+  rng = np.random.default_rng(2)
+  stats = [rng.normal(size=3), rng.normal(size=3), rng.normal(size=3),
+           rng.random(3) + 0.5]  # gamma, beta, moving mean, moving variance
+  for v, s in zip((norm.gamma, norm.beta, norm.mean, norm.var), stats):
+    v["stem"].assign(s.astype(np.float32))
+  keras_bn = tf.keras.layers.BatchNormalization(epsilon=1e-5)
+  keras_bn.build((None, 6, 6, 3))
+  keras_bn.set_weights(stats)
+  x = rng.random((2, 6, 6, 1)).astype(np.float32)
+  plain = tf.nn.conv2d(x, w["stem/kernel"], 1, "SAME") + w["stem/bias"]
+  folded = norm.fold(w)
+  np.testing.assert_allclose(
+      tf.nn.conv2d(x, folded["stem/kernel"], 1, "SAME") + folded["stem/bias"],
+      keras_bn(plain, training=False), rtol=1e-4, atol=1e-5)
+
+
+def test_adapter_by_hand():
+  rng = np.random.default_rng(3)
+  c, r = 4, 2
+  h = rng.normal(size=(2, 3, 3, c)).astype(np.float32)
+  down, d = rng.normal(size=(c, r)), rng.normal(size=r)
+  up, u = rng.normal(size=(r, c)), rng.normal(size=c)
+  g, b = rng.normal(size=c), rng.normal(size=c)
+  z = np.maximum(h @ down + d, 0) @ up + u
+  ln = (z - z.mean(-1, keepdims=True)) / np.sqrt(z.var(-1, keepdims=True) + 1e-5)
+  expected = h + (1 + g) * ln + b
+  weights = [tf.constant(a, tf.float32) for a in
+             (down.reshape(1, 1, c, r), d, up.reshape(1, 1, r, c), u, g, b)]
+  np.testing.assert_allclose(lpm.adapter_forward(weights, h), expected,
+                             rtol=1e-4, atol=1e-4)
+
+
+def test_lpm_model_trains_adapters_and_classifier_only():
+  spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, TINY)
+  model = spec.keras(seed=1)
+  assert spec.variable_names() == [
+      f"adapter{j}/{t.replace('/', '_')}" for j in (1, 2)
+      for t in lpm.ADAPTER_TENSORS] + ["fc/kernel", "fc/bias"]
+  fixed = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, {**TINY, "adapters": False})
+  assert fixed.variable_names() == ["fc/kernel", "fc/bias"]
+  rng = np.random.default_rng(4)
+  weights = [tf.constant(rng.normal(0, 0.2, v.shape), tf.float32)
+             for v in model.trainable_variables]
+  for v, w in zip(model.trainable_variables, weights):
+    v.assign(w)
+  x = rng.random((3, 8, 8, 1)).astype(np.float32)
+  np.testing.assert_allclose(forward(model, weights, x), model(x), rtol=1e-5,
+                             atol=1e-5)
+  # the extractor HyperFL-LPM's hypernetwork generates is the adapters
+  hyper = Hypernetwork.for_model(model)
+  assert all(n.startswith("adapter") for n in hyper.target_names)
+
+
+def test_default_backbone_is_pretrained_once_and_cached(tmp_path, monkeypatch):
+  backbone = backbone_lib.Backbone(1, (4, 8))
+  with tf.Graph().as_default():  # pre-training still runs eagerly
+    first = backbone_lib.default_weights(backbone, (8, 8, 1), "lfw_subset", 1)
+  path = backbone_lib.cache_path(backbone, (8, 8, 1), "lfw_subset", 1)
+  assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
+  monkeypatch.setattr(backbone_lib, "_MEMO", {})
+  monkeypatch.setattr(backbone_lib, "pretrain", lambda *a, **k: pytest.fail(
+      "pre-trained again"))
+  again = backbone_lib.default_weights(backbone, (8, 8, 1), "lfw_subset", 1)
+  assert backbone_lib.fingerprint(again) == backbone_lib.fingerprint(first)
+
+
+def test_pretrain_command_writes_a_file_the_model_loads(tmp_path, capsys):
+  out = str(tmp_path / "b.npz")
+  assert backbone_lib.main(["--dataset", "lfw_subset", "--input-shape", "8,8,1",
+                            "--widths", "4,8", "--epochs", "1", "--out", out]) == 0
+  assert '"test_accuracy"' in capsys.readouterr().out
+  spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10,
+                          {"widths": (4, 8), "backbone_weights": out})
+  frozen = spec.keras().get_layer("stage1")._frozen
+  saved = backbone_lib.load(out, backbone_lib.Backbone(1, (4, 8)))
+  for name, value in frozen.items():
+    np.testing.assert_array_equal(value, saved[name])
+
+
+def test_bad_weights_files_are_named(tmp_path):
+  backbone = backbone_lib.Backbone(1, (4, 8))
+  with pytest.raises(ValueError, match="backbone_weights=.*is not a file"):
+    backbone_lib.load(str(tmp_path / "missing.npz"), backbone)
+  text = tmp_path / "text.npz"
+  text.write_text("not weights")
+  with pytest.raises(ValueError, match="not an .npz weights file"):
+    backbone_lib.load(str(text), backbone)
+  wrong = str(tmp_path / "wrong.npz")
+  backbone_lib.save(wrong, _random_weights(backbone_lib.Backbone(1, (4, 6))), {})
+  with pytest.raises(ValueError, match="block2/conv1/kernel has shape"):
+    backbone_lib.load(wrong, backbone)
+  assert sorted(os.listdir(tmp_path)) == ["text.npz", "wrong.npz"]  # no temp
+
+
+def test_hyperfl_lpm_refuses_other_models_and_pretraining_on_the_task(tmp_path):
+  spec = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": (16,)})
+  with pytest.raises(ValueError, match="hyperfl_lpm' needs --model lpm_resnet"):
+    algorithms.get("hyperfl_lpm", spec)
+  fixed = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, {**TINY, "adapters": False})
+  with pytest.raises(ValueError, match="with adapters"):
+    algorithms.get("hyperfl_lpm", fixed)
+  code = cli.main(["train", "--method", "hyperfl_lpm", "--model", "lpm_resnet",
+                   "--dataset", "digits", "--out", str(tmp_path / "run")])
+  assert code == cli.EXIT_USAGE
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_hyperfl_lpm_run_uploads_the_adapter_hypernetwork(tmp_path):
+  spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, TINY)
+  history = runner.run(runner.RunConfig(
+      out=str(tmp_path), method="hyperfl_lpm", dataset="digits",
+      model="lpm_resnet", model_kwargs=TINY, clients=3, rounds=1, batch_size=16,
+      partition="label_groups", samples_per_client=32, seed=0,
+      method_kwargs={"hidden_dim": 8, "embedding_dim": 4,
+                     "hypernetwork_epochs": 1}, capture_rounds=(1,)),
+      progress=False)
+  assert 0 <= history[0]["personal_accuracy_mean"] <= 1
+  hyper = Hypernetwork.for_model(spec.keras(), embedding_dim=4, hidden_dim=8)
+  records = UpdateStore(str(tmp_path / "updates")).records(1)
+  assert len(records) == 3
+  for record in records:
+    assert record.upload_kind == "hypernetwork_weights"
+    assert [u.shape for u in record.upload] == hyper.shapes
