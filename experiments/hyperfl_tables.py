@@ -16,10 +16,10 @@ FedAvg (SGD lr 0.02, momentum 0.5, 5 local epochs; TFF's optimiser has no
 weight decay, the authors' adds 5e-4), pFedHN and pFedHN-PC (pFedHN's own
 settings, see `tff_privacy.algorithms.pfedhn`; Table 1 of the paper lists
 pFedHN only), DP-FedAvg, CENTAUR and PPSGD (DP-SGD, clip 0.04, noise
-calibrated for epsilon 4, delta 1e-5 over the run), HyperFL. The paper's rows for Fashion-MNIST and EMNIST are printed
-beside ours: its numbers come from 200 rounds on the full data sets, ours
-from `--rounds` rounds on the data set chosen here, so they are context, not
-a reproduction target.
+calibrated for epsilon 4, delta 1e-5 over the run), HyperFL. The paper's
+rows for Fashion-MNIST and EMNIST are printed beside ours: its numbers come
+from 200 rounds on the full data sets, ours from `--rounds` rounds on the
+data set chosen here, so they are context, not a reproduction target.
 
 Table 2 (HyperFL-LPM). 20 clients, all in every round, batch 16, on
 `lpm_resnet` (`tff_privacy.models.lpm`): a small ResNet frozen after
@@ -37,15 +37,20 @@ Table 3 (leakage). Each method trains `--leak-round` rounds (default 5) on
 the last round's uploads are captured and attacked with what fits them (at
 round 1 a freshly initialised hypernetwork generates badly scaled models,
 training loss above 100 for pFedHN, which says more about the start than
-about the method): Inverting Gradients ('ig') on FedAvg's, pFedHN's and
-DP-FedAvg's model deltas (pFedHN's against the model the server generated
-for the client), IG with the classifier unknown ('ig_body') on pFedHN-PC's,
-CENTAUR's and PPSGD's feature extractors, and on HyperFL's hypernetwork both IG on the
-hypernetwork update (eq. 8, 'ig_hyperfl') and the tailored attack (eqs.
-9-10, 'tailored_hyperfl'). Every attack runs `--attack-iterations`
-iterations. PSNR and SSIM of the reconstructions against the true samples
-(after matching), LPIPS only where weights are given (`--lpips-weights`),
-and reconstructions.png: originals, then each method's reconstructions.
+about the method):
+* Inverting Gradients ('ig') and ROG ('rog', Yue et al. 2023: a search in a
+  low-resolution image space with its own 100 iterations, then a prior
+  trained on bundled digits; the paper reports it in its appendix's Table 5)
+  on FedAvg's, pFedHN's and DP-FedAvg's model deltas (pFedHN's against the
+  model the server generated for the client);
+* IG with the classifier unknown ('ig_body') on pFedHN-PC's, CENTAUR's and
+  PPSGD's feature extractors;
+* on HyperFL's hypernetwork, IG on the hypernetwork update (eq. 8,
+  'ig_hyperfl') and the tailored attack (eqs. 9-10, 'tailored_hyperfl').
+Every attack but ROG runs `--attack-iterations` iterations. PSNR and SSIM
+of the reconstructions against the true samples (after matching), LPIPS
+only where weights are given (`--lpips-weights`), and reconstructions.png:
+originals, then each method's reconstructions.
 The Table 4 timing ratios come from `benchmarks/hyperfl_round_time.py`.
 
 Each run lives in OUT/<setting>/<method>/ (Table 2: OUT/lpm/<row>/) and
@@ -91,9 +96,9 @@ SETTINGS = {"small": {"20 clients": (20, 20, 150), "100 clients": (100, 30, 40)}
             "full": {"20 clients": (20, 20, 600), "100 clients": (100, 30, 600)}}
 ROUNDS = {"small": 20, "full": 200}
 # Table 3: label -> attacks on the method of METHODS[label]
-ATTACKS = {"FedAvg": ("ig",), "pFedHN": ("ig",), "pFedHN-PC": ("ig_body",),
-           "DP-FedAvg": ("ig",), "CENTAUR": ("ig_body",),
-           "PPSGD": ("ig_body",), "HyperFL": ("ig_hyperfl", "tailored_hyperfl")}
+ATTACKS = {"FedAvg": ("ig", "rog"), "pFedHN": ("ig", "rog"),
+           "pFedHN-PC": ("ig_body",), "DP-FedAvg": ("ig", "rog"),
+           "CENTAUR": ("ig_body",), "PPSGD": ("ig_body",), "HyperFL": ("ig_hyperfl", "tailored_hyperfl")}
 # Table 3 of the paper, IG: (PSNR, SSIM) on EMNIST
 PAPER_IG = {"FedAvg": (32.64, 0.8925), "pFedHN": (31.24, 0.8701),
             "pFedHN-PC": (28.38, 0.8713), "DP-FedAvg": (7.74, 0.2978),
@@ -214,7 +219,8 @@ def leak_rows(args, label: str) -> list[dict]:
       result = evaluate.attack_round(
           os.path.join(run, "updates"), args.leak_round,
           os.path.join(base, attack), attack,
-          attack_kwargs={"iterations": args.attack_iterations},
+          attack_kwargs={} if attack == "rog" else {
+              "iterations": args.attack_iterations},
           lpips_weights=args.lpips_weights, progress=not args.quiet)
       io.write_json(path, {"method": label, "attack": attack,
                            **{k: result["mean"].get(k) for k in
@@ -233,9 +239,9 @@ def write_leak_table(args, rows: list[dict]) -> str:
            f"{args.attack_iterations} attack iterations)", "",
            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for r in rows:
-    # the paper's IG row; its tailored attack's numbers are in its appendix
+    # the paper's IG row; its ROG and tailored attack's are in its appendix
     paper = (PAPER_IG.get(r["method"], (None, None))
-             if r["attack"] != "tailored_hyperfl" else (None, None))
+             if r["attack"] in ("ig", "ig_hyperfl", "ig_body") else (None, None))
     lines.append("| " + " | ".join([
         r["method"], r["attack"], f"{r['psnr']:.2f}", f"{r['ssim']:.4f}",
         "not computed" if r["lpips"] is None else f"{r['lpips']:.4f}",

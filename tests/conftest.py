@@ -29,15 +29,15 @@ QUICK_MODEL_KWARGS = {"lpm_resnet": {"widths": (4, 8), "pretrain_dataset": "lfw_
 
 @pytest.fixture(scope="session", autouse=True)
 def _backbone_cache(tmp_path_factory):
-  """Default backbones are pre-trained into the session's own cache."""
-  from tff_privacy.models import backbone
-  old = os.environ.get(backbone.CACHE_VARIABLE)
-  os.environ[backbone.CACHE_VARIABLE] = str(tmp_path_factory.mktemp("cache"))
+  """Default pre-trained networks go to the session's own cache."""
+  from tff_privacy import pretrained
+  old = os.environ.get(pretrained.CACHE_VARIABLE)
+  os.environ[pretrained.CACHE_VARIABLE] = str(tmp_path_factory.mktemp("cache"))
   yield
   if old is None:
-    del os.environ[backbone.CACHE_VARIABLE]
+    del os.environ[pretrained.CACHE_VARIABLE]
   else:
-    os.environ[backbone.CACHE_VARIABLE] = old
+    os.environ[pretrained.CACHE_VARIABLE] = old
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,6 +46,29 @@ def _stop_tff_worker():
   from tff_privacy import runtime
   runtime.stop()
   assert not worker_children(), "the test session left a TFF worker running"
+
+
+def record_of(x, y, spec=None, upload_kind="gradient", protocol=None, seed=0):
+  """A record built the way a client would: the upload of (x, y) under
+  `spec` (default: LeNet on 8x8 digits)."""
+  import tensorflow as tf
+  from tff_privacy import models
+  from tff_privacy.attacks import functional
+  from tff_privacy.updates import UpdateRecord
+  spec = spec or models.ModelSpec("lenet", (8, 8, 1), 10)
+  model = spec.keras(seed)
+  broadcast = [v.numpy() for v in model.trainable_variables]
+  protocol = protocol or {"batch_size": len(y)}
+  upload = functional.simulate_upload(
+      model, [tf.constant(w) for w in broadcast], tf.constant(x),
+      tf.one_hot(y, spec.num_classes), upload_kind, protocol)
+  meta = {"method": "test", "upload_kind": upload_kind, "model": spec.to_json(),
+          "dataset": "digits", "value_range": [0.0, 1.0], "raw_max": 16.0,
+          "protocol": protocol}
+  # TFF weighs a FedAvg client by the examples of every local epoch
+  epochs = protocol.get("local_epochs", 1) if upload_kind == "model_delta" else 1
+  return UpdateRecord(1, 0, "client_0000", [u.numpy() for u in upload],
+                      float(len(y) * epochs), len(y), broadcast, meta)
 
 
 def fake_lpips_weights(path):

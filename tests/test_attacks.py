@@ -6,29 +6,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from conftest import QUICK_MODEL_KWARGS
+from conftest import record_of as _record
 
 from tff_privacy import attacks, metrics, models
 from tff_privacy.attacks import functional
-from tff_privacy.updates import UpdateRecord
 
 SPEC = models.ModelSpec("lenet", (8, 8, 1), 10)
-
-
-def _record(x, y, spec=SPEC, upload_kind="gradient", protocol=None, seed=0):
-  """A record built the way a client would: the upload of (x, y)."""
-  model = spec.keras(seed)
-  broadcast = [v.numpy() for v in model.trainable_variables]
-  protocol = protocol or {"batch_size": len(y)}
-  upload = functional.simulate_upload(
-      model, [tf.constant(w) for w in broadcast], tf.constant(x),
-      tf.one_hot(y, spec.num_classes), upload_kind, protocol)
-  meta = {"method": "test", "upload_kind": upload_kind, "model": spec.to_json(),
-          "dataset": "digits", "value_range": [0.0, 1.0], "raw_max": 16.0,
-          "protocol": protocol}
-  # TFF weighs a FedAvg client by the examples of every local epoch
-  epochs = protocol.get("local_epochs", 1) if upload_kind == "model_delta" else 1
-  return UpdateRecord(1, 0, "client_0000", [u.numpy() for u in upload],
-                      float(len(y) * epochs), len(y), broadcast, meta)
 
 
 @pytest.fixture(scope="module")

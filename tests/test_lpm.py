@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 from conftest import QUICK_MODEL_KWARGS
 
-from tff_privacy import algorithms, cli, models, runner
+from tff_privacy import algorithms, cli, models, pretrained, runner
 from tff_privacy.models import backbone as backbone_lib
 from tff_privacy.models import lpm
 from tff_privacy.models.functional import forward
@@ -21,8 +21,8 @@ TINY = QUICK_MODEL_KWARGS["lpm_resnet"]
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
-  monkeypatch.setenv(backbone_lib.CACHE_VARIABLE, str(tmp_path / "cache"))
-  monkeypatch.setattr(backbone_lib, "_MEMO", {})
+  monkeypatch.setenv(pretrained.CACHE_VARIABLE, str(tmp_path / "cache"))
+  monkeypatch.setattr(pretrained, "_MEMO", {})
 
 
 def _random_weights(backbone, seed=0):
@@ -116,13 +116,18 @@ def test_default_backbone_is_pretrained_once_and_cached(tmp_path, monkeypatch):
   backbone = backbone_lib.Backbone(1, (4, 8))
   with tf.Graph().as_default():  # pre-training still runs eagerly
     first = backbone_lib.default_weights(backbone, (8, 8, 1), "lfw_subset", 1)
-  path = backbone_lib.cache_path(backbone, (8, 8, 1), "lfw_subset", 1)
-  assert os.listdir(os.path.dirname(path)) == [os.path.basename(path)]
-  monkeypatch.setattr(backbone_lib, "_MEMO", {})
+  folder = tmp_path / "cache" / "backbones"
+  [name] = os.listdir(folder)  # and no temp file beside it
+  meta = pretrained.metadata(str(folder / name))
+  assert meta["dataset"] == "lfw_subset" and 0 <= meta["test_accuracy"] <= 1
+  # deterministic: an attacker rebuilding the default backbone gets this one
+  fresh, _ = backbone_lib.pretrain(backbone, (8, 8, 1), "lfw_subset", 1)
+  assert pretrained.fingerprint(fresh) == pretrained.fingerprint(first)
+  monkeypatch.setattr(pretrained, "_MEMO", {})
   monkeypatch.setattr(backbone_lib, "pretrain", lambda *a, **k: pytest.fail(
       "pre-trained again"))
   again = backbone_lib.default_weights(backbone, (8, 8, 1), "lfw_subset", 1)
-  assert backbone_lib.fingerprint(again) == backbone_lib.fingerprint(first)
+  assert pretrained.fingerprint(again) == pretrained.fingerprint(first)
 
 
 def test_pretrain_command_writes_a_file_the_model_loads(tmp_path, capsys):
@@ -147,7 +152,7 @@ def test_bad_weights_files_are_named(tmp_path):
   with pytest.raises(ValueError, match="not an .npz weights file"):
     backbone_lib.load(str(text), backbone)
   wrong = str(tmp_path / "wrong.npz")
-  backbone_lib.save(wrong, _random_weights(backbone_lib.Backbone(1, (4, 6))), {})
+  pretrained.save(wrong, _random_weights(backbone_lib.Backbone(1, (4, 6))), {})
   with pytest.raises(ValueError, match="block2/conv1/kernel has shape"):
     backbone_lib.load(wrong, backbone)
   assert sorted(os.listdir(tmp_path)) == ["text.npz", "wrong.npz"]  # no temp

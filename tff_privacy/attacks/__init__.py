@@ -8,12 +8,14 @@ from tff_privacy.attacks.inversion import (DLG, IDLG, GradientInversion,
                                            InvertingGradients, Reconstruction,
                                            Target)
 from tff_privacy.attacks.labels import recover_labels
+from tff_privacy.attacks.rog import ROG
 from tff_privacy.attacks.shared_part import (ExtractorInversion,
                                              HyperFLInversion, TailoredHyperFL)
 
 ATTACKS: dict[str, type[GradientInversion]] = {
-    cls.name: cls for cls in (DLG, IDLG, InvertingGradients, ExtractorInversion,
-                              HyperFLInversion, TailoredHyperFL)}
+    cls.name: cls for cls in (DLG, IDLG, InvertingGradients, ROG,
+                              ExtractorInversion, HyperFLInversion,
+                              TailoredHyperFL)}
 
 
 def attack_class(name: str) -> type[GradientInversion]:

@@ -151,6 +151,19 @@ def check_device(device: Optional[str]) -> None:
                      f"{', '.join(seen)}")
 
 
+_B1, _B2, _EPS = 0.9, 0.999, 1e-8
+
+
+def adam_step(p, g, m, v, step, lr):
+  """One Adam step (beta1 0.9, beta2 0.999, eps 1e-8) on `p` at the 1-based
+  `step`; returns (p, m, v). Written out so that a chunk of iterations is one
+  compiled call whose state is passed in and out."""
+  m = _B1 * m + (1 - _B1) * g
+  v = _B2 * v + (1 - _B2) * tf.square(g)
+  p = p - lr * (m / (1 - _B1 ** step)) / (tf.sqrt(v / (1 - _B2 ** step)) + _EPS)
+  return p, m, v
+
+
 def _initial(shape, init: str, value_range, rng: np.random.Generator) -> tf.Tensor:
   if init == "randn":
     return tf.constant(rng.standard_normal(shape), tf.float32)
@@ -446,7 +459,6 @@ class InvertingGradients(GradientInversion):
   def _build(self, target: Target):
     lo, hi = target.value_range
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
-    b1, b2, eps = 0.9, 0.999, 1e-8
 
     def objective(x, y_soft, upload, broadcast):
       with tf.GradientTape() as tape:
@@ -460,8 +472,6 @@ class InvertingGradients(GradientInversion):
       return tf.where(better, x, best_x), tf.where(better, loss, best_loss)
 
     def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload, broadcast):
-      # Adam written out so that a chunk of iterations is one compiled call
-      # whose state is passed in and out (no optimizer variables to reset).
       for i in tf.range(steps):
         t = done + i
         loss, grad = objective(x, y_soft, upload, broadcast)
@@ -472,9 +482,7 @@ class InvertingGradients(GradientInversion):
         if self.lr_decay:
           passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
           lr = self.lr * tf.pow(0.1, passed)
-        m = b1 * m + (1 - b1) * g
-        v = b2 * v + (1 - b2) * tf.square(g)
-        x = x - lr * (m / (1 - b1 ** step)) / (tf.sqrt(v / (1 - b2 ** step)) + eps)
+        x, m, v = adam_step(x, g, m, v, step, lr)
         if self.boxed:
           x = tf.clip_by_value(x, lo, hi)
       loss, _ = objective(x, y_soft, upload, broadcast)  # the latest iterate

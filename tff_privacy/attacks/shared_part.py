@@ -49,14 +49,11 @@ import tensorflow as tf
 
 from tff_privacy.attacks.inversion import (GradientInversion, Target,
                                            _INIT, _MAX_EXAMPLES, _RESTARTS,
-                                           _initial, _iterations,
+                                           _initial, _iterations, adam_step,
                                            cosine_distance, total_variation)
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 from tff_privacy.params import Param, Params
-
-_B1, _B2, _EPS = 0.9, 0.999, 1e-8
-
 
 def _cross_entropy(logits, label_logits):
   return tf.reduce_mean(-tf.reduce_sum(
@@ -146,12 +143,6 @@ class _AdamSearch(GradientInversion):
       grads = tape.gradient(loss, [x] + list(unknowns))
       return loss, grads[0], grads[1:]
 
-    def adam(p, g, m, v, step, lr):
-      m = _B1 * m + (1 - _B1) * g
-      v = _B2 * v + (1 - _B2) * tf.square(g)
-      p = p - lr * (m / (1 - _B1 ** step)) / (tf.sqrt(v / (1 - _B2 ** step)) + _EPS)
-      return p, m, v
-
     def advance(x, unknowns, moments, best, best_loss, done, steps, constants):
       for i in tf.range(steps):
         t = done + i
@@ -162,11 +153,11 @@ class _AdamSearch(GradientInversion):
         step = tf.cast(t + 1, tf.float32)
         passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
         lr = self.lr * tf.pow(0.1, passed)
-        x, mx, vx = adam(x, tf.sign(gx), moments[0], moments[1], step, lr)
+        x, mx, vx = adam_step(x, tf.sign(gx), moments[0], moments[1], step, lr)
         x = tf.clip_by_value(x, lo, hi)
         new_unknowns, new_moments = [], [mx, vx]
         for k, (p, g) in enumerate(zip(unknowns, gu)):
-          p, m, v = adam(p, g, moments[2 + 2 * k], moments[3 + 2 * k], step, lr)
+          p, m, v = adam_step(p, g, moments[2 + 2 * k], moments[3 + 2 * k], step, lr)
           new_unknowns.append(p)
           new_moments += [m, v]
         unknowns, moments = new_unknowns, new_moments

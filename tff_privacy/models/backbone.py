@@ -9,8 +9,8 @@ the backbone is this module's small ResNet, whose weights come from a file:
   fashion_mnist --out b.npz` on a machine that has that data set;
 * by default, one pre-trained here on a bundled data set that is not the
   federated task's: scikit-learn's 8x8 digits, resized to the task's input
-  shape (see `default_weights`). It is cached (`TFF_PRIVACY_CACHE`, default
-  `~/.cache/tff_privacy`) after the first use.
+  shape (see `default_weights`). It is cached after the first use
+  (`tff_privacy.pretrained`).
 
 Architecture (`Backbone`): a 3x3 stem convolution, then one basic residual
 block per stage (two 3x3 convolutions, ReLU, an identity shortcut or a 1x1
@@ -30,18 +30,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import os
 import sys
-import tempfile
-import threading
 from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-CACHE_VARIABLE = "TFF_PRIVACY_CACHE"
+from tff_privacy import pretrained
+
 PRETRAIN_DATASETS = ("digits", "mnist5k", "lfw_subset")
 _FORMAT = "tff_privacy.backbone/2"
 
@@ -141,32 +138,10 @@ class Backbone:
                          f"the backbone needs {shape}")
 
 
-def save(path: str, weights: dict[str, np.ndarray], meta: dict) -> None:
-  """Writes `weights` and `meta` to `path` (.npz) through a temp file."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, suffix=".npz")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      np.savez(f, __meta__=json.dumps({"format": _FORMAT, **meta}), **weights)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
-
-
 def load(path: str, backbone: Backbone) -> dict[str, np.ndarray]:
-  """The backbone weights in file `path` (written by `save`), checked
-  against `backbone`; `ValueError` naming the file otherwise."""
-  if not os.path.isfile(path):
-    raise ValueError(f"backbone_weights={path!r} is not a file")
-  try:
-    with np.load(path, allow_pickle=False) as data:
-      weights = {k: data[k].astype(np.float32) for k in data.files
-                 if k != "__meta__"}
-  except (OSError, ValueError) as e:
-    raise ValueError(f"backbone_weights={path!r} is not an .npz weights file "
-                     f"({e})") from None
+  """The backbone weights in file `path` (`tff_privacy.pretrained` format),
+  checked against `backbone`; `ValueError` naming the file otherwise."""
+  weights = pretrained.load(path, "backbone_weights")
   backbone.check(weights, f"backbone_weights={path!r}")
   return weights
 
@@ -219,8 +194,8 @@ def pretrain(backbone: Backbone, input_shape: Sequence[int], dataset: str,
   for a seed."""
   from tff_privacy.data import sources
   source = sources.load_source(dataset)
-  x_train = _resized(source.x_train, input_shape)
-  x_test = _resized(source.x_test, input_shape)
+  x_train = pretrained.resized(source.x_train, input_shape)
+  x_test = pretrained.resized(source.x_test, input_shape)
   rng = np.random.default_rng([seed, 8])
   weights = {k: tf.Variable(v) for k, v in backbone.initial_weights(seed).items()}
   norm = _BatchNorm(backbone)
@@ -260,67 +235,26 @@ def pretrain(backbone: Backbone, input_shape: Sequence[int], dataset: str,
   return folded, meta
 
 
-def _resized(images: np.ndarray, input_shape: Sequence[int]) -> np.ndarray:
-  height, width, channels = input_shape
-  x = tf.image.resize(images, (height, width)).numpy()
-  if x.shape[-1] != channels:
-    x = (np.repeat(x[..., :1], channels, -1) if x.shape[-1] == 1
-         else np.mean(x, -1, keepdims=True).repeat(channels, -1))
-  return x.astype(np.float32)
-
-
 def default_dataset(task_dataset: Optional[str]) -> str:
   """The bundled data set the default backbone is pre-trained on: digits,
   or mnist5k when the task is digits itself."""
   return "mnist5k" if task_dataset == "digits" else "digits"
 
 
-def cache_path(backbone: Backbone, input_shape, dataset: str, epochs: int) -> str:
-  """Where the default backbone of this configuration is cached."""
-  folder = os.environ.get(CACHE_VARIABLE) or os.path.join(
-      os.path.expanduser("~"), ".cache", "tff_privacy")
-  key = json.dumps([_FORMAT, list(input_shape), list(backbone.widths), dataset,
-                    epochs])
-  digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-  return os.path.join(folder, "backbones", f"{dataset}_{digest}.npz")
-
-
-_LOCK = threading.Lock()
-_MEMO: dict[str, dict[str, np.ndarray]] = {}
-
-
 def default_weights(backbone: Backbone, input_shape, dataset: str = "digits",
                     epochs: int = 10) -> dict[str, np.ndarray]:
   """The default backbone: pre-trained on bundled `dataset` (seed 0) on
-  first use, then read from the cache. Pre-training runs in a thread of its
-  own, which executes eagerly even when the caller is building a graph."""
+  first use, then read from the cache (`tff_privacy.pretrained.cached`)."""
   if dataset not in PRETRAIN_DATASETS:
     raise ValueError(f"pretrain_dataset={dataset!r}; choose one of "
                      f"{PRETRAIN_DATASETS}")
-  path = cache_path(backbone, input_shape, dataset, epochs)
-  with _LOCK:
-    if path not in _MEMO:
-      if not os.path.isfile(path):
-        result = {}
-        worker = threading.Thread(target=lambda: result.update(
-            out=pretrain(backbone, input_shape, dataset, epochs)))
-        worker.start()
-        worker.join()
-        if "out" not in result:
-          raise RuntimeError(f"pre-training the default backbone on {dataset} "
-                             "failed")
-        save(path, *result["out"])
-      _MEMO[path] = load(path, backbone)
-    return _MEMO[path]
-
-
-def fingerprint(weights: dict[str, np.ndarray]) -> str:
-  """A short hash of the weights, to tell backbones apart in metadata."""
-  digest = hashlib.sha256()
-  for name in sorted(weights):
-    digest.update(name.encode())
-    digest.update(np.ascontiguousarray(weights[name], np.float32).tobytes())
-  return digest.hexdigest()[:16]
+  key = {"format": _FORMAT, "input_shape": [int(d) for d in input_shape],
+         "widths": list(backbone.widths), "dataset": dataset, "epochs": epochs}
+  weights = pretrained.cached(
+      "backbones", key,
+      lambda: pretrain(backbone, input_shape, dataset, epochs), "backbone_weights")
+  backbone.check(weights, "the cached default backbone")
+  return weights
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -347,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   backbone = Backbone(input_shape[-1], widths)
   weights, meta = pretrain(backbone, input_shape, args.dataset, args.epochs,
                            args.seed, progress=True)
-  save(args.out, weights, meta)
+  pretrained.save(args.out, weights, {"format": _FORMAT, **meta})
   print(json.dumps({"out": args.out, **meta}))
   return 0
 
