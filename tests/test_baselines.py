@@ -239,11 +239,13 @@ def _pfedhn_reference(hyper, generator, index, batches, p, classifier):
   return direction, delta, w[len(sent):]
 
 
-@pytest.mark.parametrize("method", ["pfedhn", "pfedhn_pc"])
-def test_pfedhn_round_matches_a_plain_reference(method):
+@pytest.mark.parametrize("method,aggregation", [("pfedhn", "sum"),
+                                                ("pfedhn_pc", "mean")])
+def test_pfedhn_round_matches_a_plain_reference(method, aggregation):
   from tff_privacy.algorithms.pfedhn import hypernetwork_for
   declared = algorithms.method(method).resolve(
-      {"local_epochs": 2, "hidden_dim": 8, "server_weight_decay": 0.01})
+      {"local_epochs": 2, "hidden_dim": 8, "server_weight_decay": 0.01,
+       "server_aggregation": aggregation})
   federation = algorithms.Federation(1, (6, 9))
   alg = algorithms.get(method, SPEC, batch_size=4, seed=0,
                        federation=federation, **declared)
@@ -269,10 +271,11 @@ def test_pfedhn_round_matches_a_plain_reference(method):
   classifier = SPEC.initial_weights(0)[2:] if pc else []
   results = [_pfedhn_reference(hyper, generator, i, b, declared, classifier)
              for i, b in enumerate(batches)]
-  # the server's first step: b = mean direction + wd w; w - lr b
+  # the server's first step: b = summed (or mean) direction + wd w; w - lr b
   for got, w, d0, d1 in zip(process.get_model_weights(out["state"]), generator,
                             results[0][0], results[1][0]):
-    step = (d0 + d1) / 2 + declared["server_weight_decay"] * w
+    step = ((d0 + d1) / (2 if aggregation == "mean" else 1)
+            + declared["server_weight_decay"] * w)
     np.testing.assert_allclose(got, w - declared["server_learning_rate"] * step,
                                rtol=1e-4, atol=1e-7)
   for got, (_, _, head) in zip(out["client_states"], results):

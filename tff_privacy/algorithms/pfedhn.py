@@ -12,8 +12,8 @@ Round t, for each client i of the round:
 3. the server turns each upload into a step direction for varphi and e_i,
    the vector-Jacobian product (d theta_i / d(varphi, e_i))^T d_i, and
    takes one SGD step (`server_learning_rate`, `server_momentum`, coupled
-   `server_weight_decay`; its momentum kept across rounds) on the mean of
-   the round's directions.
+   `server_weight_decay`; its momentum kept across rounds) on the sum of
+   the round's directions (`server_aggregation`, see below).
 
 pFedHN-PC (`personal_classifier=True`): the hypernetwork generates the
 feature extractor only; each client keeps a private classifier, trained
@@ -37,7 +37,12 @@ per generated tensor; pFedHN's code adds a second linear trunk layer), so
 the two methods differ only in where the hypernetwork lives; embedding
 dimension 1 + clients / 4, hidden width 100, inner SGD lr 5e-3, momentum
 0.9, weight decay 5e-5, server SGD lr 1e-2, momentum 0.9, weight decay 1e-3
-(pFedHN's code); the round's directions are averaged unweighted.
+(pFedHN's code). pFedHN's code trains one client per server step; with the
+round's clients in parallel, `server_aggregation='sum'` (default) sums their
+directions, so that each upload moves the hypernetwork, and its client's
+embedding, as far as one of those single-client steps (to first order);
+'mean' divides the step by the round's clients, which leaves each embedding,
+updated by its own client alone, that many times slower.
 """
 
 from __future__ import annotations
@@ -74,7 +79,9 @@ PARAMETERS = params.Params(
                  "on the hypernetwork and embeddings", minimum=0, maximum=1,
                  exclusive_maximum=True),
     params.Param("server_weight_decay", float, 1e-3, "weight decay of the "
-                 "server's SGD", minimum=0))
+                 "server's SGD", minimum=0),
+    params.Param("server_aggregation", str, "sum", "how the server combines "
+                 "the round's step directions", choices=("sum", "mean")))
 
 
 def hypernetwork_for(model: tf.keras.Model, personal_classifier: bool,
@@ -111,6 +118,7 @@ def build_pfedhn(
     server_learning_rate: float = 1e-2,
     server_momentum: float = 0.9,
     server_weight_decay: float = 1e-3,
+    server_aggregation: str = "sum",
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
 ) -> personalized.PersonalizedProcess:
   """Builds pFedHN's (or pFedHN-PC's) `PersonalizedProcess` (see the module
@@ -127,6 +135,7 @@ def build_pfedhn(
     learning_rate, local_epochs, momentum, weight_decay: the clients' SGD.
     server_learning_rate, server_momentum, server_weight_decay: the
       server's SGD on the hypernetwork and embeddings.
+    server_aggregation: 'sum' or 'mean' of the round's directions.
     model_aggregator: receives the uploads (weighted by examples); only its
       measurements are used (an upload-capturing wrapper records there).
 
@@ -139,11 +148,16 @@ def build_pfedhn(
 
   Raises:
     ValueError: for a non-positive learning rate, epoch count or client
-      count.
+      count, or an unknown `server_aggregation`.
   """
   check_positive(num_clients=num_clients, learning_rate=learning_rate,
                  local_epochs=local_epochs,
                  server_learning_rate=server_learning_rate)
+  combine = {"sum": tff.federated_sum, "mean": tff.federated_mean}.get(
+      server_aggregation)
+  if combine is None:
+    raise ValueError(f"server_aggregation={server_aggregation!r}; choose sum "
+                     "or mean")
   embedding_dim = embedding_dim or 1 + num_clients // 4
   with tf.Graph().as_default():
     model = keras_model_fn()
@@ -216,7 +230,7 @@ def build_pfedhn(
     aggregated = aggregator.next(state.aggregator, uploads, weights)
     new_generator, new_buffers = tff.federated_map(
         server_step, (state.generator, state.buffers,
-                      tff.federated_mean(directions)))
+                      combine(directions)))
     new_state = tff.federated_zip(collections.OrderedDict(
         generator=new_generator, buffers=new_buffers,
         aggregator=aggregated.state))
