@@ -130,6 +130,8 @@ def lpm_resnet(input_shape, num_classes, seed: int = 0,
     adapter_reduction: channels over bottleneck width (the authors' ViT
       adapters use 16 on 384 channels; 4 suits these narrow stages).
   """
+  if adapter_reduction < 1:
+    raise ValueError(f"adapter_reduction must be >= 1, got {adapter_reduction}")
   backbone = backbone_lib.Backbone(int(input_shape[-1]), tuple(widths))
   weights = frozen_weights(backbone, input_shape, backbone_weights,
                            pretrain_dataset, pretrain_epochs)
