@@ -53,7 +53,8 @@ only where weights are given (`--lpips-weights`), and reconstructions.png:
 originals, then each method's reconstructions.
 The Table 4 timing ratios come from `benchmarks/hyperfl_round_time.py`.
 
-Each run lives in OUT/<setting>/<method>/ (Table 2: OUT/lpm/<row>/) and
+Each run lives in OUT/<setting>/<method>/ (Table 2: OUT/lpm/<row>/, or
+OUT/lpm_<weights file name>/<row>/ with --backbone-weights) and
 resumes where it stopped; row.json there caches its result. Tables:
 OUT/table1.md, OUT/table2.md, OUT/table3.md and their .csv.
 
@@ -98,7 +99,8 @@ ROUNDS = {"small": 20, "full": 200}
 # Table 3: label -> attacks on the method of METHODS[label]
 ATTACKS = {"FedAvg": ("ig", "rog"), "pFedHN": ("ig", "rog"),
            "pFedHN-PC": ("ig_body",), "DP-FedAvg": ("ig", "rog"),
-           "CENTAUR": ("ig_body",), "PPSGD": ("ig_body",), "HyperFL": ("ig_hyperfl", "tailored_hyperfl")}
+           "CENTAUR": ("ig_body",), "PPSGD": ("ig_body",),
+           "HyperFL": ("ig_hyperfl", "tailored_hyperfl")}
 # Table 3 of the paper, IG: (PSNR, SSIM) on EMNIST
 PAPER_IG = {"FedAvg": (32.64, 0.8925), "pFedHN": (31.24, 0.8701),
             "pFedHN-PC": (28.38, 0.8713), "DP-FedAvg": (7.74, 0.2978),
@@ -152,6 +154,14 @@ def run_row(args, setting: str, label: str) -> dict:
   return row
 
 
+def _lpm_folder(args) -> str:
+  """Table 2's runs of one backbone: 'lpm' (the default), or 'lpm_<file>'."""
+  if not args.backbone_weights:
+    return "lpm"
+  name = os.path.splitext(os.path.basename(args.backbone_weights))[0]
+  return f"lpm_{name}"
+
+
 def lpm_row(args, label: str) -> dict:
   """Table 2's row `label` (20 clients, all in every round)."""
   clients, _, samples = SETTINGS[args.scale]["20 clients"]
@@ -159,7 +169,7 @@ def lpm_row(args, label: str) -> dict:
   if args.backbone_weights:
     model_kwargs = {**model_kwargs, "backbone_weights": args.backbone_weights}
   slug = label.lower().replace(" ", "_").replace("(", "").replace(")", "")
-  out = os.path.join(args.out, "lpm", slug)
+  out = os.path.join(args.out, _lpm_folder(args), slug)
   path = os.path.join(out, "row.json")
   if os.path.exists(path):
     return io.read_json(path)
@@ -247,7 +257,8 @@ def write_leak_table(args, rows: list[dict]) -> str:
         "not computed" if r["lpips"] is None else f"{r['lpips']:.4f}",
         f"{r['label_accuracy']:.2f}",
         *("-" if p is None else f"{p:g}" for p in paper)]) + " |")
-  lines += ["", "LPIPS needs pretrained weights (--lpips-weights)."]
+  lines += ["", "ROG runs its own 100 iterations. LPIPS needs pretrained "
+            "weights (--lpips-weights)."]
   text = "\n".join(lines) + "\n"
   io.write_text(os.path.join(args.out, "table3.md"), text)
   io.write_csv(os.path.join(args.out, "table3.csv"), rows, list(rows[0]))

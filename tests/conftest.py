@@ -23,7 +23,8 @@ def pytest_configure(config):
 
 
 # builder arguments that keep a model quick to build in tests
-QUICK_MODEL_KWARGS = {"lpm_resnet": {"widths": (4, 8), "pretrain_dataset": "lfw_subset",
+QUICK_MODEL_KWARGS = {"lpm_resnet": {"widths": (4, 8),
+                                     "pretrain_dataset": "lfw_subset",
                                      "pretrain_epochs": 1}}
 
 

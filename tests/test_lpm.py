@@ -151,11 +151,42 @@ def test_bad_weights_files_are_named(tmp_path):
   text.write_text("not weights")
   with pytest.raises(ValueError, match="not an .npz weights file"):
     backbone_lib.load(str(text), backbone)
+  single = tmp_path / "single.npy"
+  np.save(single, np.zeros(3))
+  with pytest.raises(ValueError, match="not an .npz weights file"):
+    backbone_lib.load(str(single), backbone)
   wrong = str(tmp_path / "wrong.npz")
   pretrained.save(wrong, _random_weights(backbone_lib.Backbone(1, (4, 6))), {})
   with pytest.raises(ValueError, match="block2/conv1/kernel has shape"):
     backbone_lib.load(wrong, backbone)
-  assert sorted(os.listdir(tmp_path)) == ["text.npz", "wrong.npz"]  # no temp
+  truncated = tmp_path / "truncated.npz"
+  truncated.write_bytes(open(wrong, "rb").read()[:200])
+  with pytest.raises(ValueError, match="not an .npz weights file"):
+    backbone_lib.load(str(truncated), backbone)
+  assert sorted(os.listdir(tmp_path)) == [  # no temp file left
+      "single.npy", "text.npz", "truncated.npz", "wrong.npz"]
+
+
+def test_training_errors_reach_the_caller_and_nothing_is_cached(tmp_path):
+  def train():
+    raise ArithmeticError("diverged")
+
+  with pytest.raises(ArithmeticError, match="diverged"):
+    pretrained.cached("things", {"a": 1}, train)
+  assert not (tmp_path / "cache" / "things").exists()
+
+
+def test_default_backbone_must_not_share_images_with_the_task(tmp_path):
+  base = dict(out=str(tmp_path / "run"), method="hyperfl_lpm", model="lpm_resnet")
+  with pytest.raises(ValueError, match="pretrain_dataset='mnist5k' shares its "
+                     "images with the federated data set 'mnist'"):
+    runner.RunConfig(dataset="mnist", model_kwargs={"pretrain_dataset": "mnist5k"},
+                     **base)
+  with pytest.raises(ValueError, match="pretrain_dataset='digits' shares"):
+    runner.RunConfig(dataset="digits", model_kwargs={"backbone_weights": None},
+                     **base)
+  runner.RunConfig(dataset="digits", model_kwargs={"pretrain_dataset": "mnist5k"},
+                   **base)
 
 
 def test_hyperfl_lpm_refuses_other_models_and_pretraining_on_the_task(tmp_path):

@@ -16,14 +16,36 @@ import json
 import os
 import tempfile
 import threading
-from typing import Callable
+import zipfile
+from typing import Callable, Optional
 
 import numpy as np
 
 CACHE_VARIABLE = "TFF_PRIVACY_CACHE"
+# the bundled data sets a default network may be trained on
+BUNDLED_DATASETS = ("digits", "mnist5k", "lfw_subset")
+# data sets that hold each other's images
+_SAME_IMAGES = ({"mnist5k", "mnist"},)
 _META = "__meta__"
 
 Weights = dict[str, np.ndarray]
+
+
+def check_dataset(parameter: str, dataset: str,
+                  task_dataset: Optional[str]) -> None:
+  """Raises `ValueError` naming `parameter` unless `dataset` is a bundled
+  data set that shares no images with `task_dataset` (the data a network
+  trained on it will be applied to)."""
+  if dataset not in BUNDLED_DATASETS:
+    raise ValueError(f"{parameter}={dataset!r}; choose one of "
+                     f"{', '.join(BUNDLED_DATASETS)}")
+  overlapping = dataset == task_dataset or any(
+      {dataset, task_dataset} <= group for group in _SAME_IMAGES)
+  if overlapping:
+    others = [d for d in BUNDLED_DATASETS if d != dataset]
+    raise ValueError(f"{parameter}={dataset!r} shares its images with the "
+                     f"federated data set {task_dataset!r}; choose another "
+                     f"({', '.join(others)}) or give a weights file")
 
 
 def save(path: str, weights: Weights, meta: dict) -> None:
@@ -46,9 +68,12 @@ def load(path: str, parameter: str) -> Weights:
   if not os.path.isfile(path):
     raise ValueError(f"{parameter}={path!r} is not a file")
   try:
-    with np.load(path, allow_pickle=False) as data:
+    data = np.load(path, allow_pickle=False)
+    if not isinstance(data, np.lib.npyio.NpzFile):
+      raise ValueError("a single array, not named arrays")
+    with data:
       return {k: data[k].astype(np.float32) for k in data.files if k != _META}
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
     raise ValueError(f"{parameter}={path!r} is not an .npz weights file "
                      f"({e})") from None
 
@@ -71,26 +96,65 @@ _LOCK = threading.Lock()
 _MEMO: dict[str, Weights] = {}
 
 
-def cached(kind: str, key: dict, train: Callable[[], tuple[Weights, dict]],
-           parameter: str) -> Weights:
+def cached(kind: str, key: dict,
+           train: Callable[[], tuple[Weights, dict]]) -> Weights:
   """The weights of `kind` for `key`: `train()` -> (weights, meta) on first
   use, saved to `cache_path(kind, key)`, then read from there. Training runs
   in a thread of its own, which executes eagerly even when the caller is
-  building a TensorFlow graph."""
+  building a TensorFlow graph; its errors are raised here."""
   path = cache_path(kind, key)
   with _LOCK:
     if path not in _MEMO:
       if not os.path.isfile(path):
         result = {}
-        worker = threading.Thread(target=lambda: result.update(out=train()))
+
+        def work():
+          try:
+            result["out"] = train()
+          except BaseException as e:  # re-raised in the caller's thread
+            result["error"] = e
+
+        worker = threading.Thread(target=work)
         worker.start()
         worker.join()
-        if "out" not in result:
-          raise RuntimeError(f"training the default {kind} ({key}) failed")
+        if "error" in result:
+          raise result["error"]
         weights, meta = result["out"]
         save(path, weights, {**meta, "key": key})
-      _MEMO[path] = load(path, parameter)
+      try:
+        _MEMO[path] = load(path, "cache file")
+      except ValueError:
+        raise ValueError(f"the cached {kind} file {path} is unreadable; delete "
+                         "it to train it again") from None
     return _MEMO[path]
+
+
+def he_normal(shapes: dict[str, tuple[int, ...]],
+              rng: np.random.Generator) -> Weights:
+  """He-normal kernels (fan-in: every axis but the last), zero biases."""
+  out = {}
+  for name, shape in shapes.items():
+    if name.endswith("bias"):
+      out[name] = np.zeros(shape, np.float32)
+    else:
+      std = np.sqrt(2.0 / np.prod(shape[:-1]))
+      out[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+  return out
+
+
+def check_shapes(weights: Weights, shapes: dict[str, tuple[int, ...]],
+                 origin: str, what: str) -> None:
+  """Raises `ValueError` naming `origin` unless `weights` has exactly the
+  names and shapes of `shapes` (the architecture `what` describes)."""
+  missing = sorted(set(shapes) - set(weights))
+  extra = sorted(set(weights) - set(shapes))
+  if missing or extra:
+    raise ValueError(f"{origin}: not {what} (missing {missing[:3]}, unexpected "
+                     f"{extra[:3]})")
+  for name, shape in shapes.items():
+    if tuple(weights[name].shape) != tuple(shape):
+      raise ValueError(f"{origin}: {name} has shape {weights[name].shape}, "
+                       f"{what} needs {tuple(shape)}")
 
 
 def resized(images: np.ndarray, input_shape) -> np.ndarray:

@@ -40,7 +40,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 import tqdm
 
-from tff_privacy import algorithms, data, defenses, io, models, params
+from tff_privacy import (algorithms, data, defenses, io, models, params,
+                         pretrained)
 from tff_privacy.dp import accounting
 from tff_privacy.models.lpm import LPM_MODELS
 from tff_privacy.protocol import local_batch_sizes
@@ -129,12 +130,11 @@ class RunConfig:
       raise ValueError(f"clients_per_round must be in [1, clients={self.clients}]"
                        f", got {self.clients_per_round}")
     models.builders.check_kwargs(self.model, self.model_kwargs)
-    if (self.model in LPM_MODELS and "backbone_weights" not in self.model_kwargs
-        and self.model_kwargs.get("pretrain_dataset", "digits") == self.dataset):
-      raise ValueError(f"model_kwargs: the default backbone of {self.model!r} is "
-                       f"pre-trained on {self.dataset!r}, the federated data "
-                       "set; set pretrain_dataset to another bundled data set "
-                       "or give backbone_weights")
+    if (self.model in LPM_MODELS
+        and self.model_kwargs.get("backbone_weights") is None):
+      pretrained.check_dataset(
+          "model_kwargs pretrain_dataset",
+          self.model_kwargs.get("pretrain_dataset", "digits"), self.dataset)
     algorithms.method(self.method).resolve(self.method_kwargs)
     if self.defense is not None:
       defenses.resolve(self.defense, self.defense_kwargs)

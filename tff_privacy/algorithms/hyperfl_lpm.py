@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from tff_privacy import params
-from tff_privacy.algorithms import hyperfl
+from tff_privacy.algorithms import hyperfl, personalized
 from tff_privacy.algorithms.base import Algorithm, Method
 from tff_privacy.models.lpm import LPM_MODELS
 
@@ -27,16 +27,32 @@ PARAMETERS = params.Params(*(
 
 
 def build_hyperfl_lpm(keras_model_fn, *, hypernetwork_learning_rate: float = 0.01,
-                      **kwargs):
-  """`hyperfl.build_hyperfl` with HyperFL-LPM's defaults, for a
-  `keras_model_fn` returning an adapter model (`lpm_resnet`); see there for
-  the arguments, result and errors."""
+                      **kwargs) -> personalized.PersonalizedProcess:
+  """Builds HyperFL-LPM's `PersonalizedProcess`: HyperFL's rounds on an
+  adapter model, with HyperFL-LPM's defaults.
+
+  Args:
+    keras_model_fn: returns the client model, an adapter model on a frozen
+      backbone (`lpm_resnet`); the hypernetwork generates its trainable
+      tensors before the classifier, the adapters.
+    hypernetwork_learning_rate: eq. 5's step (0.01, the authors' ResNet
+      setting).
+    **kwargs: the other arguments of `hyperfl.build_hyperfl`, with its
+      defaults.
+
+  Returns:
+    The `PersonalizedProcess` of `hyperfl.build_hyperfl`.
+
+  Raises:
+    ValueError: as `hyperfl.build_hyperfl`.
+  """
   return hyperfl.build_hyperfl(
       keras_model_fn, hypernetwork_learning_rate=hypernetwork_learning_rate,
       **kwargs)
 
 
-def algorithm(spec, **kwargs) -> Algorithm:
+def algorithm(spec, *, batch_size: int, seed: int, defense,
+              **declared) -> Algorithm:
   """HyperFL-LPM as the runner drives it: HyperFL's `Algorithm` on an
   adapter model.
 
@@ -46,7 +62,11 @@ def algorithm(spec, **kwargs) -> Algorithm:
   if spec.name not in LPM_MODELS or not spec.kwargs.get("adapters", True):
     raise ValueError(f"method 'hyperfl_lpm' needs --model {' or '.join(LPM_MODELS)}"
                      f" with adapters, got model {spec.name!r} {spec.kwargs}")
-  return dataclasses.replace(hyperfl.algorithm(spec, **kwargs), name="hyperfl_lpm")
+  base = hyperfl.algorithm(spec, batch_size=batch_size, seed=seed,
+                           defense=defense, **declared)
+  return dataclasses.replace(
+      base, name="hyperfl_lpm", build_process=lambda aggregator: build_hyperfl_lpm(
+          spec.keras, seed=seed, model_aggregator=aggregator, **declared))
 
 
 METHOD = Method("hyperfl_lpm", PARAMETERS, algorithm,

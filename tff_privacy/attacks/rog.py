@@ -41,8 +41,16 @@ from tff_privacy.attacks.inversion import (GradientInversion, Target,
                                            adam_step, l2_distance)
 from tff_privacy.params import Param, Params
 
-PRIOR_DATASETS = ("digits", "mnist5k", "lfw_subset")
 _FORMAT = "tff_privacy.rog_prior/1"
+
+
+def cosine_learning_rate(step, iterations: int, lr: float,
+                         floor: float = 0.1):
+  """The authors' schedule: `lr` at step 0, cosine-annealed to
+  `floor * lr` at step `iterations` (0-based steps)."""
+  low = floor * lr
+  progress = tf.cast(step, tf.float32) / iterations
+  return low + (lr - low) * 0.5 * (1.0 + tf.cos(math.pi * progress))
 
 
 def low_resolution(input_shape: Sequence[int], scale_factor: int) -> tuple[int, int]:
@@ -68,6 +76,7 @@ class ImagePrior:
 
   @property
   def shapes(self) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every weight, in order."""
     out, c_in = {}, self.channels
     for i in range(1, self.depth + 1):
       c_out = self.channels if i == self.depth else self.width
@@ -76,6 +85,7 @@ class ImagePrior:
     return out
 
   def initial_weights(self, seed: int) -> dict[str, np.ndarray]:
+    """He-normal kernels (the last one scaled by 0.1), zero biases."""
     rng = np.random.default_rng([seed, 9])
     out = {}
     for name, shape in self.shapes.items():
@@ -85,6 +95,7 @@ class ImagePrior:
     return out
 
   def __call__(self, weights, x: tf.Tensor) -> tf.Tensor:
+    """The prior at `weights` on NHWC `x`: x plus its correction."""
     h = x
     for i in range(1, self.depth + 1):
       h = tf.nn.conv2d(h, weights[f"conv{i}/kernel"], 1, "SAME") + \
@@ -94,11 +105,11 @@ class ImagePrior:
     return x + h
 
   def check(self, weights: dict[str, np.ndarray], origin: str) -> None:
-    expected = self.shapes
-    if set(weights) != set(expected) or any(
-        tuple(weights[k].shape) != s for k, s in expected.items()):
-      raise ValueError(f"{origin}: not a ROG prior for {self.channels}-channel "
-                       f"images (width {self.width}, depth {self.depth})")
+    """Raises `ValueError` naming `origin` unless `weights` has exactly
+    this architecture's names and shapes."""
+    pretrained.check_shapes(weights, self.shapes, origin,
+                            f"a ROG prior for {self.channels}-channel images "
+                            f"(width {self.width}, depth {self.depth})")
 
 
 def _zoomed(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -161,6 +172,7 @@ def train_prior(prior: ImagePrior, input_shape: Sequence[int], dataset: str,
       step(batch, noise_for(batch))
   degraded = degrade(tf.constant(test), scale_factor, noise_for(test))
   restored = prior(weights, degraded).numpy()
+
   def mean_psnr(images):
     return float(np.mean([s["psnr"] for s in image_scores(test, images, (0, 1))]))
 
@@ -181,10 +193,11 @@ def prior_weights(prior: ImagePrior, input_shape, scale_factor: int,
   key = {"format": _FORMAT, "input_shape": [int(d) for d in input_shape],
          "dataset": dataset, "scale_factor": scale_factor, "epochs": epochs,
          "width": prior.width, "depth": prior.depth}
-  return pretrained.cached(
+  weights = pretrained.cached(
       "rog_priors", key,
-      lambda: train_prior(prior, input_shape, dataset, scale_factor, epochs),
-      "prior_weights")
+      lambda: train_prior(prior, input_shape, dataset, scale_factor, epochs))
+  prior.check(weights, "the cached default prior")
+  return weights
 
 
 class ROG(GradientInversion):
@@ -201,7 +214,8 @@ class ROG(GradientInversion):
       Param("prior_weights", str, None, "the prior's weights file (default: "
             "trained on prior_dataset)"),
       Param("prior_dataset", str, "digits", "bundled data the default prior "
-            "is trained on (not the attacked task's)", choices=PRIOR_DATASETS),
+            "is trained on (not the attacked task's)",
+            choices=pretrained.BUNDLED_DATASETS),
       Param("prior_epochs", int, 10, "training epochs of the default prior",
             minimum=1),
       _RESTARTS, _MAX_EXAMPLES)
@@ -213,11 +227,9 @@ class ROG(GradientInversion):
     if not self.prior:
       return
     for record in records:
-      if (self.prior_weights is None
-          and record.metadata.get("dataset") == self.prior_dataset):
-        raise ValueError(f"prior_dataset={self.prior_dataset!r} is the attacked "
-                         "clients' data set; train the prior on another "
-                         f"({', '.join(PRIOR_DATASETS)}) or give prior_weights")
+      if self.prior_weights is None:
+        pretrained.check_dataset("prior_dataset", self.prior_dataset,
+                                 record.metadata.get("dataset"))
       self._prior(record.model_spec.input_shape)
 
   def _prior(self, input_shape):
@@ -229,7 +241,6 @@ class ROG(GradientInversion):
 
   def _build(self, target: Target):
     shape = target.record.model_spec.input_shape
-    floor = 0.1 * self.lr
 
     def objective(z, y_soft, upload, broadcast):
       with tf.GradientTape() as tape:
@@ -245,8 +256,7 @@ class ROG(GradientInversion):
         better = loss < best_loss
         best_z = tf.where(better, z, best_z)
         best_loss = tf.where(better, loss, best_loss)
-        progress = tf.cast(t, tf.float32) / self.iterations
-        lr = floor + (self.lr - floor) * 0.5 * (1.0 + tf.cos(math.pi * progress))
+        lr = cosine_learning_rate(t, self.iterations, self.lr)
         z, m, v = adam_step(z, grad, m, v, tf.cast(t + 1, tf.float32), lr)
       loss, _ = objective(z, y_soft, upload, broadcast)
       better = loss < best_loss

@@ -55,6 +55,7 @@ from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 from tff_privacy.params import Param, Params
 
+
 def _cross_entropy(logits, label_logits):
   return tf.reduce_mean(-tf.reduce_sum(
       tf.nn.softmax(label_logits) * tf.nn.log_softmax(logits), -1))

@@ -39,7 +39,6 @@ import tensorflow as tf
 
 from tff_privacy import pretrained
 
-PRETRAIN_DATASETS = ("digits", "mnist5k", "lfw_subset")
 _FORMAT = "tff_privacy.backbone/2"
 
 
@@ -56,9 +55,14 @@ class Backbone:
   widths: tuple[int, ...] = (16, 32, 64)
 
   def __post_init__(self):
-    object.__setattr__(self, "widths", tuple(int(w) for w in self.widths))
-    if not self.widths or min(self.widths) < 1:
-      raise ValueError(f"widths must be positive channel counts, got {self.widths}")
+    try:
+      widths = tuple(int(w) for w in self.widths)
+    except (TypeError, ValueError):
+      widths = ()
+    if not widths or min(widths) < 1:
+      raise ValueError("widths must be a list of positive channel counts, got "
+                       f"{self.widths!r}")
+    object.__setattr__(self, "widths", widths)
 
   @property
   def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -84,15 +88,7 @@ class Backbone:
 
   def initial_weights(self, seed: int) -> dict[str, np.ndarray]:
     """He-normal kernels, zero biases."""
-    rng = np.random.default_rng([seed, 7])
-    out = {}
-    for name, shape in self.shapes.items():
-      if name.endswith("bias"):
-        out[name] = np.zeros(shape, np.float32)
-      else:
-        std = np.sqrt(2.0 / np.prod(shape[:-1]))
-        out[name] = (std * rng.standard_normal(shape)).astype(np.float32)
-    return out
+    return pretrained.he_normal(self.shapes, np.random.default_rng([seed, 7]))
 
   def convolutions(self) -> list[str]:
     """The convolutions' names ('stem', 'block1/conv1', ...)."""
@@ -125,17 +121,9 @@ class Backbone:
   def check(self, weights: dict[str, np.ndarray], origin: str) -> None:
     """Raises `ValueError` naming `origin` unless `weights` has exactly this
     architecture's names and shapes."""
-    expected = self.shapes
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing or extra:
-      raise ValueError(f"{origin}: not a backbone of widths {self.widths} for "
-                       f"{self.channels}-channel inputs (missing {missing[:3]}, "
-                       f"unexpected {extra[:3]})")
-    for name, shape in expected.items():
-      if tuple(weights[name].shape) != shape:
-        raise ValueError(f"{origin}: {name} has shape {weights[name].shape}, "
-                         f"the backbone needs {shape}")
+    pretrained.check_shapes(weights, self.shapes, origin,
+                            f"a backbone of widths {self.widths} for "
+                            f"{self.channels}-channel inputs")
 
 
 def load(path: str, backbone: Backbone) -> dict[str, np.ndarray]:
@@ -158,8 +146,10 @@ class _BatchNorm:
              for name in backbone.convolutions()}
     self.gamma = {n: tf.Variable(tf.ones(w)) for n, w in width.items()}
     self.beta = {n: tf.Variable(tf.zeros(w)) for n, w in width.items()}
-    self.mean = {n: tf.Variable(tf.zeros(w), trainable=False) for n, w in width.items()}
-    self.var = {n: tf.Variable(tf.ones(w), trainable=False) for n, w in width.items()}
+    self.mean = {n: tf.Variable(tf.zeros(w), trainable=False)
+                 for n, w in width.items()}
+    self.var = {n: tf.Variable(tf.ones(w), trainable=False)
+                for n, w in width.items()}
 
   @property
   def trainable(self) -> list[tf.Variable]:
@@ -235,24 +225,16 @@ def pretrain(backbone: Backbone, input_shape: Sequence[int], dataset: str,
   return folded, meta
 
 
-def default_dataset(task_dataset: Optional[str]) -> str:
-  """The bundled data set the default backbone is pre-trained on: digits,
-  or mnist5k when the task is digits itself."""
-  return "mnist5k" if task_dataset == "digits" else "digits"
-
-
 def default_weights(backbone: Backbone, input_shape, dataset: str = "digits",
                     epochs: int = 10) -> dict[str, np.ndarray]:
   """The default backbone: pre-trained on bundled `dataset` (seed 0) on
   first use, then read from the cache (`tff_privacy.pretrained.cached`)."""
-  if dataset not in PRETRAIN_DATASETS:
-    raise ValueError(f"pretrain_dataset={dataset!r}; choose one of "
-                     f"{PRETRAIN_DATASETS}")
+  pretrained.check_dataset("pretrain_dataset", dataset, None)
   key = {"format": _FORMAT, "input_shape": [int(d) for d in input_shape],
          "widths": list(backbone.widths), "dataset": dataset, "epochs": epochs}
   weights = pretrained.cached(
       "backbones", key,
-      lambda: pretrain(backbone, input_shape, dataset, epochs), "backbone_weights")
+      lambda: pretrain(backbone, input_shape, dataset, epochs))
   backbone.check(weights, "the cached default backbone")
   return weights
 
@@ -278,7 +260,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.error("--input-shape and --widths take integers like 28,28,1")
   if len(input_shape) != 3 or args.epochs < 1:
     parser.error("--input-shape takes height,width,channels; --epochs >= 1")
-  backbone = Backbone(input_shape[-1], widths)
+  try:
+    backbone = Backbone(input_shape[-1], widths)
+  except ValueError as e:
+    parser.error(f"--widths: {e}")
   weights, meta = pretrain(backbone, input_shape, args.dataset, args.epochs,
                            args.seed, progress=True)
   pretrained.save(args.out, weights, {"format": _FORMAT, **meta})

@@ -119,16 +119,29 @@ def lpm_resnet(input_shape, num_classes, seed: int = 0,
   """HyperFL-LPM's client model (see the module docstring).
 
   Args:
-    backbone_weights: a weights file (`tff_privacy.models.backbone.save`
-      format) of a backbone of these `widths`; None for the default backbone,
-      pre-trained on bundled `pretrain_dataset` for `pretrain_epochs` epochs
-      (not the federated task's data: pick another data set when the task's
-      is digits).
+    input_shape: (height, width, channels) of the inputs.
+    num_classes: outputs of the classifier `fc`.
+    seed: fixes the adapters' and the classifier's initial weights (not the
+      backbone's, which are pre-trained).
+    backbone_weights: a weights file (`tff_privacy.pretrained` format, e.g.
+      from `python -m tff_privacy.models.backbone`) of a backbone of these
+      `widths`; None for the default backbone.
     widths: the backbone's stage widths.
     adapters: an adapter after each stage (adapter fine-tuning, HyperFL-LPM)
       or none (a fixed feature extractor).
     adapter_reduction: channels over bottleneck width (the authors' ViT
       adapters use 16 on 384 channels; 4 suits these narrow stages).
+    pretrain_dataset, pretrain_epochs: the default backbone is pre-trained
+      on this bundled data set (which must not be the federated task's; the
+      runner checks) for this many epochs.
+
+  Returns:
+    An uncompiled Keras model producing logits whose trainable variables
+    are the adapters' (in stage order, `ADAPTER_TENSORS` each) and `fc`'s.
+
+  Raises:
+    ValueError: for a weights file that is missing, unreadable or of another
+      architecture, or a bad width, reduction or pre-training setting.
   """
   if adapter_reduction < 1:
     raise ValueError(f"adapter_reduction must be >= 1, got {adapter_reduction}")
