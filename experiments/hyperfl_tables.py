@@ -135,28 +135,38 @@ PAPER_LPM = {"Local-only (fixed)": (72.83, 68.57),
              "HyperFL-LPM": (80.32, 75.03)}
 
 
-def run_row(args, setting: str, label: str) -> dict:
-  clients, per_round, samples = SETTINGS[args.scale][setting]
-  method, kwargs = METHODS[label]
-  out = os.path.join(args.out, setting.replace(" ", "_"), method)
+def _trained_row(args, out: str, title: str, row: dict, **config) -> dict:
+  """The row of the run in `out` (trained with `config` on the label-group
+  split unless row.json there has it): `row` plus the final personalised
+  accuracy, epsilon and seconds per round."""
   path = os.path.join(out, "row.json")
   if os.path.exists(path):
     return io.read_json(path)
-  print(f"{setting}: {label}", flush=True)
+  print(title, flush=True)
   history = runner.run(runner.RunConfig(
-      out=out, method=method, method_kwargs=kwargs, dataset=args.dataset,
-      model=MODELS.get(args.dataset, "hyperfl_cnn"), clients=clients,
-      clients_per_round=per_round, rounds=args.rounds, batch_size=50,
-      partition="label_groups", samples_per_client=samples, seed=args.seed,
-      data_dir=args.data_dir), progress=not args.quiet)
+      out=out, dataset=args.dataset, partition="label_groups", seed=args.seed,
+      data_dir=args.data_dir, **config), progress=not args.quiet)
   last = history[-1]
-  row = {"setting": setting, "method": label,
-         **{k: last[k] for k in ("personal_accuracy_mean", "personal_accuracy_std",
-                                 "personal_accuracy_min")},
+  row = {**row, **{k: last[k] for k in ("personal_accuracy_mean",
+                                        "personal_accuracy_std",
+                                        "personal_accuracy_min")},
          "epsilon": last.get("epsilon"),
          "seconds_per_round": sum(h["seconds"] for h in history) / len(history)}
   io.write_json(path, row)
   return row
+
+
+def run_row(args, setting: str, label: str) -> dict:
+  """Table 1's row `label` in `setting`."""
+  clients, per_round, samples = SETTINGS[args.scale][setting]
+  method, kwargs = METHODS[label]
+  return _trained_row(
+      args, os.path.join(args.out, setting.replace(" ", "_"), method),
+      f"{setting}: {label}", {"setting": setting, "method": label},
+      method=method, method_kwargs=kwargs,
+      model=MODELS.get(args.dataset, "hyperfl_cnn"), clients=clients,
+      clients_per_round=per_round, rounds=args.rounds, batch_size=50,
+      samples_per_client=samples)
 
 
 def _lpm_folder(args) -> str:
@@ -174,24 +184,12 @@ def lpm_row(args, label: str) -> dict:
   if args.backbone_weights:
     model_kwargs = {**model_kwargs, "backbone_weights": args.backbone_weights}
   slug = label.lower().replace(" ", "_").replace("(", "").replace(")", "")
-  out = os.path.join(args.out, _lpm_folder(args), slug)
-  path = os.path.join(out, "row.json")
-  if os.path.exists(path):
-    return io.read_json(path)
-  print(f"Table 2: {label}", flush=True)
-  history = runner.run(runner.RunConfig(
-      out=out, method=method, method_kwargs=kwargs, dataset=args.dataset,
-      model="lpm_resnet", model_kwargs=model_kwargs, clients=clients,
-      rounds=args.rounds, batch_size=16, partition="label_groups",
-      samples_per_client=samples, seed=args.seed, data_dir=args.data_dir),
-      progress=not args.quiet)
-  last = history[-1]
-  row = {"method": label,
-         **{k: last[k] for k in ("personal_accuracy_mean", "personal_accuracy_std",
-                                 "personal_accuracy_min")},
-         "seconds_per_round": sum(h["seconds"] for h in history) / len(history)}
-  io.write_json(path, row)
-  return row
+  return _trained_row(
+      args, os.path.join(args.out, _lpm_folder(args), slug),
+      f"Table 2: {label}", {"method": label}, method=method,
+      method_kwargs=kwargs, model="lpm_resnet", model_kwargs=model_kwargs,
+      clients=clients, rounds=args.rounds, batch_size=16,
+      samples_per_client=samples)
 
 
 def write_lpm_table(args, rows: list[dict]) -> str:
