@@ -347,16 +347,22 @@ def main() -> None:
   tables = {t.strip() for t in args.tables.split(",") if t.strip()}
   if not tables or tables - {"1", "2", "3"}:
     parser.error(f"--tables: {sorted(tables)}; choose from 1, 2, 3")
+  if args.backbone_weights and not os.path.isfile(args.backbone_weights):
+    parser.error(f"--backbone-weights: {args.backbone_weights!r} is not a file")
   runtime.start()
-  if "1" in tables:
-    rows = [run_row(args, s, m) for s in settings for m in methods]
-    print(write_table(args.out, rows, args.dataset, args.rounds))
-  if "2" in tables:
-    print(write_lpm_table(args, [lpm_row(args, m) for m in lpm_methods]))
-  if "3" in tables:
-    rows = [r for m in methods if m in ATTACKS for r in leak_rows(args, m)]
-    print(write_leak_table(args, rows))
-  runtime.stop()
+  try:
+    if "1" in tables:
+      rows = [run_row(args, s, m) for s in settings for m in methods]
+      print(write_table(args.out, rows, args.dataset, args.rounds))
+    if "2" in tables:
+      print(write_lpm_table(args, [lpm_row(args, m) for m in lpm_methods]))
+    if "3" in tables:
+      rows = [r for m in methods if m in ATTACKS for r in leak_rows(args, m)]
+      print(write_leak_table(args, rows))
+  except ValueError as e:  # a run's configuration, refused before it starts
+    parser.exit(2, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
+  finally:
+    runtime.stop()
 
 
 if __name__ == "__main__":
