@@ -197,3 +197,58 @@ def test_uploads_beyond_max_examples_are_refused_unless_raised(digits):
                                    "1 iterations x 1 restart(s) each")
   assert attack([record])[0].x.shape == (70, 8, 8, 1)
   assert attack.estimate_seconds([record]) > 0
+
+
+SEG_SPEC = models.ModelSpec("unet", (8, 8, 3), 2, {"widths": (16, 32)},
+                            task="segmentation")
+
+
+def _segmentation_sample(digits, i=0):
+  """A digit as a 3-channel image, its bright pixels labelled 1."""
+  x = np.repeat(digits[0][i:i + 1], 3, axis=-1)
+  return x, (x[..., 0] > 0.5).astype(np.int32)
+
+
+def test_segmentation_upload_is_the_keras_gradient_of_the_task_loss(digits):
+  x, y = _segmentation_sample(digits)
+  model = SEG_SPEC.keras(0)
+  with tf.GradientTape() as tape:
+    loss = SEG_SPEC.task_object.keras_loss()(y, model(x))
+  expected = tape.gradient(loss, model.trainable_variables)
+  got = functional.simulate_upload(
+      model, [tf.constant(v) for v in model.trainable_variables],
+      tf.constant(x), tf.one_hot(y, 2), "gradient", {"batch_size": 1})
+  for g, e in zip(got, expected):
+    np.testing.assert_allclose(g, e, atol=1e-6)
+
+
+def test_ig_inverts_a_segmentation_gradient_given_the_mask(digits):
+  x, y = _segmentation_sample(digits, 1)
+  record = _record(x, y, spec=SEG_SPEC)
+  out = attacks.InvertingGradients(iterations=1500, label_knowledge="true")(
+      [record], labels=[y])[0]
+  np.testing.assert_array_equal(out.labels, y)
+  assert metrics.image_scores(x, out.x, (0, 1))[0]["ssim"] > 0.95
+
+
+def test_dlg_optimises_one_label_per_pixel(digits):
+  x, y = _segmentation_sample(digits)
+  out = attacks.DLG(iterations=5)([_record(x, y, spec=SEG_SPEC)])[0]
+  assert out.labels.shape == (1, 8, 8)
+
+
+def test_label_knowledge_decides_the_labels_held_fixed(digits):
+  from tff_privacy.attacks.inversion import Target
+  x, y = _segmentation_sample(digits)
+  target = Target.from_record(_record(x, y, spec=SEG_SPEC), y)
+  for attack in (attacks.InvertingGradients(), attacks.IDLG()):
+    np.testing.assert_array_equal(attack.fixed_labels(target), np.zeros((1, 8, 8)))
+  assert attacks.DLG().fixed_labels(target) is None
+  np.testing.assert_array_equal(
+      attacks.DLG(label_knowledge="true").fixed_labels(target), y)
+  with pytest.raises(ValueError, match="needs the clients' labels"):
+    attacks.InvertingGradients(label_knowledge="true").targets([target.record])
+  with pytest.raises(ValueError, match=r"labels have shape \(1,\)"):
+    Target.from_record(target.record, np.zeros(1))
+  with pytest.raises(ValueError, match="attack 'rog' inverts uploads of classification"):
+    attacks.build("rog", prior=False).check_records([target.record])

@@ -68,3 +68,9 @@ def test_region_mask_is_the_union_of_the_chosen_classes():
 def test_bad_arguments_name_the_parameter(kwargs, message):
   with pytest.raises(ValueError, match=message):
     documents.generate(**{"num": 2, **kwargs})
+
+
+def test_elements_drawn_outside_a_small_page_have_no_box():
+  for seed in range(3):
+    for doc in documents.generate(8, size=documents.MIN_SIZE, seed=seed):
+      assert all(len(box) == 4 for boxes in doc.boxes.values() for box in boxes)

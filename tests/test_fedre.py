@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_privacy import models, psi, runner
+from tff_privacy import evaluate, models, psi, runner
 from tff_privacy.aggregation import PublicRegions, build_pda_pam
 from tff_privacy.algorithms import fedre
 from tff_privacy.defenses import ClientView
@@ -210,7 +210,7 @@ def test_regions_without_pixels_are_refused(tmp_path):
 def test_fedre_trains_the_segmentation_task_on_documents(tmp_path):
   config = runner.RunConfig(
       out=str(tmp_path), method="fedre", dataset="docs", model="unet",
-      model_kwargs={"widths": [2, 4]}, clients=2, rounds=1, batch_size=64, seed=2,
+      model_kwargs={"widths": [2, 4]}, clients=8, rounds=1, batch_size=64, seed=2,
       capture_rounds=(1,),
       method_kwargs={"epsilon": 1000.0, "psi_samples": 1, "public_samples": 1,
                      "regions": "28,28,32,32"})
@@ -219,3 +219,10 @@ def test_fedre_trains_the_segmentation_task_on_documents(tmp_path):
   record = UpdateStore(f"{config.out}/updates").read(1, 0)
   assert record.model_spec.task == "segmentation"
   assert record.metadata["defense"]["rounds"] == 1
+  result = evaluate.attack_round(
+      f"{config.out}/updates", 1, str(tmp_path / "attack"), "ig", [0],
+      {"iterations": 2, "max_examples": record.num_examples,
+       "label_knowledge": "true"}, region=[28, 28, 32, 32])
+  assert result["label_knowledge"].startswith("true: the client's labels")
+  assert result["region"] == [[28, 28, 32, 32]]
+  assert np.isfinite(result["mean"]["region_ssim"])

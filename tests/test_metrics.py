@@ -83,3 +83,35 @@ def test_figure_keeps_the_images_aspect_ratio(height, width):
     box = ax.images[0].get_window_extent()
     assert box.width / box.height == pytest.approx(width / height, rel=0.03)
   plt.close(fig)
+
+
+def test_region_scores_by_hand_and_scikit_image():
+  rng = np.random.default_rng(3)
+  a = rng.random((1, 12, 12, 1))
+  b = a + rng.normal(0, 0.2, a.shape)
+  mask = np.zeros((12, 12), bool)
+  mask[1:5, 2:8] = True    # 24 pixels
+  mask[8:11, 8:11] = True  # 9 pixels, a second part
+  mask[0, 11] = True       # 1 pixel: in MSE, too thin for SSIM
+  got = metrics.region_scores(a, b, mask, (0.0, 1.0))[0]
+  bc = np.clip(b, 0, 1)
+  mse = np.mean((a[0][mask] - bc[0][mask]) ** 2)
+  assert got["mse"] == pytest.approx(mse)
+  assert got["psnr"] == pytest.approx(10 * np.log10(1 / mse))
+  ssim = [skm.structural_similarity(a[0, y0:y1, x0:x1, 0], bc[0, y0:y1, x0:x1, 0],
+                                    win_size=3, data_range=1.0)
+          for y0, y1, x0, x1 in ((1, 5, 2, 8), (8, 11, 8, 11))]
+  assert got["ssim"] == pytest.approx((24 * ssim[0] + 9 * ssim[1]) / 33)
+
+
+def test_region_without_a_part_ssim_can_score_is_refused():
+  mask = np.zeros((8, 8), bool)
+  mask[0, :] = True
+  with pytest.raises(ValueError, match="at least 3x3"):
+    metrics.region_scores(np.zeros((1, 8, 8, 1)), np.zeros((1, 8, 8, 1)), mask,
+                          (0.0, 1.0))
+
+
+def test_segmentation_rows_score_the_pixel_labels():
+  rows = [{"label_pixel_accuracy": 0.5}, {"label_pixel_accuracy": 1.0}]
+  assert report.label_accuracy(rows) == 0.75

@@ -251,24 +251,21 @@ def _attack_parser(sub) -> None:
                  help="LPIPS (AlexNet) weights .npz; without it LPIPS is not computed")
   p.add_argument("--quiet", action="store_true",
                  help="no progress bar and no time estimate")
-  p.add_argument("--region", type=_box, help="also score inside this box "
-                 "x_min,y_min,x_max,y_max (pixels, maxima exclusive), e.g. "
-                 "FedRE's privacy-sensitive region")
+  p.add_argument("--region", type=_boxes, help="also score inside these "
+                 "boxes 'x_min,y_min,x_max,y_max[;...]' (pixels, maxima "
+                 "exclusive), e.g. FedRE's privacy-sensitive region")
   p.add_argument("--out", required=True)
   _attack_flags().add_to(p)
 
 
-def _box(text: str) -> list[int]:
+def _boxes(text: str) -> list[list[int]]:
   from tff_privacy import psi  # deferred: imports TF
   try:
-    boxes = psi.parse_boxes(text)
+    return psi.parse_boxes(text)
   except ValueError:
-    boxes = []
-  box = boxes[0] if len(boxes) == 1 else []
-  if len(box) != 4:
     raise argparse.ArgumentTypeError(
-        f"takes four integers x_min,y_min,x_max,y_max, got {text!r}")
-  return box
+        "takes boxes of four integers 'x_min,y_min,x_max,y_max[;...]', got "
+        f"{text!r}") from None
 
 
 def _attack(args) -> int:
@@ -285,7 +282,7 @@ def _attack(args) -> int:
         f"psnr={m['psnr']:.2f} ssim={m['ssim']:.4f} "
         f"label_accuracy={m['label_accuracy']:.2f} seconds={result['seconds']:.1f}")
   if args.region:
-    print(f"region={','.join(map(str, args.region))} "
+    print(f"region={';'.join(','.join(map(str, b)) for b in result['region'])} "
           f"region_mse={m['region_mse']:.4f} region_psnr={m['region_psnr']:.2f} "
           f"region_ssim={m['region_ssim']:.4f}")
   print(f"lpips: {m['lpips']:.4f}" if "lpips" in m else f"lpips: {result['lpips']}")

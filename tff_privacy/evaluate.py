@@ -17,6 +17,7 @@ import numpy as np
 
 from tff_privacy import attacks, io, psi
 from tff_privacy.metrics import lpips, report
+from tff_privacy.metrics.image import region_boxes
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
@@ -31,12 +32,17 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                  ground_truth: Optional[str] = None,
                  lpips_weights: Optional[str] = None,
                  progress: bool = False,
-                 region: Optional[Sequence[int]] = None) -> dict[str, Any]:
+                 region: Any = None) -> dict[str, Any]:
   """Runs `attack` on the captured `clients` (default all) of `round_num`.
 
-  With `region` (a box [x_min, y_min, x_max, y_max], maxima exclusive), the
-  reconstructions are also scored inside that box (`region_mse`,
-  `region_psnr`, `region_ssim`), e.g. FedRE's privacy-sensitive region.
+  With `region`, FedRE's privacy-sensitive region as boxes [x_min, y_min,
+  x_max, y_max] (maxima exclusive; one box or a list) or a [H, W] mask, the
+  reconstructions are also scored inside it (`region_mse`, `region_psnr`,
+  `region_ssim`; `tff_privacy.metrics.image.region_scores`).
+
+  An attack run with `label_knowledge='true'` is handed the clients' labels
+  from the ground truth (an upper bound on leakage); attack.json states the
+  attacker's label knowledge either way.
 
   LPIPS is added only when `lpips_weights` names a weights file (see
   `tff_privacy.metrics.lpips`); otherwise the report says it was not computed.
@@ -55,21 +61,17 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   # everything the scoring reads is checked before a long attack
   truth = GroundTruthStore(ground_truth or os.path.join(
       os.path.dirname(os.path.abspath(updates)), "ground_truth"))
-  for c in clients:
-    truth.read(round_num, c)
+  labels = [truth.read(round_num, c)[1] for c in clients]
   weights = lpips.load_weights(lpips_weights) if lpips_weights else None
   if region is not None:
-    height, width = records[0].model_spec.input_shape[:2]
-    region = psi.check_box(region, height, width, name="region")
-    if min(region[2] - region[0], region[3] - region[1]) < MIN_REGION_SIDE:
-      raise ValueError(f"region={list(region)}: SSIM needs a box of at least "
-                       f"{MIN_REGION_SIDE}x{MIN_REGION_SIDE} pixels")
+    region = region_mask(region, *records[0].model_spec.input_shape[:2])
   if progress:
     print(inversion.plan(records), flush=True)
     estimate = inversion.estimate_seconds(records, device)
     print(f"{attack}: estimated time about {_duration(estimate)}", flush=True)
   start = time.perf_counter()
-  reconstructions = inversion(records, device=device, seed=seed, progress=progress)
+  reconstructions = inversion(records, device=device, seed=seed,
+                              progress=progress, labels=labels)
   seconds = time.perf_counter() - start
   value_range = tuple(records[0].metadata["value_range"])
   rows, pairs = report.score(reconstructions, records, truth, value_range, region)
@@ -88,7 +90,8 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                        if not k.startswith("_")},
             "updates": os.path.abspath(updates), "round": round_num,
             "clients": clients, "device": device or "default",
-            "region": list(region) if region is not None else None,
+            "region": _boxes(region) if region is not None else None,
+            "label_knowledge": _label_knowledge(inversion, records[0]),
             "seconds": seconds, "method": records[0].metadata["method"],
             "upload_kind": records[0].upload_kind,
             "mean": means, "samples": rows, "lpips": lpips_note,
@@ -100,6 +103,42 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   report.save_figure(pairs, os.path.join(out, "reconstructions.png"), value_range,
                      title=f"{attack} on {result['method']} round {round_num}")
   return result
+
+
+def region_mask(region: Any, height: int, width: int) -> np.ndarray:
+  """`region` (a box, a list of boxes or a [height, width] mask) as a mask
+  with a part SSIM can score; a one-line `ValueError` otherwise."""
+  if isinstance(region, np.ndarray) and region.ndim == 2:
+    mask = psi.check_mask(region, height, width, name="region")
+  else:
+    boxes = [region] if np.ndim(region) == 1 else list(region)
+    mask = psi.box_mask(boxes, height, width, name="region")
+  mask = np.asarray(mask, bool)
+  if not any(min(b[0].stop - b[0].start, b[1].stop - b[1].start) >= MIN_REGION_SIDE
+             for b in region_boxes(mask)):
+    raise ValueError(f"region: SSIM needs a part of at least "
+                     f"{MIN_REGION_SIDE}x{MIN_REGION_SIDE} pixels")
+  return mask
+
+
+def _boxes(mask: np.ndarray) -> list[list[int]]:
+  """The bounding boxes [x_min, y_min, x_max, y_max] of a mask's parts."""
+  return [[b[1].start, b[0].start, b[1].stop, b[0].stop]
+          for b in region_boxes(mask)]
+
+
+def _label_knowledge(inversion, record) -> str:
+  """What attack.json says the attacker knew of the labels."""
+  knowledge = getattr(inversion, "label_knowledge", "auto")
+  if knowledge == "true":
+    return "true: the client's labels were given (an upper bound on leakage)"
+  if knowledge == "background":
+    return "background: every label taken as class 0"
+  if getattr(inversion, "OPTIMISES_LABELS", False):
+    return "optimised jointly with the inputs"
+  if record.model_spec.task_object.labels_recoverable:
+    return "recovered analytically from the upload"
+  return "none: every pixel taken as class 0 (an untampered document)"
 
 
 def _duration(seconds: float) -> str:

@@ -6,7 +6,8 @@ and searches for inputs whose simulated upload matches the captured one. The
 client's true samples are never read here. Attacks:
 
 * `DLG` (Zhu et al. 2019): squared L2 distance between uploads, L-BFGS over
-  dummy inputs and dummy soft labels jointly.
+  dummy inputs and dummy soft labels jointly (one per pixel for a
+  segmentation model).
 * `IDLG` (Zhao et al. 2020): labels recovered analytically from the last
   layer (`labels.recover_labels`), then DLG's L-BFGS over the inputs alone.
 * `InvertingGradients` (Geiping et al. 2020): 1 - cosine similarity of the
@@ -17,6 +18,14 @@ client's true samples are never read here. Attacks:
 For FedAvg model deltas the attacks simulate the client's local SGD steps
 (learning rate, epochs, batch size from the record's protocol) inside the
 objective. Every attack keeps the best iterate by its own objective.
+
+What the attacker knows of the labels is a parameter (`label_knowledge`):
+'auto' is each attack's own assumption (DLG optimises the labels; iDLG and
+IG recover class labels analytically, and, since a segmentation mask cannot
+be recovered that way, take every pixel as class 0, the attacker's prior that
+a document is untampered); 'true' hands the attack the client's labels (an
+upper bound on leakage; the caller reads them from the ground truth, the
+attack itself never does); 'background' labels everything class 0.
 
 The search runs in compiled chunks of `CHUNK` iterations; the broadcast
 weights and the upload are arguments of the compiled functions, so records of
@@ -42,12 +51,14 @@ import tensorflow_probability as tfp
 import tqdm
 from tensorflow_probability.python.optimizer import lbfgs as tfp_lbfgs
 
+from tff_privacy import tasks
 from tff_privacy.attacks import functional
 from tff_privacy.attacks.labels import recover_labels
 from tff_privacy.params import Param, Params
 from tff_privacy.updates import UpdateRecord
 
 INITS = ("randn", "uniform")
+LABEL_KNOWLEDGE = ("auto", "true", "background")
 MAX_EXAMPLES = 64
 
 
@@ -59,16 +70,25 @@ class Target:
   model: tf.keras.Model  # the architecture; weights come from `broadcast`
   broadcast: list[tf.Tensor]
   upload: list[tf.Tensor]
+  true_labels: Optional[np.ndarray] = None  # given to the attacker, if at all
 
   @classmethod
-  def from_record(cls, record: UpdateRecord) -> "Target":
+  def from_record(cls, record: UpdateRecord,
+                  true_labels: Optional[np.ndarray] = None) -> "Target":
     if record.num_examples < 1:
       raise ValueError(f"record round {record.round_num} client "
                        f"{record.client_index} stands for {record.num_examples} "
                        "examples: nothing to reconstruct")
-    return cls(record, record.model_spec.keras(),
-               [tf.constant(w) for w in record.broadcast],
-               [tf.constant(u) for u in record.upload])
+    if true_labels is not None:
+      true_labels = np.asarray(true_labels, np.int32)
+    target = cls(record, record.model_spec.keras(),
+                 [tf.constant(w) for w in record.broadcast],
+                 [tf.constant(u) for u in record.upload], true_labels)
+    if true_labels is not None and true_labels.shape != target.label_shape:
+      raise ValueError(f"round {record.round_num} client {record.client_index}: "
+                       f"the given labels have shape {true_labels.shape}, the "
+                       f"upload's have {target.label_shape}")
+    return target
 
   @property
   def num_examples(self) -> int:
@@ -83,12 +103,26 @@ class Target:
     return self.record.model_spec.num_classes
 
   @property
+  def task(self) -> tasks.Task:
+    return self.record.model_spec.task_object
+
+  @property
+  def label_shape(self) -> tuple[int, ...]:
+    """The shape of the labels behind the upload (one per sample or per
+    pixel)."""
+    return (self.num_examples,) + self.task.label_shape(self.input_shape[1:])
+
+  @property
   def value_range(self) -> tuple[float, float]:
     lo, hi = self.record.metadata["value_range"]
     return float(lo), float(hi)
 
   def recovered_labels(self) -> np.ndarray:
     """Labels inferred analytically from the upload (`recover_labels`)."""
+    if not self.task.labels_recoverable:
+      raise ValueError(f"{self.task.name} labels cannot be recovered from an "
+                       "upload; give the attack label_knowledge 'true' or "
+                       "'background'")
     return recover_labels(self.model, self.record.broadcast, self.record.upload,
                           self.num_examples, self.record.upload_kind,
                           self.record.metadata["protocol"], self.value_range)
@@ -180,6 +214,12 @@ _RESTARTS = Param("restarts", int, 1, "random restarts, the best kept", minimum=
 _ATTACKS_BY_KIND = {"hypernetwork_weights": "'ig_hyperfl' or 'tailored_hyperfl'",
                     "body_weights": "'ig_body'", "body_delta": "'ig_body'"}
 _INIT = Param("init", str, "randn", "start of the dummy inputs", choices=INITS)
+_LABEL_KNOWLEDGE = Param(
+    "label_knowledge", str, "auto", "labels the attacker uses: auto (the "
+    "attack's own: DLG optimises them, iDLG and IG recover class labels and "
+    "take segmentation pixels as class 0), true (the client's labels are "
+    "given: an upper bound), background (class 0 everywhere)",
+    choices=LABEL_KNOWLEDGE)
 _MAX_EXAMPLES = Param("max_examples", int, MAX_EXAMPLES,
                       "largest number of examples behind one upload that the "
                       "attack will try to reconstruct", minimum=1)
@@ -197,7 +237,10 @@ class GradientInversion(abc.ABC):
 
   name = "inversion"
   UPLOAD_KINDS = ("gradient", "model_delta")  # what `Target.simulate` covers
+  TASKS = ("classification",)  # the models whose uploads it can invert
   PARAMETERS = Params()
+  OPTIMISES_LABELS = False  # 'auto' labels: optimised, or recovered/class 0
+  label_knowledge = "auto"  # see the module docstring
   CHUNK = 100  # iterations per compiled call
 
   def __init__(self, compiled: bool = True, **kwargs: Any):
@@ -207,20 +250,45 @@ class GradientInversion(abc.ABC):
     self.compiled = compiled
     self._functions: dict[tuple[str, str], Callable] = {}
 
-  def targets(self, records: Sequence[UpdateRecord]) -> list[Target]:
-    """The records as targets (see `check_records`)."""
+  def targets(self, records: Sequence[UpdateRecord],
+              labels: Optional[Sequence[np.ndarray]] = None) -> list[Target]:
+    """The records as targets (see `check_records`), with the clients'
+    `labels` when the attacker is given them (`label_knowledge='true'`)."""
     self.check_records(records)
-    return [Target.from_record(r) for r in records]
+    if self.label_knowledge == "true" and labels is None:
+      raise ValueError(f"attack {self.name!r} with label_knowledge='true' "
+                       "needs the clients' labels")
+    if labels is None or self.label_knowledge != "true":
+      labels = [None] * len(records)
+    return [Target.from_record(r, y) for r, y in zip(records, labels)]
+
+  def fixed_labels(self, target: Target) -> Optional[np.ndarray]:
+    """The labels the search holds fixed (`label_knowledge`), or None where
+    it optimises them."""
+    if self.label_knowledge == "true":
+      return target.true_labels
+    if self.label_knowledge == "background":
+      return np.zeros(target.label_shape, np.int32)
+    return self._own_labels(target)
+
+  def _own_labels(self, target: Target) -> Optional[np.ndarray]:
+    """'auto': None where the attack optimises the labels, else class labels
+    recovered analytically and segmentation pixels taken as class 0."""
+    if self.OPTIMISES_LABELS:
+      return None
+    if target.task.labels_recoverable:
+      return target.recovered_labels()
+    return np.zeros(target.label_shape, np.int32)
 
   def check_records(self, records: Sequence[UpdateRecord]) -> None:
     """Raises `ValueError` for an upload of a kind the attack does not
     handle, or of more than `max_examples` examples."""
     for record in records:
-      if record.model_spec.task != "classification":
+      if record.model_spec.task not in self.TASKS:
         raise ValueError(
-            f"attack {self.name!r} inverts classifiers' uploads; round "
-            f"{record.round_num} client {record.client_index} trained a "
-            f"{record.model_spec.task} model, which no attack here models yet")
+            f"attack {self.name!r} inverts uploads of {' and '.join(self.TASKS)} "
+            f"models; round {record.round_num} client {record.client_index} "
+            f"trained a {record.model_spec.task} model: use 'dlg', 'idlg' or 'ig'")
       if record.upload_kind not in self.UPLOAD_KINDS:
         raise ValueError(
             f"attack {self.name!r} handles {', '.join(self.UPLOAD_KINDS)} "
@@ -257,11 +325,14 @@ class GradientInversion(abc.ABC):
     return per_iteration * self.iterations * self.restarts * len(records)
 
   def __call__(self, records: Sequence[UpdateRecord], device: Optional[str] = None,
-               seed: int = 0, progress: bool = False) -> list[Reconstruction]:
+               seed: int = 0, progress: bool = False,
+               labels: Optional[Sequence[np.ndarray]] = None
+               ) -> list[Reconstruction]:
     """Attacks every record, on `device` (e.g. '/GPU:0') or TF's choice;
-    with `progress`, a bar over all records' iterations."""
+    with `progress`, a bar over all records' iterations. `labels` (one
+    array per record) are read only with `label_knowledge='true'`."""
     check_device(device)
-    targets = self.targets(records)
+    targets = self.targets(records, labels)
     total = len(targets) * self.restarts * self.iterations
     out = []
     with tqdm.tqdm(total=total, disable=not progress, unit="it",
@@ -338,16 +409,15 @@ class DLG(GradientInversion):
   """
 
   name = "dlg"
+  TASKS = tasks.TASKS
   PARAMETERS = Params(
       _iterations(6000),
       Param("history", int, 100, "L-BFGS history (correction pairs)", minimum=1),
       _RESTARTS,
       Param("tolerance", float, 1e-7,
             "stop when the gradient's largest entry is below this", minimum=0),
-      _INIT, _MAX_EXAMPLES)
-
-  def _fixed_labels(self, target: Target) -> Optional[np.ndarray]:
-    return None
+      _INIT, _LABEL_KNOWLEDGE, _MAX_EXAMPLES)
+  OPTIMISES_LABELS = True
 
   def _build(self, target: Target, fixed_labels: bool):
     """(start, minimize): the L-BFGS state at a starting point, and more
@@ -355,11 +425,12 @@ class DLG(GradientInversion):
     chunk, the first included."""
     n_x = int(np.prod(target.input_shape))
     shape, c = target.input_shape, target.num_classes
+    label_logits_shape = target.label_shape + (c,)
 
     def objective(flat, y_fixed, upload, broadcast):
       x = tf.reshape(flat[:n_x], shape)
       y_soft = y_fixed if fixed_labels else tf.nn.softmax(
-          tf.reshape(flat[n_x:], (shape[0], c)))
+          tf.reshape(flat[n_x:], label_logits_shape))
       return l2_distance(target.simulate(broadcast, x, y_soft), upload)
 
     def value_and_gradient_fn(y_fixed, upload, broadcast):
@@ -390,15 +461,16 @@ class DLG(GradientInversion):
     return start, minimize
 
   def _start(self, target, rng):
-    labels = self._fixed_labels(target)
+    labels = self.fixed_labels(target)
     fixed = labels is not None
+    c = target.num_classes
     parts = [tf.reshape(_initial(target.input_shape, self.init,
                                  target.value_range, rng), [-1])]
     if not fixed:
       parts.append(tf.constant(rng.standard_normal(
-          target.num_examples * target.num_classes), tf.float32))
-    y_fixed = (tf.one_hot(labels, target.num_classes) if fixed else
-               tf.zeros((target.num_examples, target.num_classes)))
+          int(np.prod(target.label_shape)) * c), tf.float32))
+    y_fixed = (tf.one_hot(labels, c) if fixed else
+               tf.zeros(target.label_shape + (c,)))
     start = self.function(target, f"lbfgs-start-{fixed}",
                           lambda t: self._build(t, fixed)[0])
     results = start(tf.concat(parts, 0), y_fixed, target.upload, target.broadcast)
@@ -418,7 +490,8 @@ class DLG(GradientInversion):
     n_x = int(np.prod(target.input_shape))
     labels = state["labels"]
     if labels is None:
-      labels = np.argmax(flat[n_x:].reshape(target.num_examples, -1), 1)
+      labels = np.argmax(
+          flat[n_x:].reshape(target.label_shape + (target.num_classes,)), -1)
     return (flat[:n_x].reshape(target.input_shape), labels,
             float(state["results"].objective_value))
 
@@ -427,9 +500,7 @@ class IDLG(DLG):
   """iDLG: analytic label recovery, then DLG's L-BFGS over the inputs."""
 
   name = "idlg"
-
-  def _fixed_labels(self, target: Target) -> np.ndarray:
-    return target.recovered_labels()
+  OPTIMISES_LABELS = False
 
 
 class InvertingGradients(GradientInversion):
@@ -449,6 +520,7 @@ class InvertingGradients(GradientInversion):
   """
 
   name = "ig"
+  TASKS = tasks.TASKS
   PARAMETERS = Params(
       _iterations(4800),
       Param("lr", float, 0.1, "Adam learning rate", minimum=0,
@@ -459,7 +531,7 @@ class InvertingGradients(GradientInversion):
       Param("boxed", bool, True, "clip inputs to the data range after each step",
             cli=False),
       Param("lr_decay", bool, True, "divide lr by 10 at 3/8, 5/8, 7/8", cli=False),
-      _INIT, _MAX_EXAMPLES)
+      _INIT, _LABEL_KNOWLEDGE, _MAX_EXAMPLES)
 
   def _build(self, target: Target):
     lo, hi = target.value_range
@@ -497,7 +569,7 @@ class InvertingGradients(GradientInversion):
 
   def _start(self, target, rng):
     x = _initial(target.input_shape, self.init, target.value_range, rng)
-    labels = target.recovered_labels()
+    labels = self.fixed_labels(target)
     return {"x": x, "m": tf.zeros_like(x), "v": tf.zeros_like(x), "best_x": x,
             "best_loss": tf.constant(np.inf, tf.float32), "labels": labels,
             "y_soft": tf.one_hot(labels, target.num_classes)}

@@ -95,7 +95,12 @@ class _Canvas:
     if box is None:
       return
     self.draw.text((x, y), value, font=font, fill=ink or self.ink)
-    self.elements.append((cls, box, value))
+    self.add(cls, box, value)
+
+  def add(self, cls: str, box: Optional[list[int]], value: str = "") -> None:
+    """Records an element; one drawn wholly outside the image has no box."""
+    if box is not None:
+      self.elements.append((cls, box, value))
 
   def stamp(self, cx: int, cy: int, radius: int) -> None:
     colour = (int(self.rng.integers(150, 220)), int(self.rng.integers(0, 60)),
@@ -107,15 +112,14 @@ class _Canvas:
     inner = max(1, radius - 2 * width)
     self.draw.ellipse((cx - inner, cy - inner, cx + inner, cy + inner),
                       outline=colour, width=1)
-    self.elements.append(("stamp", box, ""))
+    self.add("stamp", box)
 
   def barcode(self, x: int, y: int, width: int, height: int) -> None:
     bars = self.rng.integers(0, 2, max(4, width))
     for i, bar in enumerate(bars[:width]):
       if bar:
         self.draw.line((x + i, y, x + i, y + height - 1), fill=self.ink)
-    box = _clipped((x, y, x + width, y + height), self.size)
-    self.elements.append(("barcode", box, ""))
+    self.add("barcode", _clipped((x, y, x + width, y + height), self.size))
 
   def qr(self, x: int, y: int, modules: int, cell: int) -> None:
     grid = self.rng.integers(0, 2, (modules, modules))
@@ -124,8 +128,8 @@ class _Canvas:
     for i, j in zip(*np.nonzero(grid)):
       self.draw.rectangle((x + j * cell, y + i * cell, x + (j + 1) * cell - 1,
                            y + (i + 1) * cell - 1), fill=self.ink)
-    box = _clipped((x, y, x + modules * cell, y + modules * cell), self.size)
-    self.elements.append(("qr", box, ""))
+    self.add("qr", _clipped((x, y, x + modules * cell, y + modules * cell),
+                            self.size))
 
 
 def _clipped(box, size: int) -> Optional[list[int]]:

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
+from scipy import ndimage
 from scipy.optimize import linear_sum_assignment
 from skimage import metrics as skm
 
@@ -43,6 +44,48 @@ def image_scores(x_true: np.ndarray, x_rec: np.ndarray,
     psnr = (PSNR_CAP_DB if mse == 0 else
             min(PSNR_CAP_DB, float(skm.peak_signal_noise_ratio(a, b, data_range=hi - lo))))
     scores.append({"mse": mse, "psnr": psnr, "ssim": _ssim(a, b, hi - lo)})
+  return scores
+
+
+def region_boxes(mask: np.ndarray) -> list[tuple[slice, slice]]:
+  """The bounding boxes (row and column slices) of the 8-connected
+  components of a [H, W] mask."""
+  components, _ = ndimage.label(mask, structure=np.ones((3, 3)))
+  return ndimage.find_objects(components)
+
+
+def region_scores(x_true: np.ndarray, x_rec: np.ndarray, mask: np.ndarray,
+                  value_range: Sequence[float],
+                  min_side: int = 3) -> list[dict[str, float]]:
+  """Per-image MSE, PSNR and SSIM inside a region, a [H, W] mask.
+
+  MSE and PSNR are over the region's pixels. SSIM is scored on the crop of
+  each connected component's bounding box, and the crops' SSIMs averaged
+  weighted by their pixels in the region; components whose box is thinner
+  than `min_side` pixels (SSIM's smallest window) are left out of SSIM. A
+  region of one box is therefore scored on exactly that crop.
+
+  Raises:
+    ValueError: if the mask is empty or has no component to score SSIM on.
+  """
+  mask = np.asarray(mask, bool)
+  boxes = [b for b in region_boxes(mask)
+           if min(b[0].stop - b[0].start, b[1].stop - b[1].start) >= min_side]
+  if not mask.any() or not boxes:
+    raise ValueError(f"the region has no part of at least {min_side}x{min_side} "
+                     "pixels to score")
+  lo, hi = value_range
+  x_true = np.asarray(x_true, np.float64)
+  x_rec = np.clip(np.asarray(x_rec, np.float64), lo, hi)
+  weights = np.array([mask[b].sum() for b in boxes], np.float64)
+  scores = []
+  for a, b in zip(x_true, x_rec):
+    mse = float(np.mean(np.square(a[mask] - b[mask])))
+    psnr = (PSNR_CAP_DB if mse == 0 else
+            min(PSNR_CAP_DB, 10 * np.log10((hi - lo) ** 2 / mse)))
+    ssim = [_ssim(a[box], b[box], hi - lo) for box in boxes]
+    scores.append({"mse": mse, "psnr": float(psnr),
+                   "ssim": float(np.average(ssim, weights=weights))})
   return scores
 
 

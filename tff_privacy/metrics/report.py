@@ -11,7 +11,7 @@ import numpy as np
 
 from tff_privacy import io
 from tff_privacy.metrics.image import (feature_mse, image_scores, match_by_mse,
-                                       summarize)
+                                       region_scores, summarize)
 from tff_privacy.updates import GroundTruthStore
 
 
@@ -21,14 +21,18 @@ REGION_KEYS = ("region_mse", "region_psnr", "region_ssim")
 
 def score(reconstructions: Sequence[Any], records: Sequence[Any],
           truth: GroundTruthStore, value_range,
-          region: Optional[Sequence[int]] = None
+          region: Optional[np.ndarray] = None
           ) -> tuple[list[dict[str, Any]], list[tuple[np.ndarray, np.ndarray]]]:
   """Per-sample scores (after MSE matching within each client's batch) and
   the aligned (true, reconstructed) image pairs for the figure.
 
-  With `region`, a box [x_min, y_min, x_max, y_max] (maxima exclusive), each
-  row also scores the box's crop of both images: `region_mse`,
-  `region_psnr`, `region_ssim` (FedRE's privacy-sensitive region).
+  With `region`, a [H, W] mask (FedRE's privacy-sensitive region), each row
+  also scores the region (`region_mse`, `region_psnr`, `region_ssim`; see
+  `tff_privacy.metrics.image.region_scores`).
+
+  Labels: a classifier's row holds the recovered and the true label; a
+  segmentation model's row holds `label_pixel_accuracy`, the share of
+  pixels whose label the attack used (or found) is the true one.
 
   `records` are the attacked `UpdateRecord`s, in the same order; their
   broadcast model gives the features of the feature MSE. Where the
@@ -44,25 +48,33 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
     x_rec, labels = rec.x[perm], np.asarray(rec.labels)[perm]
     model = record.model_spec.keras()
     whole_model = record.upload_kind in WHOLE_MODEL_UPLOADS
-    crops = (image_scores(_crop(x_true, region), _crop(x_rec, region), value_range)
-             if region is not None else None)
+    inside = (region_scores(x_true, x_rec, region, value_range)
+              if region is not None else None)
     for i, s in enumerate(image_scores(x_true, x_rec, value_range)):
-      if crops is not None:
-        s.update({f"region_{k}": v for k, v in crops[i].items()})
+      if inside is not None:
+        s.update({f"region_{k}": v for k, v in inside[i].items()})
       s["feature_mse"] = (feature_mse(model, record.broadcast, x_true[i:i + 1],
                                       np.clip(x_rec[i:i + 1], lo, hi))
                           if whole_model else float("nan"))
       rows.append({"round": rec.round_num, "client": rec.client_index,
-                   "sample": i, **s, "recovered_label": int(labels[i]),
-                   "true_label": int(y_true[i]),
+                   "sample": i, **s, **_label_scores(labels[i], y_true[i]),
                    "attack_objective": rec.objective})
       pairs.append((x_true[i], x_rec[i]))
   return rows, pairs
 
 
-def _crop(images: np.ndarray, box: Sequence[int]) -> np.ndarray:
-  x0, y0, x1, y1 = box
-  return images[:, y0:y1, x0:x1]
+def _label_scores(recovered: np.ndarray, true: np.ndarray) -> dict[str, Any]:
+  if np.ndim(true) == 0:
+    return {"recovered_label": int(recovered), "true_label": int(true)}
+  return {"label_pixel_accuracy": float(np.mean(recovered == true))}
+
+
+def label_accuracy(rows: Sequence[dict[str, Any]]) -> float:
+  """Class labels: `label_count_accuracy`; per-pixel labels: the mean
+  `label_pixel_accuracy`."""
+  if rows and "label_pixel_accuracy" in rows[0]:
+    return float(np.mean([r["label_pixel_accuracy"] for r in rows]))
+  return label_count_accuracy(rows)
 
 
 def label_count_accuracy(rows: Sequence[dict[str, Any]]) -> float:
@@ -85,7 +97,7 @@ def mean_scores(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
   keys = ("mse", "psnr", "ssim", "feature_mse") + tuple(
       k for k in REGION_KEYS if rows and k in rows[0])
   means = summarize([{k: r[k] for k in keys} for r in rows])
-  means["label_accuracy"] = label_count_accuracy(rows)
+  means["label_accuracy"] = label_accuracy(rows)
   return means
 
 
