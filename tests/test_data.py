@@ -97,3 +97,22 @@ def test_client_data_is_traceable_by_tff():
   np.testing.assert_array_equal(np.stack([e["y"] for e in ds]), y)
   everything = cd.create_tf_dataset_from_all_clients()
   assert sum(1 for _ in everything) == sum(len(i) for i in fed.client_indices)
+
+
+def test_group_partition_gives_each_client_one_group():
+  from tff_privacy.data import partitioners
+  groups = np.array(["a", "b", "a", "b", "a", "c"])
+  parts = partitioners.by_group(groups, 4, seed=0)
+  # clients 0 and 3 share group 'a' (3 samples); 1 takes 'b', 2 takes 'c'
+  assert sorted(np.concatenate([parts[0], parts[3]]).tolist()) == [0, 2, 4]
+  assert sorted([len(parts[0]), len(parts[3])]) == [1, 2]
+  assert parts[1].tolist() == [1, 3] and parts[2].tolist() == [5]
+  with pytest.raises(ValueError, match="group 'c' has 1 samples for 2 clients"):
+    partitioners.by_group(groups, 6, seed=0)
+
+
+def test_group_partition_needs_groups_and_segmentation_refuses_label_splits():
+  with pytest.raises(ValueError, match="partition='groups' needs a data set whose"):
+    data.load("digits", 2, partition="groups")
+  with pytest.raises(ValueError, match="takes 'iid' or 'groups'"):
+    data.load("docs", 2, partition="dirichlet")

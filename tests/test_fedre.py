@@ -48,7 +48,7 @@ def test_regions_from_strings_and_json(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("0,0,2", "four integers"), ("a,b", "expected 'x0,y0,x1,y1"),
+    ("0,0,2", "four integers"), ("a,b", "needs a data set with element maps"),
     ("0,0,9,2", r"regions\[0\]"), ("missing.json", "no such file")])
 def test_bad_regions_are_refused(text, message):
   with pytest.raises(ValueError, match=message):
@@ -61,7 +61,7 @@ def test_json_regions_need_known_clients_and_a_default(tmp_path):
   with pytest.raises(ValueError, match=r"clients \['5'\]"):
     fedre.client_regions(str(path), 2, 8, 8)
   path.write_text(json.dumps({"clients": {"0": [[0, 0, 1, 1]]}}))
-  with pytest.raises(ValueError, match="client 1 has no boxes"):
+  with pytest.raises(ValueError, match="client 1 has no region"):
     fedre.client_regions(str(path), 2, 8, 8)
   path.write_text("{not json")
   with pytest.raises(ValueError, match="not readable JSON"):
@@ -132,7 +132,7 @@ def test_pda_pam_matches_eqs_10_and_11(rule):
   public = PublicRegions(rng.random((2, H, W, C)).astype(np.float32), np.array([1, 2]),
                          np.repeat(MASK[None], 2, 0))
   aggregate = build_pda_pam(SPEC, public, rule=rule)
-  got, measurements = aggregate(server, updates)
+  got, measurements = aggregate(server, updates, [0, 0, 0])
   expected = _plain_pda_pam(server, updates, public, rule)
   for g, e in zip(got, expected):
     np.testing.assert_allclose(g, e, rtol=2e-4, atol=1e-7)
@@ -226,3 +226,44 @@ def test_fedre_trains_the_segmentation_task_on_documents(tmp_path):
   assert result["label_knowledge"].startswith("true: the client's labels")
   assert result["region"] == [[28, 28, 32, 32]]
   assert np.isfinite(result["mean"]["region_ssim"])
+
+
+@pytest.fixture(scope="module")
+def documents_by_format():
+  from tff_privacy import data
+  from tff_privacy.data import documents
+  return data.load("docs", 5, partition="groups"), documents.generate(800, seed=0)
+
+
+def test_regions_from_a_preference_cover_each_clients_elements(documents_by_format):
+  from tff_privacy.data import documents
+  fed, docs = documents_by_format
+  masks = fedre.client_regions("numbers", 5, 64, 64, data=fed)
+  for c, idx in enumerate(fed.client_indices):
+    assert len({docs[i].format for i in idx}) == 1  # one data category each
+    expected = np.any([documents.region_mask(docs[i], ("amount", "phone", "id_number"))
+                       for i in idx], axis=0)
+    np.testing.assert_array_equal(masks[c], expected)
+  with pytest.raises(ValueError, match="element classes \\['logo'\\]: choose from"):
+    fedre.client_regions("logo", 5, 64, 64, data=fed)
+
+
+def test_public_sets_hold_the_clients_category_with_its_regions(documents_by_format,
+                                                                tmp_path):
+  from tff_privacy import algorithms
+  from tff_privacy.data import documents
+  fed, docs = documents_by_format
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps({"default": "marks", "clients": {"1": "amount"}}))
+  masks = fedre.client_regions(str(path), 5, 64, 64, data=fed)
+  federation = algorithms.Federation(1, (1,) * 5, fed.test, data=fed)
+  sets = fedre.public_regions(federation, str(path), masks, 3)
+  test_docs = docs[640:]
+  for c, public in enumerate(sets):
+    fmt = docs[fed.client_indices[c][0]].format
+    classes = ("amount",) if c == 1 else documents.PRIVACY_PREFERENCES["marks"]
+    chosen = [d for d in test_docs if d.format == fmt
+              and documents.region_mask(d, classes).any()][:3]
+    np.testing.assert_array_equal(public.x, [d.image for d in chosen])
+    np.testing.assert_array_equal(public.masks,
+                                  [documents.region_mask(d, classes) for d in chosen])

@@ -285,7 +285,7 @@ class Run:
         seed=config.seed, defense=None if self.central else defense,
         federation=algorithms.Federation(
             config.rounds, tuple(len(i) for i in self.fed.client_indices),
-            self.fed.test, config.dp_delta),
+            self.fed.test, config.dp_delta, self.fed),
         **config.method_kwargs)
     if self.central and not self.algorithm.aggregates_uploads:
       raise ValueError(f"defense {config.defense!r} transforms the aggregate, "

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -79,38 +79,50 @@ class PublicRegions:
                        "select at least one pixel per sample")
 
 
-def build_pda_pam(spec, public: PublicRegions, *, rule: str = "paper",
-                  pixels: Optional[int] = None,
+def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
+                  *, rule: str = "paper", pixels: Optional[int] = None,
                   loss_fn: psi.scores.LossFn = psi.scores.CLASSIFICATION_LOSS
                   ) -> tff.Computation:
   """PDA-PAM as a federated computation.
 
   Args:
     spec: the `tff_privacy.models.ModelSpec` of the uploads.
-    public: the public samples and regions the server scores with.
+    public: the public samples and regions the server scores with, one set
+      per profile (a client's data category and privacy preference), all of
+      the same size; a single set serves every client.
     rule: 'paper' (eq. 11 as written) or 'normalized' (see the module).
     pixels: region pixels per public sample for the PSI estimator (None:
       exact).
     loss_fn: the task's loss, as in `tff_privacy.psi.psi_scores`.
 
   Returns:
-    A `tff.Computation` (server weights@SERVER, uploads@CLIENTS) ->
-    (aggregate@SERVER, measurements@SERVER).
+    A `tff.Computation` (server weights@SERVER, uploads@CLIENTS, each
+    upload's profile index@CLIENTS) -> (aggregate@SERVER,
+    measurements@SERVER).
 
   Raises:
-    ValueError: for an unknown `rule`.
+    ValueError: for an unknown `rule`, or public sets of different sizes.
   """
   if rule not in UPDATE_RULES:
     raise ValueError(f"rule={rule!r}; choose one of {UPDATE_RULES}")
+  sets = [public] if isinstance(public, PublicRegions) else list(public)
+  if not sets or len({len(p.x) for p in sets}) != 1:
+    raise ValueError(f"public sets: need at least one, all of one size; got "
+                     f"sizes {[len(p.x) for p in sets]}")
   trainable = tff.types.tensorflow_to_type(
       [tf.TensorSpec(w.shape, tf.float32) for w in spec.initial_weights(0)])
-  public_x = public.x.astype(np.float32)
+  public_x = np.stack([p.x for p in sets]).astype(np.float32)
+  public_y = np.stack([p.y for p in sets])
+  public_masks = np.stack([p.masks for p in sets])
 
-  @tff.tensorflow.computation(trainable, trainable)
-  def score(server_weights, update):
+  @tff.tensorflow.computation(trainable, trainable, np.int32)
+  def score(server_weights, update, profile):
     client_model = [w - d for w, d in zip(server_weights, update)]
-    scores = psi.psi_scores(spec.keras(), client_model, public_x, public.y,
-                            public.masks, loss_fn, pixels=pixels).scores
+    scores = psi.psi_scores(spec.keras(), client_model,
+                            tf.gather(public_x, profile),
+                            tf.gather(public_y, profile),
+                            tf.gather(public_masks, profile), loss_fn,
+                            pixels=pixels).scores
     return tf.reduce_mean(scores, 0)
 
   score_type = score.type_signature.result
@@ -139,10 +151,11 @@ def build_pda_pam(spec, public: PublicRegions, *, rule: str = "paper",
         spread_capped=capped)
 
   @tff.federated_computation(tff.FederatedType(trainable, tff.SERVER),
-                             tff.FederatedType(trainable, tff.CLIENTS))
-  def aggregate(server_weights, updates):
+                             tff.FederatedType(trainable, tff.CLIENTS),
+                             tff.FederatedType(np.int32, tff.CLIENTS))
+  def aggregate(server_weights, updates, profiles):
     scores = tff.federated_map(score, (tff.federated_broadcast(server_weights),
-                                       updates))
+                                       updates, profiles))
     high, low = tff.federated_max(scores), tff.federated_min(scores)
     bounds = tff.federated_broadcast(tff.federated_zip((high, low)))
     sums = tff.federated_sum(tff.federated_map(weigh, (updates, scores, bounds)))
@@ -153,12 +166,16 @@ def build_pda_pam(spec, public: PublicRegions, *, rule: str = "paper",
 
 def compose_with_server_aggregation(
     initial_model_weights_fn: tff.Computation, client_work, server_aggregation,
-    server_optimizer, model_aggregator=None) -> tff.learning.templates.LearningProcess:
+    server_optimizer, client_profile_fn: tff.Computation,
+    model_aggregator=None) -> tff.learning.templates.LearningProcess:
   """A `LearningProcess` like `tff.learning.templates.compose_learning_process`
   whose server step uses `server_aggregation` (e.g. `build_pda_pam`'s) on
-  (the broadcast model, the uploads) instead of the model aggregator's
-  result. `model_aggregator` (a weighted factory, default a mean) still runs
-  on the uploads for its measurements, e.g. upload capture."""
+  (the broadcast model, the uploads, the clients' profiles) instead of the
+  model aggregator's result. `client_profile_fn` maps a client's data to
+  its profile index, which the client declares (its data category, public
+  like the region it chose for the server's scoring). `model_aggregator` (a
+  weighted factory, default a mean) still runs on the uploads for its
+  measurements, e.g. upload capture."""
   weights_type = initial_model_weights_fn.type_signature.result
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
   aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
@@ -188,8 +205,9 @@ def compose_with_server_aggregation(
     mean = aggregator.next(state.aggregator, work.result.update,
                            work.result.update_weight)
     trainable = tff.federated_map(trainable_of, state.global_model_weights)
-    aggregate, server_measurements = server_aggregation(trainable,
-                                                        work.result.update)
+    profiles = tff.federated_map(client_profile_fn, data)
+    aggregate, server_measurements = server_aggregation(
+        trainable, work.result.update, profiles)
     final = finalizer.next(state.finalizer, state.global_model_weights, aggregate)
     new_state = tff.federated_zip(State(final.result, sent.state, work.state,
                                         mean.state, final.state))

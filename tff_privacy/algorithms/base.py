@@ -57,12 +57,16 @@ class Federation:
       split), for server-side resources such as PDA-PAM's public set.
     dp_delta: the delta at which the run reports epsilon (a method that
       splits a budget, FedRE, takes it as its total delta).
+    data: the run's `tff_privacy.data.FederatedData`, for facts of the
+      clients' samples a method configures itself by (FedRE's regions from
+      element maps, its public sets by data category).
   """
 
   rounds: int
   client_sizes: tuple[int, ...]
   public_data: Optional[tuple[np.ndarray, np.ndarray]] = None
   dp_delta: float = 1e-5
+  data: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,18 +30,27 @@ for 'paper' the bound that holds for every split eq. 6 can produce, for
 which the PSI split, computed from private data, is not (see
 `tff_privacy.dp.layerwise_budget`).
 
-Regions (`regions`): every client's privacy-sensitive region on its images,
-given as boxes `x_min,y_min,x_max,y_max` (maxima exclusive, ';' between
-boxes) for every client, or a JSON file
-`{"default": [[x0, y0, x1, y1], ...], "clients": {"3": [[...]], ...}}`.
-Default: the central box of a quarter of the image's height and width.
+Regions (`regions`): every client's privacy-sensitive region on its images
+(its privacy preference, Fig. 1), either boxes `x_min,y_min,x_max,y_max`
+(maxima exclusive, ';' between boxes) or element classes of a data set with
+element maps (the documents): a preference of
+`tff_privacy.data.documents.PRIVACY_PREFERENCES` ('numbers', 'marks') or
+class names 'amount,stamp'. The same for every client, or per client from a
+JSON file `{"default": ..., "clients": {"3": ..., ...}}` whose values are
+lists of boxes or such strings. Default: the central box of a quarter of
+the image's height and width. With element classes, a client's region is the
+union of those elements over its training images; with the 'groups'
+partition each client holds one document format (its data category), so
+that union is the format's layout of the chosen elements. PDA-PAM scores a
+client's upload on public samples of its category, each with its own
+elements of the client's classes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import dp_accounting
 import numpy as np
@@ -56,12 +65,14 @@ from tff_privacy.algorithms.base import (Algorithm, Federation, Method,
                                          check_positive, refuse_defense,
                                          server_learning_rate)
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
+from tff_privacy.data.documents import PRIVACY_PREFERENCES
 from tff_privacy.defenses.updates import (LOCAL_RELATION, ClientView,
                                           UpdateDefense, run_local_query)
 from tff_privacy.dp import LayerwiseGaussianQuery
 from tff_privacy.dp import layerwise_budget as budget
 
 MASK_KEY = "psi_mask"
+PROFILE_KEY = "public_profile"  # which public set PDA-PAM scores a client on
 BUDGET_SPLITS = ("psi", "even")
 NOISE_CALIBRATIONS = ("paper", "accountant")
 AGGREGATIONS = ("pda_pam", "mean")
@@ -85,9 +96,10 @@ PARAMETERS = params.Params(
                  "PSI scores are averaged", minimum=1),
     params.Param("psi_pixels", int, None, "region pixels per sample for the "
                  "PSI estimator (default: all, exact)", minimum=2),
-    params.Param("regions", str, None, "privacy-sensitive regions: "
-                 "'x0,y0,x1,y1[;...]' for every client or a JSON file "
-                 "(default: the central box of a quarter of each side)"),
+    params.Param("regions", str, None, "privacy-sensitive regions: boxes "
+                 "'x0,y0,x1,y1[;...]', element classes ('numbers', 'marks' "
+                 "or 'amount,stamp' on docs) or a JSON file of them per "
+                 "client (default: the central box of a quarter of each side)"),
     params.Param("aggregation", str, "pda_pam", "pda_pam: eqs. 10-11; mean: "
                  "FedRE without PDA-PAM", choices=AGGREGATIONS),
     params.Param("pda_pam_rule", str, "paper", "paper: eq. 11 as written; "
@@ -111,45 +123,83 @@ def default_box(height: int, width: int) -> list[int]:
 
 
 def client_regions(regions: Optional[str], num_clients: int, height: int,
-                   width: int) -> list[np.ndarray]:
+                   width: int, data=None) -> list[np.ndarray]:
   """Every client's [height, width] region mask from the `regions` parameter
-  (see the module docstring); each holds at least one pixel."""
-  masks = _client_masks(regions, num_clients, height, width)
-  return [psi.check_mask(m, height, width, name=f"regions of client {c}")
-          for c, m in enumerate(masks)]
+  (see the module docstring); each holds at least one pixel. Element classes
+  need `data` (a `tff_privacy.data.FederatedData` with element maps): a
+  client's region is every pixel its training images have an element of
+  those classes on (the union over its samples, so that the region covers
+  the sensitive content of each)."""
+  masks = []
+  for c, (kind, value) in enumerate(region_specs(regions, num_clients)):
+    if kind == "default":
+      mask = psi.box_mask([default_box(height, width)], height, width)
+    elif kind == "boxes":
+      mask = psi.box_mask(value, height, width, name=f"regions[{c}]")
+    else:
+      mask = _element_masks(data, value, regions)[data.client_indices[c]].any(0)
+    masks.append(psi.check_mask(mask, height, width, name=f"regions of client {c}"))
+  return masks
 
 
-def _client_masks(regions, num_clients, height, width):
+def region_specs(regions: Optional[str], num_clients: int) -> list[tuple[str, list]]:
+  """Each client's region as ('boxes', boxes), ('classes', element
+  classes) or ('default', None)."""
   if regions is None:
-    mask = psi.box_mask([default_box(height, width)], height, width)
-    return [mask] * num_clients
+    return [("default", None)] * num_clients
   if not regions.endswith(".json"):
-    boxes = psi.parse_boxes(regions, name="regions")
-    mask = psi.box_mask(boxes, height, width, name="regions")
-    return [mask] * num_clients
-  if not os.path.isfile(regions):
-    raise ValueError(f"regions={regions!r}: no such file")
-  try:
-    with open(regions) as f:
-      spec = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"regions={regions!r} is not readable JSON: {e}") from None
-  if not isinstance(spec, dict) or set(spec) - {"default", "clients"}:
-    raise ValueError(f"regions={regions!r}: expected an object with keys "
-                     "'default' and 'clients'")
+    return [_region_spec(regions, "regions")] * num_clients
+  spec = _read_json(regions)
   own = spec.get("clients", {})
   unknown = [c for c in own if not str(c).isdigit() or int(c) >= num_clients]
   if unknown:
     raise ValueError(f"regions={regions!r}: clients {unknown} are not client "
                      f"indices 0..{num_clients - 1}")
-  masks = []
+  out = []
   for c in range(num_clients):
-    boxes = own.get(str(c), spec.get("default"))
-    if boxes is None:
-      raise ValueError(f"regions={regions!r}: client {c} has no boxes and "
+    value = own.get(str(c), spec.get("default"))
+    if value is None:
+      raise ValueError(f"regions={regions!r}: client {c} has no region and "
                        "there is no 'default'")
-    masks.append(psi.box_mask(boxes, height, width, name=f"regions[{c}]"))
-  return masks
+    out.append(_region_spec(value, f"regions[{c}]"))
+  return out
+
+
+def _region_spec(value, name: str) -> tuple[str, list]:
+  """Boxes (a list, or 'x0,y0,x1,y1[;...]') or element classes (a
+  preference of `PRIVACY_PREFERENCES` or 'class[,class...]')."""
+  if not isinstance(value, str):
+    return "boxes", value
+  if not any(ch.isalpha() for ch in value):
+    return "boxes", psi.parse_boxes(value, name=name)
+  if value in PRIVACY_PREFERENCES:
+    return "classes", list(PRIVACY_PREFERENCES[value])
+  return "classes", [c.strip() for c in value.split(",")]
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    raise ValueError(f"regions={path!r}: no such file")
+  try:
+    with open(path) as f:
+      spec = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"regions={path!r} is not readable JSON: {e}") from None
+  if not isinstance(spec, dict) or set(spec) - {"default", "clients"}:
+    raise ValueError(f"regions={path!r}: expected an object with keys "
+                     "'default' and 'clients'")
+  return spec
+
+
+def _element_masks(data, classes, regions, split: str = "train") -> np.ndarray:
+  if data is None or data.source.elements is None:
+    raise ValueError(f"regions={regions!r} names element classes {classes}; "
+                     "that needs a data set with element maps (e.g. 'docs'), "
+                     "else give boxes")
+  try:
+    return data.source.elements.masks(classes, split)
+  except ValueError as e:
+    raise ValueError(f"regions={regions!r}: {e}") from None
 
 
 class FedREMechanism(UpdateDefense):
@@ -171,7 +221,9 @@ class FedREMechanism(UpdateDefense):
     self.round_multiplier = (budget.round_multiplier(epsilon, delta, rounds)
                              if noise_calibration == "accountant" else None)
     height, width = spec.input_shape[:2]
-    self.client_input_types = {MASK_KEY: tff.TensorType(np.float32, [height, width])}
+    # the profile only travels with the data, for the server's PDA-PAM
+    self.client_input_types = {MASK_KEY: tff.TensorType(np.float32, [height, width]),
+                               PROFILE_KEY: tff.TensorType(np.int32)}
 
   def params(self):
     return {"epsilon": self.epsilon, "delta": self.delta, "rounds": self.rounds,
@@ -229,7 +281,7 @@ class FedREMechanism(UpdateDefense):
 def build_fedre(spec, mechanism: FedREMechanism, *,
                 client_learning_rate: float = 0.005,
                 server_learning_rate: float = 1.0,
-                public: Optional[PublicRegions] = None,
+                public: Optional[Sequence[PublicRegions]] = None,
                 pda_pam_rule: str = "paper",
                 model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
                 ) -> tff.learning.templates.LearningProcess:
@@ -241,15 +293,16 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
     mechanism: the clients' `FedREMechanism` (budget, clip, PSI settings).
     client_learning_rate: the clients' local SGD rate.
     server_learning_rate: the server's SGD step on the aggregate.
-    public: the server's public samples and regions; None aggregates by the
-      plain example-weighted mean (FedRE without PDA-PAM).
+    public: the server's public samples and regions, one set per profile
+      (a client's 'public_profile' input indexes them); None aggregates by
+      the plain example-weighted mean (FedRE without PDA-PAM).
     pda_pam_rule: 'paper' or 'normalized' (see `tff_privacy.aggregation`).
     model_aggregator: the weighted aggregator of the uploads (e.g. a capture
       wrapper); with `public`, it runs for its measurements only.
 
   Returns:
     A `tff.learning.templates.LearningProcess` whose client data carry a
-    'seed' and a 'psi_mask' in every batch.
+    'seed', a 'psi_mask' and a 'public_profile' in every batch.
 
   Raises:
     ValueError: for a learning rate <= 0 or an unknown `pda_pam_rule`.
@@ -271,24 +324,48 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
   def initial_model_weights_fn():
     return tff.learning.models.ModelWeights.from_model(model_fn())
 
+  @tff.tensorflow.computation(client_work.next.type_signature.parameter[2].member)
+  def client_profile(dataset):
+    return dataset.reduce(tf.constant(0, tf.int32), lambda _, b: b[PROFILE_KEY])
+
   return compose_with_server_aggregation(
       initial_model_weights_fn, client_work,
       build_pda_pam(spec, public, rule=pda_pam_rule, pixels=mechanism.psi_pixels,
                     loss_fn=spec.task_object.loss),
-      server_optimizer, model_aggregator)
+      server_optimizer, client_profile, model_aggregator)
 
 
-def public_regions(federation, masks: list[np.ndarray],
-                   count: int) -> PublicRegions:
-  """The server's first `count` public samples (the run's test split, on
-  which no client trains), each with the region of the first client: the
-  regions of the clients' data category."""
+def public_regions(federation: Federation, regions: Optional[str],
+                   masks: list[np.ndarray], count: int) -> list[PublicRegions]:
+  """Each client's public set for PDA-PAM: the run's test split (no client
+  trains on it), restricted, where samples have groups, to the groups
+  (data categories) of the client's training samples; each sample with the
+  client's region: its boxes (`masks`), or the sample's own elements of the
+  client's classes. The first `count` samples whose region is not empty,
+  the same number for every client (the smallest client's)."""
   if federation.public_data is None:
     raise ValueError("aggregation='pda_pam' needs a public data set; build "
                      "fedre inside a run, or set aggregation='mean'")
   x, y = federation.public_data
-  x, y = x[:count], y[:count]
-  return PublicRegions(x, y, np.repeat(masks[0][None], len(x), axis=0))
+  data = federation.data
+  chosen = []
+  for c, (kind, classes) in enumerate(region_specs(regions, len(masks))):
+    idx = np.arange(len(x))
+    if data is not None and data.source.groups is not None:
+      train_groups, test_groups = data.source.groups
+      idx = idx[np.isin(test_groups, train_groups[data.client_indices[c]])]
+    if kind == "classes":
+      sample_masks = _element_masks(data, classes, regions, "test")[idx]
+    else:
+      sample_masks = np.repeat(masks[c][None], len(idx), axis=0)
+    keep = sample_masks.any(axis=(1, 2))
+    chosen.append((idx[keep][:count], sample_masks[keep][:count]))
+  size = min(len(idx) for idx, _ in chosen)
+  if size == 0:
+    raise ValueError(f"regions={regions!r}: a client has no public sample "
+                     "with a pixel of its region for PDA-PAM")
+  return [PublicRegions(x[idx[:size]], y[idx[:size]], m[:size])
+          for idx, m in chosen]
 
 
 def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
@@ -304,13 +381,13 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
   federation = federation or Federation(rounds=1, client_sizes=(0,))
   delta = federation.dp_delta
   masks = client_regions(regions, len(federation.client_sizes),
-                         *spec.input_shape[:2])
+                         *spec.input_shape[:2], data=federation.data)
   mechanism = FedREMechanism(
       spec, epsilon=epsilon, delta=delta,
       rounds=budget_rounds or federation.rounds, clip=clip,
       budget_split=budget_split, noise_calibration=noise_calibration,
       psi_samples=psi_samples, psi_pixels=psi_pixels)
-  public = (public_regions(federation, masks, public_samples)
+  public = (public_regions(federation, regions, masks, public_samples)
             if aggregation == "pda_pam" else None)
   return Algorithm(
       name="fedre", upload_kind="model_delta", local_data="epochs",
@@ -327,7 +404,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
                 "aggregation": aggregation, "pda_pam_rule": pda_pam_rule},
       client_inputs=lambda client, round_num: {
           SEED_KEY: client_seed(seed, round_num, client),
-          MASK_KEY: masks[client].astype(np.float32)},
+          MASK_KEY: masks[client].astype(np.float32),
+          PROFILE_KEY: np.int32(client)},
       defense={"name": mechanism.name, **mechanism.params()},
       dp_event=mechanism.dp_event, dp_relation=mechanism.dp_relation,
       stated_privacy={"paper_epsilon": epsilon, "paper_delta": delta,

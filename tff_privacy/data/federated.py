@@ -82,7 +82,9 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
     dataset: one of `tff_privacy.data.DATASETS`.
     num_clients: number of clients (<= number of training samples).
     partition: 'iid', 'dirichlet' (label skew with concentration `alpha`),
-      'one_per_client' or 'label_groups' (HyperFL's non-IID split).
+      'one_per_client', 'label_groups' (HyperFL's non-IID split) or
+      'groups' (each client one of the data set's sample groups, e.g. the
+      documents' formats: FedRE's data categories).
     alpha: Dirichlet concentration, > 0.
     seed: seeds the partition.
     data_dir: `tensorflow_datasets` data directory for the full data sets.
@@ -93,9 +95,18 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
     raise ValueError("samples_per_client applies to partition='label_groups' "
                      f"only, got partition={partition!r}")
   source = sources.load_source(dataset, data_dir=data_dir)
+  if partition == "groups":
+    if source.groups is None:
+      raise ValueError(f"partition='groups' needs a data set whose samples "
+                       f"have groups (e.g. 'docs'); {dataset!r} has none")
+    train_groups, test_groups = source.groups
+    return FederatedData(
+        source, tuple(partitioners.by_group(train_groups, num_clients, seed)),
+        tuple(partitioners.by_group(test_groups, num_clients, seed + 1)))
   if source.task != "classification" and partition != "iid":
     raise ValueError(f"partition={partition!r} splits by class label; "
-                     f"dataset {dataset!r} ({source.task}) takes 'iid'")
+                     f"dataset {dataset!r} ({source.task}) takes 'iid' or "
+                     "'groups'")
   parts = partitioners.partition(source.y_train, num_clients, partition, alpha,
                                  seed, samples_per_client)
   tests = partitioners.test_split(source.y_train, source.y_test, parts,

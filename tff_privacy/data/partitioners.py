@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-PARTITIONS = ("iid", "dirichlet", "one_per_client", "label_groups")
+PARTITIONS = ("iid", "dirichlet", "one_per_client", "label_groups", "groups")
 
 
 def iid(labels: np.ndarray, num_clients: int, seed: int) -> list[np.ndarray]:
@@ -111,6 +111,32 @@ def label_groups(labels: np.ndarray, num_clients: int, samples_per_client: int,
   return out
 
 
+def by_group(groups: np.ndarray, num_clients: int,
+             seed: int) -> list[np.ndarray]:
+  """Each client holds samples of one group (a data category, e.g. a
+  document format): client c takes group c mod G (groups in order of first
+  appearance), and each group's samples are dealt evenly among its clients.
+
+  Raises:
+    ValueError: if a group would have more clients than samples.
+  """
+  names = list(dict.fromkeys(np.asarray(groups).tolist()))
+  _check_clients(num_clients, len(groups))
+  rng = np.random.default_rng(seed)
+  out = [None] * num_clients
+  for g, name in enumerate(names):
+    mine = list(range(g, num_clients, len(names)))
+    if not mine:
+      continue
+    idx = rng.permutation(np.flatnonzero(np.asarray(groups) == name))
+    if len(idx) < len(mine):
+      raise ValueError(f"group {name!r} has {len(idx)} samples for "
+                       f"{len(mine)} clients")
+    for client, part in zip(mine, np.array_split(idx, len(mine))):
+      out[client] = np.sort(part).astype(np.int64)
+  return out
+
+
 def test_split(train_labels: np.ndarray, test_labels: np.ndarray,
                train_parts: list[np.ndarray], kind: str,
                seed: int) -> list[np.ndarray]:
@@ -154,6 +180,9 @@ def partition(labels: np.ndarray, num_clients: int, kind: str = "iid",
     _check_clients(num_clients, len(labels))
     return label_groups(labels, num_clients,
                         samples_per_client or len(labels) // num_clients, seed)
+  if kind == "groups":
+    raise ValueError("partition='groups' splits by sample groups, not labels: "
+                     "use by_group")
   raise ValueError(f"partition={kind!r} is unknown; choose one of {PARTITIONS}")
 
 

@@ -9,14 +9,36 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
+class ElementMaps:
+  """Where named elements lie in each image (documents' amounts, stamps...):
+  bit k of a pixel of `train`/`test` (uint8 [N, H, W]) is set where an
+  element of class `classes[k]` covers it."""
+
+  classes: tuple[str, ...]
+  train: np.ndarray
+  test: np.ndarray
+
+  def masks(self, classes, split: str = "train") -> np.ndarray:
+    """[N, H, W] bool: the pixels covered by any of `classes`."""
+    unknown = [c for c in classes if c not in self.classes]
+    if unknown or not classes:
+      raise ValueError(f"element classes {list(classes)}: choose from "
+                       f"{self.classes}")
+    bits = sum(1 << self.classes.index(c) for c in classes)
+    return (getattr(self, split) & bits) > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Source:
-  """A labelled image data set split into train and test arrays."""
+  """A labelled image data set split into train and test arrays; optionally
+  each sample's group (`groups`: train and test arrays of names, e.g. the
+  document format) and element maps (`elements`)."""
 
   name: str
   x_train: np.ndarray
@@ -27,6 +49,8 @@ class Source:
   raw_max: float  # value of 1.0 after scaling, in the source's own units
   value_range: tuple[float, float] = (0.0, 1.0)
   task: str = "classification"  # see tff_privacy.tasks; 'segmentation': y per pixel
+  groups: Optional[tuple[np.ndarray, np.ndarray]] = None
+  elements: Optional[ElementMaps] = None
 
   @property
   def input_shape(self) -> tuple[int, ...]:
@@ -86,16 +110,24 @@ def load_docs(test_fraction: float = 0.2, num: int = 800, size: int = 64,
               **_) -> Source:
   """FedRE's offline stand-in for DocTamper: `num` synthetic documents
   (`tff_privacy.data.documents`, seed 0, half of them tampered), size x size
-  RGB, labelled per pixel (1 tampered). Formats alternate, so the first
-  (1 - test_fraction) for training and the rest for testing both hold every
+  RGB, labelled per pixel (1 tampered), grouped by format, with the maps of
+  their element classes. Formats alternate, so the first (1 -
+  test_fraction) for training and the rest for testing both hold every
   format."""
   from tff_privacy.data import documents
   docs = documents.generate(num, size=size, seed=0)
   x = np.stack([d.image for d in docs])
   y = np.stack([d.mask for d in docs]).astype(np.int32)
+  formats = np.array([d.format for d in docs])
+  maps = np.zeros((num, size, size), np.uint8)
+  for i, doc in enumerate(docs):
+    for k, cls in enumerate(documents.ELEMENT_CLASSES):
+      maps[i][documents.region_mask(doc, [cls])] |= np.uint8(1 << k)
   cut = int(round(num * (1 - test_fraction)))
   return Source("docs", x[:cut], y[:cut], x[cut:], y[cut:], 2, 1.0,
-                task="segmentation")
+                task="segmentation", groups=(formats[:cut], formats[cut:]),
+                elements=ElementMaps(documents.ELEMENT_CLASSES, maps[:cut],
+                                     maps[cut:]))
 
 
 _TFDS_SOURCES = {
