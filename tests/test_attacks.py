@@ -252,3 +252,10 @@ def test_label_knowledge_decides_the_labels_held_fixed(digits):
     Target.from_record(target.record, np.zeros(1))
   with pytest.raises(ValueError, match="attack 'rog' inverts uploads of classification"):
     attacks.build("rog", prior=False).check_records([target.record])
+
+
+def test_adam_deltas_refuse_analytic_label_recovery():
+  from tff_privacy.attacks.labels import mean_gradient
+  protocol = {"batch_size": 2, "learning_rate": 0.1, "client_optimizer": "adam"}
+  with pytest.raises(ValueError, match="Adam client's model delta"):
+    mean_gradient([np.ones(3)], "model_delta", protocol, 4)

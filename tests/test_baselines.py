@@ -304,3 +304,14 @@ def test_pfedhn_capture_records_what_each_client_was_sent(tmp_path):
     runner.Run(_config(tmp_path / "dp", method="pfedhn", defense="dp_fedavg",
                        defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0},
                        method_kwargs={}))
+
+
+def test_client_optimizers_are_tffs_and_adam_takes_no_momentum():
+  from tff_privacy.algorithms.base import build_client_optimizer
+  import tensorflow_federated as tff
+  adam = build_client_optimizer("adam", 0.01)
+  assert type(adam) is type(tff.learning.optimizers.build_adam(0.01))
+  with pytest.raises(ValueError, match="client_momentum applies to client_optimizer='sgd'"):
+    build_client_optimizer("adam", 0.01, momentum=0.5)
+  with pytest.raises(ValueError, match="client_optimizer='rmsprop'"):
+    build_client_optimizer("rmsprop", 0.01)

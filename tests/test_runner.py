@@ -330,15 +330,19 @@ def test_local_batch_sizes_by_hand():
     local_batch_sizes(3, 0)
 
 
-def test_one_epoch_fedavg_delta_is_the_attackers_simulated_upload(tmp_path):
+@pytest.mark.parametrize("optimizer", [
+    {"client_learning_rate": 0.3, "client_momentum": 0.5},
+    {"client_learning_rate": 0.01, "client_optimizer": "adam"}])
+def test_one_epoch_fedavg_delta_is_the_attackers_simulated_upload(tmp_path, optimizer):
   """With one local epoch the attacker's own simulation (`simulate_upload`
   on the client's samples in their order, batches by `local_batch_sizes`,
-  the protocol's momentum) equals the delta TFF computed, for N % B != 0."""
+  the protocol's momentum or Adam) equals the delta TFF computed, for N % B
+  != 0."""
   from tff_privacy.attacks import functional
   config = runner.RunConfig(
       out=str(tmp_path), method="fedavg", clients=30, clients_per_round=2,
       batch_size=5, rounds=1, capture_rounds=(1,), seed=3,
-      method_kwargs={"client_learning_rate": 0.3, "client_momentum": 0.5},
+      method_kwargs=optimizer,
       dataset="digits",
       model="mlp", model_kwargs={"hidden": [16]})
   runner.run(config, progress=False)

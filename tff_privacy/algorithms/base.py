@@ -191,6 +191,26 @@ def server_learning_rate(default: float) -> params.Param:
                       exclusive_minimum=True, flag="server-lr")
 
 
+CLIENT_OPTIMIZERS = ("sgd", "adam")
+CLIENT_OPTIMIZER = params.Param(
+    "client_optimizer", str, "sgd", "the clients' local optimizer, its state "
+    "fresh each round: sgd, or TFF's adam (beta 0.9, 0.999, epsilon 1e-7)",
+    choices=CLIENT_OPTIMIZERS)
+
+
+def build_client_optimizer(name: str, learning_rate: float,
+                           momentum: float = 0.0) -> tff.learning.optimizers.Optimizer:
+  """TFF's SGD (with `momentum` if > 0) or Adam for the clients' steps."""
+  if name == "adam":
+    if momentum:
+      raise ValueError("client_momentum applies to client_optimizer='sgd'; "
+                       "adam keeps its own moments")
+    return tff.learning.optimizers.build_adam(learning_rate)
+  if name != "sgd":
+    raise ValueError(f"client_optimizer={name!r}; choose one of {CLIENT_OPTIMIZERS}")
+  return tff.learning.optimizers.build_sgdm(learning_rate, momentum=momentum or None)
+
+
 def refuse_defense(method: str, defense) -> None:
   """Raises `ValueError` if a client-side `defense` is given to a method that
   is its own defence."""

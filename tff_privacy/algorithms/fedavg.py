@@ -19,7 +19,8 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.algorithms import defended
-from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
+from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Method,
+                                         build_client_optimizer, check_positive,
                                          defense_fields, server_learning_rate)
 from tff_privacy.defenses import UpdateDefense
 
@@ -32,7 +33,8 @@ PARAMETERS = params.Params(
                  minimum=1),
     params.Param("client_momentum", float, 0.0, "momentum of the clients' "
                  "local SGD (the HyperFL paper's FedAvg: 0.5)", minimum=0,
-                 maximum=1, exclusive_maximum=True))
+                 maximum=1, exclusive_maximum=True),
+    CLIENT_OPTIMIZER)
 
 
 def build_fedavg(
@@ -41,16 +43,18 @@ def build_fedavg(
     client_learning_rate: float = 0.1,
     server_learning_rate: float = 1.0,
     client_momentum: float = 0.0,
+    client_optimizer: str = "sgd",
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
     defense: Optional[UpdateDefense] = None,
 ) -> tff.learning.templates.LearningProcess:
   """Builds the FedAvg `LearningProcess` (clients use SGD, with
-  `client_momentum` if > 0, its buffer fresh each round); with `defense`,
-  every client transforms its model delta before uploading it."""
+  `client_momentum` if > 0, or Adam by `client_optimizer`, its state fresh
+  each round); with `defense`, every client transforms its model delta
+  before uploading it."""
   check_positive(client_learning_rate=client_learning_rate,
                  server_learning_rate=server_learning_rate)
-  client_optimizer = tff.learning.optimizers.build_sgdm(
-      client_learning_rate, momentum=client_momentum or None)
+  client_optimizer = build_client_optimizer(client_optimizer,
+                                            client_learning_rate, client_momentum)
   server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
   if defense is None:
     return tff.learning.algorithms.build_weighted_fed_avg(
@@ -68,7 +72,7 @@ def build_fedavg(
 def algorithm(spec, *, batch_size: int, seed: int,
               defense: Optional[UpdateDefense], client_learning_rate: float,
               server_learning_rate: float, local_epochs: int,
-              client_momentum: float) -> Algorithm:
+              client_momentum: float, client_optimizer: str) -> Algorithm:
   """FedAvg as the runner drives it."""
   check_positive(batch_size=batch_size)
   return Algorithm(
@@ -77,12 +81,14 @@ def algorithm(spec, *, batch_size: int, seed: int,
       build_process=lambda aggregator: build_fedavg(
           spec.tff_model_fn(), client_learning_rate=client_learning_rate,
           server_learning_rate=server_learning_rate,
-          client_momentum=client_momentum, model_aggregator=aggregator,
+          client_momentum=client_momentum, client_optimizer=client_optimizer,
+          model_aggregator=aggregator,
           defense=defense),
       protocol={"client_learning_rate": client_learning_rate,
                 "server_learning_rate": server_learning_rate,
                 "local_epochs": local_epochs, "batch_size": batch_size,
-                "client_optimizer": "sgd", "client_momentum": client_momentum,
+                "client_optimizer": client_optimizer,
+                "client_momentum": client_momentum,
                 "delta_convention": "broadcast_minus_local"},
       **defense_fields(defense, seed))
 

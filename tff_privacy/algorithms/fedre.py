@@ -2,8 +2,9 @@
 PDA-PAM aggregation on a public set.
 
 Round t (Algorithm 1): the server broadcasts w~; client k
-1. trains locally as in FedAvg (`local_epochs` passes of SGD at
-   `client_learning_rate`, the paper's lr 0.005) and forms its update
+1. trains locally as in FedAvg (`local_epochs` passes of SGD, or Adam by
+   `client_optimizer`, at `client_learning_rate`, the paper's lr 0.005)
+   and forms its update
    d = w~ - w^k (TFF's sign convention);
 2. scores every model tensor l by PSI (eqs. 3-5, `tff_privacy.psi`) on
    `psi_samples` of its samples (the paper averages 10 per data format) with
@@ -61,7 +62,8 @@ from tff_privacy import params, psi
 from tff_privacy.aggregation import (UPDATE_RULES, PublicRegions, build_pda_pam,
                                      compose_with_server_aggregation)
 from tff_privacy.algorithms import defended
-from tff_privacy.algorithms.base import (Algorithm, Federation, Method,
+from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Federation,
+                                         Method, build_client_optimizer,
                                          check_positive, refuse_defense,
                                          server_learning_rate)
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
@@ -112,7 +114,8 @@ PARAMETERS = params.Params(
                  exclusive_minimum=True, flag="client-lr"),
     server_learning_rate(1.0),
     params.Param("local_epochs", int, 1, "local passes over each client's data",
-                 minimum=1))
+                 minimum=1),
+    CLIENT_OPTIMIZER)
 
 
 def default_box(height: int, width: int) -> list[int]:
@@ -281,6 +284,7 @@ class FedREMechanism(UpdateDefense):
 def build_fedre(spec, mechanism: FedREMechanism, *,
                 client_learning_rate: float = 0.005,
                 server_learning_rate: float = 1.0,
+                client_optimizer: str = "sgd",
                 public: Optional[Sequence[PublicRegions]] = None,
                 pda_pam_rule: str = "paper",
                 model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
@@ -291,8 +295,9 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
   Args:
     spec: the model the clients train.
     mechanism: the clients' `FedREMechanism` (budget, clip, PSI settings).
-    client_learning_rate: the clients' local SGD rate.
+    client_learning_rate: the clients' local learning rate.
     server_learning_rate: the server's SGD step on the aggregate.
+    client_optimizer: 'sgd' (the paper is silent; FedAvg's) or 'adam'.
     public: the server's public samples and regions, one set per profile
       (a client's 'public_profile' input indexes them); None aggregates by
       the plain example-weighted mean (FedRE without PDA-PAM).
@@ -312,7 +317,7 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
   model_fn = spec.tff_model_fn()
   client_work = defended.with_update_defense(
       tff.learning.templates.build_model_delta_client_work(
-          model_fn, tff.learning.optimizers.build_sgdm(client_learning_rate),
+          model_fn, build_client_optimizer(client_optimizer, client_learning_rate),
           tff.learning.ClientWeighting.NUM_EXAMPLES),
       mechanism)
   server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
@@ -374,7 +379,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
               psi_samples: int, psi_pixels: Optional[int],
               regions: Optional[str], aggregation: str, pda_pam_rule: str,
               public_samples: int, client_learning_rate: float,
-              server_learning_rate: float, local_epochs: int) -> Algorithm:
+              server_learning_rate: float, local_epochs: int,
+              client_optimizer: str) -> Algorithm:
   """FedRE as the runner drives it."""
   refuse_defense("fedre", defense)
   check_positive(batch_size=batch_size)
@@ -394,12 +400,13 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       local_epochs=local_epochs,
       build_process=lambda aggregator: build_fedre(
           spec, mechanism, client_learning_rate=client_learning_rate,
-          server_learning_rate=server_learning_rate, public=public,
+          server_learning_rate=server_learning_rate,
+          client_optimizer=client_optimizer, public=public,
           pda_pam_rule=pda_pam_rule, model_aggregator=aggregator),
       protocol={"client_learning_rate": client_learning_rate,
                 "server_learning_rate": server_learning_rate,
                 "local_epochs": local_epochs, "batch_size": batch_size,
-                "client_optimizer": "sgd",
+                "client_optimizer": client_optimizer,
                 "delta_convention": "broadcast_minus_local",
                 "aggregation": aggregation, "pda_pam_rule": pda_pam_rule},
       client_inputs=lambda client, round_num: {

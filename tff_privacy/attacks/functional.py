@@ -29,23 +29,34 @@ def batch_loss(model, weights, x, y_soft) -> tf.Tensor:
 
 def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
               batch_sizes: Sequence[int], momentum: float = 0.0,
-              weight_decay: float = 0.0) -> list[tf.Tensor]:
-  """w0 - wK after SGD steps over consecutive batches of the sample sequence
-  (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention). With
-  `momentum` or `weight_decay`, PyTorch's SGD (b = momentum b + g +
-  weight_decay w; w = w - learning_rate b, b starting at 0), which is TFF's
-  `build_sgdm` when `weight_decay` is 0."""
+              weight_decay: float = 0.0, optimizer: str = "sgd") -> list[tf.Tensor]:
+  """w0 - wK after local steps over consecutive batches of the sample
+  sequence (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention).
+
+  'sgd': with `momentum` or `weight_decay`, PyTorch's SGD (b = momentum b +
+  g + weight_decay w; w = w - learning_rate b, b starting at 0), which is
+  TFF's `build_sgdm` when `weight_decay` is 0. 'adam': TFF's `build_adam`
+  (m += (1 - 0.9)(g - m), v += (1 - 0.999)(g^2 - v), w -= lr sqrt(1 -
+  0.999^t) / (1 - 0.9^t) m / (sqrt(v) + 1e-7), moments starting at 0)."""
   current, start = list(weights), 0
-  buffers = [tf.zeros_like(w) for w in current]
-  for size in batch_sizes:
+  first = [tf.zeros_like(w) for w in current]
+  second = [tf.zeros_like(w) for w in current]
+  for step, size in enumerate(batch_sizes, start=1):
     with tf.GradientTape() as tape:
       tape.watch(current)
       loss = batch_loss(model, current, x_seq[start:start + size],
                         y_seq[start:start + size])
     grads = tape.gradient(loss, current)
-    buffers = [momentum * b + g + weight_decay * w
-               for w, g, b in zip(current, grads, buffers)]
-    current = [w - learning_rate * b for w, b in zip(current, buffers)]
+    if optimizer == "adam":
+      first = [m + (g - m) * (1 - 0.9) for m, g in zip(first, grads)]
+      second = [v + (tf.square(g) - v) * (1 - 0.999) for v, g in zip(second, grads)]
+      rate = learning_rate * (1 - 0.999 ** step) ** 0.5 / (1 - 0.9 ** step)
+      current = [w - rate * m / (tf.sqrt(v) + 1e-7)
+                 for w, m, v in zip(current, first, second)]
+    else:
+      first = [momentum * b + g + weight_decay * w
+               for w, g, b in zip(current, grads, first)]
+      current = [w - learning_rate * b for w, b in zip(current, first)]
     start += size
   return [w0 - w for w0, w in zip(weights, current)]
 
@@ -63,7 +74,8 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
   'gradient': the gradient of the mean loss over the batch (FedSGD).
   'model_delta': w0 - wK after `local_epochs` passes of minibatch SGD with
   the protocol's learning rate (`client_learning_rate`, or `learning_rate`),
-  momentum (`client_momentum` or `momentum`) and `weight_decay`, batches cut
+  momentum (`client_momentum` or `momentum`) and `weight_decay`, or of Adam
+  where its `client_optimizer` is 'adam', batches cut
   by `local_batch_sizes`, the samples in the order given in every epoch,
   since an attacker cannot know the client's shuffling (FedAvg; TFF's sign
   convention). A DP client's clipping and noise are not simulated: the
@@ -82,6 +94,7 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
         model, weights, tf.concat([x] * epochs, 0),
         tf.concat([y_soft] * epochs, 0),
         learning_rate(protocol), sizes, protocol.get("client_momentum", protocol.get("momentum", 0.0)),
-        protocol.get("weight_decay", 0.0))
+        protocol.get("weight_decay", 0.0),
+        "adam" if protocol.get("client_optimizer") == "adam" else "sgd")
   raise ValueError(f"upload_kind={upload_kind!r} cannot be simulated; "
                    "supported: 'gradient', 'model_delta'")
