@@ -315,3 +315,12 @@ def test_client_optimizers_are_tffs_and_adam_takes_no_momentum():
     build_client_optimizer("adam", 0.01, momentum=0.5)
   with pytest.raises(ValueError, match="client_optimizer='rmsprop'"):
     build_client_optimizer("rmsprop", 0.01)
+
+
+def test_train_sums_count_each_samples_share_of_right_pixels():
+  import tensorflow as tf
+  from tff_privacy.algorithms.personalized import train_sums
+  y = tf.constant([[[1, 0], [0, 0]], [[1, 1], [0, 0]]])
+  predicted = tf.constant([[[1, 0], [0, 0]], [[1, 0], [1, 0]]])  # 4/4, 2/4
+  sums = train_sums(tf.constant(0.5), tf.one_hot(predicted, 2), y).numpy()
+  np.testing.assert_allclose(sums, [1.0, 1.5, 2.0])

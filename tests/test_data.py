@@ -107,6 +107,9 @@ def test_group_partition_gives_each_client_one_group():
   assert sorted(np.concatenate([parts[0], parts[3]]).tolist()) == [0, 2, 4]
   assert sorted([len(parts[0]), len(parts[3])]) == [1, 2]
   assert parts[1].tolist() == [1, 3] and parts[2].tolist() == [5]
+  capped = partitioners.by_group(groups, 4, seed=0, samples_per_client=1)
+  assert [len(p) for p in capped] == [1, 1, 1, 1]
+  assert set(capped[1].tolist()) <= {1, 3}
   with pytest.raises(ValueError, match="group 'c' has 1 samples for 2 clients"):
     partitioners.by_group(groups, 6, seed=0)
 

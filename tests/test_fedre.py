@@ -48,7 +48,7 @@ def test_regions_from_strings_and_json(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("0,0,2", "four integers"), ("a,b", "needs a data set with element maps"),
+    ("0,0,2", "expected 'x0,y0,x1,y1"), ("a,b", "needs a data set with element maps"),
     ("0,0,9,2", r"regions\[0\]"), ("missing.json", "no such file")])
 def test_bad_regions_are_refused(text, message):
   with pytest.raises(ValueError, match=message):

@@ -166,3 +166,10 @@ def test_segmentation_model_scores_agree_between_the_two_paths():
   fast = psi.psi_scores(model, weights, x, y, masks).scores.numpy()
   assert reference.shape == (1, len(weights)) and np.all(reference > 0)
   np.testing.assert_allclose(fast, reference, rtol=1e-4)
+
+
+def test_box_text_is_parsed_and_partial_boxes_are_refused():
+  assert psi.parse_boxes("0,0,1,1;2,2,3,3") == [[0, 0, 1, 1], [2, 2, 3, 3]]
+  for text in ("1,2,3", "0,0,1,1;2", "", "a,b,c,d"):
+    with pytest.raises(ValueError, match="expected 'x0,y0,x1,y1"):
+      psi.parse_boxes(text, name="region")

@@ -70,8 +70,8 @@ RUN_PARAMETERS = params.Params(
     params.Param("alpha", float, 0.5, "Dirichlet concentration of the "
                  "'dirichlet' partition", minimum=0, exclusive_minimum=True),
     params.Param("samples_per_client", int, None, "training samples per client "
-                 "of the 'label_groups' partition; default: the training set "
-                 "divided among the clients", minimum=1),
+                 "of the 'label_groups' and 'groups' partitions; default: the "
+                 "training set divided among the clients", minimum=1),
     params.Param("seed", int, 0, "seed of every random choice of the run"),
     params.Param("defense", str, None, "defence: applied by every client to its "
                  "upload, or by the server's aggregator for dp_fedavg",
@@ -125,8 +125,10 @@ class RunConfig:
         raise ValueError(f"{name} must be a JSON object (dict), got "
                          f"{getattr(self, name)!r}")
     self._check_capture_rounds()
-    if self.samples_per_client is not None and self.partition != "label_groups":
-      raise ValueError("samples_per_client applies to partition='label_groups' "
+    if self.samples_per_client is not None and self.partition not in (
+        "label_groups", "groups"):
+      raise ValueError("samples_per_client applies to partitions 'label_groups' "
+                       "and 'groups' "
                        f"only, got partition={self.partition!r}")
     if self.clients_per_round is not None and self.clients_per_round > self.clients:
       raise ValueError(f"clients_per_round must be in [1, clients={self.clients}]"

@@ -119,10 +119,13 @@ def zeros_like(tensors: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
 
 
 def train_sums(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-  """[loss sum, correct, examples] of one batch (mean `loss` over it)."""
-  n = tf.cast(tf.shape(y)[0], tf.float32)
-  correct = tf.reduce_sum(tf.cast(
-      tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y), tf.float32))
+  """[loss sum, correct, examples] of one batch (mean `loss` over it); a
+  sample with a label per pixel counts the share of its pixels right."""
+  n = tf.shape(y)[0]
+  hits = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y),
+                 tf.float32)
+  correct = tf.reduce_sum(tf.reduce_mean(tf.reshape(hits, [n, -1]), 1))
+  n = tf.cast(n, tf.float32)
   return tf.stack([loss * n, correct, n])
 
 

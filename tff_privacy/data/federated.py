@@ -88,11 +88,12 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
     alpha: Dirichlet concentration, > 0.
     seed: seeds the partition.
     data_dir: `tensorflow_datasets` data directory for the full data sets.
-    samples_per_client: training samples per client ('label_groups' only;
-      default: the training set divided among the clients).
+    samples_per_client: training samples per client ('label_groups' and
+      'groups'; default: the training set divided among the clients).
   """
-  if samples_per_client is not None and partition != "label_groups":
-    raise ValueError("samples_per_client applies to partition='label_groups' "
+  if samples_per_client is not None and partition not in ("label_groups", "groups"):
+    raise ValueError("samples_per_client applies to partitions 'label_groups' "
+                     "and 'groups' "
                      f"only, got partition={partition!r}")
   source = sources.load_source(dataset, data_dir=data_dir)
   if partition == "groups":
@@ -101,8 +102,10 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
                        f"have groups (e.g. 'docs'); {dataset!r} has none")
     train_groups, test_groups = source.groups
     return FederatedData(
-        source, tuple(partitioners.by_group(train_groups, num_clients, seed)),
-        tuple(partitioners.by_group(test_groups, num_clients, seed + 1)))
+        source, tuple(partitioners.by_group(train_groups, num_clients, seed,
+                                            samples_per_client)),
+        tuple(partitioners.by_group(test_groups, num_clients, seed + 1,
+                                    samples_per_client)))
   if source.task != "classification" and partition != "iid":
     raise ValueError(f"partition={partition!r} splits by class label; "
                      f"dataset {dataset!r} ({source.task}) takes 'iid' or "

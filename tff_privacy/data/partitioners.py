@@ -111,11 +111,12 @@ def label_groups(labels: np.ndarray, num_clients: int, samples_per_client: int,
   return out
 
 
-def by_group(groups: np.ndarray, num_clients: int,
-             seed: int) -> list[np.ndarray]:
+def by_group(groups: np.ndarray, num_clients: int, seed: int,
+             samples_per_client: int | None = None) -> list[np.ndarray]:
   """Each client holds samples of one group (a data category, e.g. a
   document format): client c takes group c mod G (groups in order of first
-  appearance), and each group's samples are dealt evenly among its clients.
+  appearance), and each group's samples are dealt evenly among its clients,
+  of which each keeps at most `samples_per_client`.
 
   Raises:
     ValueError: if a group would have more clients than samples.
@@ -133,7 +134,7 @@ def by_group(groups: np.ndarray, num_clients: int,
       raise ValueError(f"group {name!r} has {len(idx)} samples for "
                        f"{len(mine)} clients")
     for client, part in zip(mine, np.array_split(idx, len(mine))):
-      out[client] = np.sort(part).astype(np.int64)
+      out[client] = np.sort(part[:samples_per_client]).astype(np.int64)
   return out
 
 

@@ -34,10 +34,13 @@ def parse_boxes(text: str, name: str = "boxes") -> list[list[int]]:
   """Boxes from text 'x_min,y_min,x_max,y_max[;...]' (as the command line
   takes them); `ValueError` naming `name` if the text is not integers."""
   try:
-    return [[int(v) for v in box.split(",")] for box in text.split(";")]
+    boxes = [[int(v) for v in box.split(",")] for box in text.split(";")]
   except ValueError:
+    boxes = []
+  if not boxes or any(len(box) != 4 for box in boxes):
     raise ValueError(f"{name}={text!r}: expected 'x0,y0,x1,y1[;...]' with "
-                     "integers") from None
+                     "integers")
+  return boxes
 
 
 def box_mask(boxes: Iterable[Sequence[int]], height: int, width: int,
