@@ -14,8 +14,8 @@ Two settings (`--dataset`):
   samples per client for PDA-PAM, and the unbiased estimator over 8 sampled
   region pixels per sample (the paper: 10 samples, all pixels). Each
   pixel's JVP through the U-Net's gradient runs in a while loop here
-  (TensorFlow's vectorisation has no rule for Conv2DBackpropFilter), about
-  0.1 s per pixel and channel on 2 cores, so exact scores over the
+  (TensorFlow's vectorisation has no rule for Conv2DBackpropFilter), 0.15 to
+  0.3 s per pixel and channel on 2 shared cores, so exact scores over the
   hundreds of pixels of a 'numbers' region take minutes per client and
   round.
 * digits: the classification stand-in, bundled scikit-learn digits (8x8), a
@@ -35,7 +35,8 @@ Two settings (`--dataset`):
   rule). Central and the DP rows report the global model's scores,
   Localset the mean of each client's own model on its own test split.
   BLUR+LUS is not included yet, nor Localset on docs (the local-only
-  method trains classifiers only so far).
+  method trains with SGD, which barely moves the U-Net; it has no Adam
+  option yet).
 * Table 2 (leakage): 8 clients holding one image each (one digit, or one
   document of one format) train one round of one local SGD step, so the
   upload is the step on one image, under no defence, LDP-Fed, FedRE without

@@ -267,3 +267,12 @@ def test_public_sets_hold_the_clients_category_with_its_regions(documents_by_for
     np.testing.assert_array_equal(public.x, [d.image for d in chosen])
     np.testing.assert_array_equal(public.masks,
                                   [documents.region_mask(d, classes) for d in chosen])
+
+
+def test_local_only_trains_the_segmentation_task(tmp_path):
+  config = runner.RunConfig(
+      out=str(tmp_path), method="local_only", dataset="docs", model="unet",
+      model_kwargs={"widths": [2, 4]}, clients=4, rounds=1, batch_size=32,
+      partition="groups", samples_per_client=8)
+  last = runner.run(config, progress=False)[-1]
+  assert 0 <= last["personal_f_score_mean"] <= 1

@@ -35,9 +35,11 @@ def build_local_only(
     learning_rate: float = 0.02,
     momentum: float = 0.5,
     weight_decay: float = 5e-4,
+    label_shape: tuple[int, ...] = (),
 ) -> personalized.PersonalizedProcess:
   """Builds local-only training as a `PersonalizedProcess` (see the module
-  docstring) whose client states are `OrderedDict(model=[weights...])`.
+  docstring) whose client states are `OrderedDict(model=[weights...])`;
+  `label_shape` is one sample's label's (a segmentation mask's [H, W]).
 
   Raises:
     ValueError: for a non-positive learning rate.
@@ -51,7 +53,7 @@ def build_local_only(
       model=[tff.TensorType(np.float32, s) for s in shapes])
   data_type = tff.SequenceType(collections.OrderedDict(
       x=tff.TensorType(np.float32, (None,) + input_shape),
-      y=tff.TensorType(np.int32, (None,))))
+      y=tff.TensorType(np.int32, (None,) + tuple(label_shape))))
 
   def local_training(shared, state, dataset):
     del shared  # nothing is shared
@@ -75,7 +77,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float
       local_epochs=local_epochs,
       build_process=lambda aggregator: build_local_only(
           spec.keras, learning_rate=learning_rate, momentum=momentum,
-          weight_decay=weight_decay),
+          weight_decay=weight_decay,
+          label_shape=spec.task_object.label_shape(spec.input_shape)),
       protocol={"learning_rate": learning_rate, "local_epochs": local_epochs,
                 "momentum": momentum, "weight_decay": weight_decay,
                 "batch_size": batch_size,
