@@ -405,7 +405,10 @@ class DLG(GradientInversion):
   gradient tolerance. Inputs are not boxed during the search;
   reconstructions are clipped to the data range afterwards. `restarts` > 1
   (not in the paper, whose single run sometimes ends in a poor local minimum)
-  keeps the run with the lowest objective.
+  keeps the run with the lowest objective. On ReLU networks such as the
+  U-Net the line search fails within tens of iterations (the objective is
+  only piecewise smooth in the inputs) and the search stops there;
+  Inverting Gradients is the attack for them.
   """
 
   name = "dlg"
