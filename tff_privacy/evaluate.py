@@ -17,12 +17,11 @@ import numpy as np
 
 from tff_privacy import attacks, io, psi
 from tff_privacy.metrics import lpips, report
-from tff_privacy.metrics.image import region_boxes
+from tff_privacy.metrics.image import region_boxes, ssim_parts
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
 FILES = ("attack.json", "reconstructions.png", "reconstructions.npz")
-MIN_REGION_SIDE = 3  # SSIM's smallest window
 
 
 def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
@@ -114,10 +113,10 @@ def region_mask(region: Any, height: int, width: int) -> np.ndarray:
     boxes = [region] if np.ndim(region) == 1 else list(region)
     mask = psi.box_mask(boxes, height, width, name="region")
   mask = np.asarray(mask, bool)
-  if not any(min(b[0].stop - b[0].start, b[1].stop - b[1].start) >= MIN_REGION_SIDE
-             for b in region_boxes(mask)):
-    raise ValueError(f"region: SSIM needs a part of at least "
-                     f"{MIN_REGION_SIDE}x{MIN_REGION_SIDE} pixels")
+  try:
+    ssim_parts(mask)
+  except ValueError as e:
+    raise ValueError(f"region: {e}") from None
   return mask
 
 

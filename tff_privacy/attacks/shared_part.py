@@ -108,6 +108,8 @@ class ExtractorView:
 class _AdamSearch(GradientInversion):
   """IG's Adam over the inputs and further unknowns (`_unknowns`)."""
 
+  OPTIMISES_LABELS = True  # soft labels are among the unknowns
+
   PARAMETERS = Params(
       _iterations(2000),
       Param("lr", float, 0.1, "Adam learning rate", minimum=0,

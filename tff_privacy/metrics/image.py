@@ -18,6 +18,7 @@ from scipy.optimize import linear_sum_assignment
 from skimage import metrics as skm
 
 PSNR_CAP_DB = 100.0  # reported for an exact reconstruction (MSE = 0)
+MIN_SSIM_SIDE = 3  # SSIM's smallest window
 
 
 def _ssim(a: np.ndarray, b: np.ndarray, data_range: float) -> float:
@@ -54,26 +55,36 @@ def region_boxes(mask: np.ndarray) -> list[tuple[slice, slice]]:
   return ndimage.find_objects(components)
 
 
+def ssim_parts(mask: np.ndarray) -> list[tuple[slice, slice]]:
+  """The `region_boxes` SSIM can score: at least `MIN_SSIM_SIDE` pixels
+  on each side.
+
+  Raises:
+    ValueError: if there is none.
+  """
+  boxes = [b for b in region_boxes(mask)
+           if min(b[0].stop - b[0].start, b[1].stop - b[1].start) >= MIN_SSIM_SIDE]
+  if not boxes:
+    raise ValueError(f"the region has no part of at least {MIN_SSIM_SIDE}x"
+                     f"{MIN_SSIM_SIDE} pixels for SSIM to score")
+  return boxes
+
+
 def region_scores(x_true: np.ndarray, x_rec: np.ndarray, mask: np.ndarray,
-                  value_range: Sequence[float],
-                  min_side: int = 3) -> list[dict[str, float]]:
+                  value_range: Sequence[float]) -> list[dict[str, float]]:
   """Per-image MSE, PSNR and SSIM inside a region, a [H, W] mask.
 
   MSE and PSNR are over the region's pixels. SSIM is scored on the crop of
-  each connected component's bounding box, and the crops' SSIMs averaged
-  weighted by their pixels in the region; components whose box is thinner
-  than `min_side` pixels (SSIM's smallest window) are left out of SSIM. A
-  region of one box is therefore scored on exactly that crop.
+  each connected part's bounding box (`ssim_parts`; thinner parts count in
+  MSE and PSNR only), and the crops' SSIMs averaged weighted by their
+  pixels in the region. A region of one box is therefore scored on exactly
+  that crop.
 
   Raises:
-    ValueError: if the mask is empty or has no component to score SSIM on.
+    ValueError: if the mask has no part SSIM can score.
   """
   mask = np.asarray(mask, bool)
-  boxes = [b for b in region_boxes(mask)
-           if min(b[0].stop - b[0].start, b[1].stop - b[1].start) >= min_side]
-  if not mask.any() or not boxes:
-    raise ValueError(f"the region has no part of at least {min_side}x{min_side} "
-                     "pixels to score")
+  boxes = ssim_parts(mask)
   lo, hi = value_range
   x_true = np.asarray(x_true, np.float64)
   x_rec = np.clip(np.asarray(x_rec, np.float64), lo, hi)
