@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_privacy import evaluate, models, psi, runner
+from tff_privacy import data, evaluate, models, psi, runner
 from tff_privacy.aggregation import PublicRegions, build_pda_pam
 from tff_privacy.algorithms import fedre
 from tff_privacy.defenses import ClientView
@@ -211,21 +211,30 @@ def test_fedre_trains_the_segmentation_task_on_documents(tmp_path):
   config = runner.RunConfig(
       out=str(tmp_path), method="fedre", dataset="docs", model="unet",
       model_kwargs={"widths": [2, 4]}, clients=8, rounds=1, batch_size=64, seed=2,
-      capture_rounds=(1,),
+      capture_rounds=(1,), partition="groups",
       method_kwargs={"epsilon": 1000.0, "psi_samples": 1, "public_samples": 1,
-                     "regions": "28,28,32,32"})
+                     "psi_pixels": 4, "regions": "numbers"})
   last = runner.run(config, progress=False)[-1]
   assert np.isfinite(last["test_f_score"]) and last["paper_epsilon"] == 1000.0
   record = UpdateStore(f"{config.out}/updates").read(1, 0)
   assert record.model_spec.task == "segmentation"
   assert record.metadata["defense"]["rounds"] == 1
   result = evaluate.attack_round(
-      f"{config.out}/updates", 1, str(tmp_path / "attack"), "ig", [0],
+      f"{config.out}/updates", 1, str(tmp_path / "attack"), "ig", [3],
       {"iterations": 2, "max_examples": record.num_examples,
-       "label_knowledge": "true"}, region=[28, 28, 32, 32])
+       "label_knowledge": "true"}, region="run")
   assert result["label_knowledge"].startswith("true: the client's labels")
-  assert result["region"] == [[28, 28, 32, 32]]
+  fed = data.load("docs", 8, "groups", seed=2)
+  own = fedre.client_regions("numbers", 8, 64, 64, data=fed)[3]
+  assert result["region"] == {"3": evaluate._boxes(own)}
   assert np.isfinite(result["mean"]["region_ssim"])
+  with pytest.raises(ValueError, match="holds a 'fedavg' run, which has no"):
+    fedavg = runner.RunConfig(out=str(tmp_path / "avg"), method="fedavg",
+                              dataset="digits", model="mlp", clients=30, rounds=1,
+                              capture_rounds=(1,))
+    runner.run(fedavg, progress=False)
+    evaluate.attack_round(f"{fedavg.out}/updates", 1, str(tmp_path / "a2"), "ig",
+                          [0], {"iterations": 2}, region="run")
 
 
 @pytest.fixture(scope="module")

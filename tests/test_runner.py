@@ -181,7 +181,7 @@ def test_attack_round_scores_the_region_crop(fedsgd_run, tmp_path):
     expected = skm.mean_squared_error(true[1:4, 2:6],
                                       np.clip(rec[1:4, 2:6], 0.0, 1.0))
     assert row["region_mse"] == pytest.approx(expected, rel=1e-6)  # npz: float32
-  assert result["region"] == [[2, 1, 6, 4]]
+  assert result["region"] == {"0": [[2, 1, 6, 4]]}
   assert result["mean"]["region_ssim"] == pytest.approx(
       np.mean([r["region_ssim"] for r in result["samples"]]))
   for box, message in (([0, 0, 9, 2], r"region\[0\]=\[0, 0, 9, 2\]"),

@@ -251,21 +251,24 @@ def _attack_parser(sub) -> None:
                  help="LPIPS (AlexNet) weights .npz; without it LPIPS is not computed")
   p.add_argument("--quiet", action="store_true",
                  help="no progress bar and no time estimate")
-  p.add_argument("--region", type=_boxes, help="also score inside these "
+  p.add_argument("--region", type=_region, help="also score inside these "
                  "boxes 'x_min,y_min,x_max,y_max[;...]' (pixels, maxima "
-                 "exclusive), e.g. FedRE's privacy-sensitive region")
+                 "exclusive), or 'run': each client's own region in the FedRE "
+                 "run the updates come from")
   p.add_argument("--out", required=True)
   _attack_flags().add_to(p)
 
 
-def _boxes(text: str) -> list[list[int]]:
+def _region(text: str):
   from tff_privacy import psi  # deferred: imports TF
+  if text == "run":
+    return text
   try:
     return psi.parse_boxes(text)
   except ValueError:
     raise argparse.ArgumentTypeError(
-        "takes boxes of four integers 'x_min,y_min,x_max,y_max[;...]', got "
-        f"{text!r}") from None
+        "takes boxes of four integers 'x_min,y_min,x_max,y_max[;...]' or "
+        f"'run', got {text!r}") from None
 
 
 def _attack(args) -> int:
@@ -282,7 +285,7 @@ def _attack(args) -> int:
         f"psnr={m['psnr']:.2f} ssim={m['ssim']:.4f} "
         f"label_accuracy={m['label_accuracy']:.2f} seconds={result['seconds']:.1f}")
   if args.region:
-    print(f"region={';'.join(','.join(map(str, b)) for b in result['region'])} "
+    print(f"region={'run' if args.region == 'run' else 'boxes'} "
           f"region_mse={m['region_mse']:.4f} region_psnr={m['region_psnr']:.2f} "
           f"region_ssim={m['region_ssim']:.4f}")
   print(f"lpips: {m['lpips']:.4f}" if "lpips" in m else f"lpips: {result['lpips']}")

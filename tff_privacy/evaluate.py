@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from tff_privacy import attacks, io, psi
+from tff_privacy.algorithms.fedre import run_regions
 from tff_privacy.metrics import lpips, report
 from tff_privacy.metrics.image import region_boxes, ssim_parts
 from tff_privacy.updates import GroundTruthStore, UpdateStore
@@ -35,9 +36,10 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   """Runs `attack` on the captured `clients` (default all) of `round_num`.
 
   With `region`, FedRE's privacy-sensitive region as boxes [x_min, y_min,
-  x_max, y_max] (maxima exclusive; one box or a list) or a [H, W] mask, the
-  reconstructions are also scored inside it (`region_mse`, `region_psnr`,
-  `region_ssim`; `tff_privacy.metrics.image.region_scores`).
+  x_max, y_max] (maxima exclusive; one box or a list), a [H, W] mask, or
+  'run' (each client's own region in the FedRE run the store belongs to),
+  the reconstructions are also scored inside it (`region_mse`,
+  `region_psnr`, `region_ssim`; `tff_privacy.metrics.image.region_scores`).
 
   An attack run with `label_knowledge='true'` is handed the clients' labels
   from the ground truth (an upper bound on leakage); attack.json states the
@@ -62,8 +64,12 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
       os.path.dirname(os.path.abspath(updates)), "ground_truth"))
   labels = [truth.read(round_num, c)[1] for c in clients]
   weights = lpips.load_weights(lpips_weights) if lpips_weights else None
-  if region is not None:
-    region = region_mask(region, *records[0].model_spec.input_shape[:2])
+  shape = records[0].model_spec.input_shape[:2]
+  if isinstance(region, str) and region == "run":
+    own = run_regions(os.path.dirname(os.path.abspath(updates)))
+    regions = [region_mask(own[c], *shape) for c in clients]
+  else:
+    regions = [None if region is None else region_mask(region, *shape)] * len(clients)
   if progress:
     print(inversion.plan(records), flush=True)
     estimate = inversion.estimate_seconds(records, device)
@@ -73,7 +79,7 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                               progress=progress, labels=labels)
   seconds = time.perf_counter() - start
   value_range = tuple(records[0].metadata["value_range"])
-  rows, pairs = report.score(reconstructions, records, truth, value_range, region)
+  rows, pairs = report.score(reconstructions, records, truth, value_range, regions)
   means = report.mean_scores(rows)
   lpips_note = ("not computed: needs pretrained AlexNet and LPIPS weights; "
                 "pass a weights file to compute it")
@@ -89,7 +95,8 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                        if not k.startswith("_")},
             "updates": os.path.abspath(updates), "round": round_num,
             "clients": clients, "device": device or "default",
-            "region": _boxes(region) if region is not None else None,
+            "region": ({str(c): _boxes(r) for c, r in zip(clients, regions)}
+                       if regions[0] is not None else None),
             "label_knowledge": _label_knowledge(inversion, records[0]),
             "seconds": seconds, "method": records[0].metadata["method"],
             "upload_kind": records[0].upload_kind,

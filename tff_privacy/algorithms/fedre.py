@@ -58,7 +58,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_privacy import params, psi
+from tff_privacy import data, params, psi
 from tff_privacy.aggregation import (UPDATE_RULES, PublicRegions, build_pda_pam,
                                      compose_with_server_aggregation)
 from tff_privacy.algorithms import defended
@@ -203,6 +203,26 @@ def _element_masks(data, classes, regions, split: str = "train") -> np.ndarray:
     return data.source.elements.masks(classes, split)
   except ValueError as e:
     raise ValueError(f"regions={regions!r}: {e}") from None
+
+
+def run_regions(run_dir: str) -> list[np.ndarray]:
+  """Every client's region in the FedRE run saved in `run_dir` (its
+  config.json), rebuilt from the run's data split: what an attack scores
+  inside. `ValueError` in one line for a folder without a FedRE run."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"region='run': {path} does not exist; give the folder "
+                     "of a run's updates/ or boxes")
+  with open(path) as f:
+    config = json.load(f)
+  if config.get("method") != "fedre":
+    raise ValueError(f"region='run': {run_dir} holds a {config.get('method')!r} "
+                     "run, which has no privacy regions; give boxes")
+  fed = data.load(config["dataset"], config["clients"], config["partition"],
+                  config["alpha"], config["seed"], config["data_dir"],
+                  config["samples_per_client"])
+  return client_regions(config["method_kwargs"]["regions"], config["clients"],
+                        *fed.source.input_shape[:2], data=fed)
 
 
 class FedREMechanism(UpdateDefense):

@@ -21,13 +21,14 @@ REGION_KEYS = ("region_mse", "region_psnr", "region_ssim")
 
 def score(reconstructions: Sequence[Any], records: Sequence[Any],
           truth: GroundTruthStore, value_range,
-          region: Optional[np.ndarray] = None
+          regions: Optional[Sequence[Optional[np.ndarray]]] = None
           ) -> tuple[list[dict[str, Any]], list[tuple[np.ndarray, np.ndarray]]]:
   """Per-sample scores (after MSE matching within each client's batch) and
   the aligned (true, reconstructed) image pairs for the figure.
 
-  With `region`, a [H, W] mask (FedRE's privacy-sensitive region), each row
-  also scores the region (`region_mse`, `region_psnr`, `region_ssim`; see
+  With `regions`, one [H, W] mask (FedRE's privacy-sensitive region) or
+  None per reconstruction, each row also scores its region (`region_mse`,
+  `region_psnr`, `region_ssim`; see
   `tff_privacy.metrics.image.region_scores`).
 
   Labels: a classifier's row holds the recovered and the true label; a
@@ -41,7 +42,8 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
   client's own model is private.
   """
   rows, pairs = [], []
-  for rec, record in zip(reconstructions, records):
+  regions = regions or [None] * len(records)
+  for rec, record, region in zip(reconstructions, records, regions):
     x_true, y_true = truth.read(rec.round_num, rec.client_index)
     lo, hi = value_range
     perm = match_by_mse(x_true, np.clip(rec.x, lo, hi))
