@@ -12,12 +12,12 @@ Two settings (`--dataset`):
   numbers: Fig. 1), scored by F-score and IoU of the tampered class. PSI
   is cut down to fit a CPU: 2 samples per client and round, 2 public
   samples per client for PDA-PAM, and the unbiased estimator over 8 sampled
-  region pixels per sample (the paper: 10 samples, all pixels). Each
-  pixel's JVP through the U-Net's gradient runs in a while loop here
-  (TensorFlow's vectorisation has no rule for Conv2DBackpropFilter), 0.15 to
-  0.3 s per pixel and channel on 2 shared cores, so exact scores over the
-  hundreds of pixels of a 'numbers' region take minutes per client and
-  round.
+  region pixels per sample (the paper: 10 samples, all pixels). One JVP
+  through the U-Net's gradient (a pixel and a channel) costs about 6 ms on
+  2 cores once compiled (`benchmarks/psi_speed.py --dataset docs`), and a
+  client's 'numbers' region covers 275 to 530 pixels, so exact scores cost
+  about 10 s per sample: some 40 s per client and round with the server's
+  scoring, against about 2 s for the estimator.
 * digits: the classification stand-in, bundled scikit-learn digits (8x8), a
   small ReLU CNN, 10 IID clients, client SGD at lr 0.05, the central box
   2,2,6,6 as every client's region, scored by test accuracy.
@@ -34,9 +34,9 @@ Two settings (`--dataset`):
   whose noise the accountant calibrates to really spend epsilon (normalised
   rule). Central and the DP rows report the global model's scores,
   Localset the mean of each client's own model on its own test split.
-  BLUR+LUS is not included yet, nor Localset on docs (the local-only
-  method trains with SGD, which barely moves the U-Net; it has no Adam
-  option yet).
+  Every method trains with the setting's client optimizer and local
+  epochs (Localset: the local-only method with the same). BLUR+LUS is not
+  included yet.
 * Table 2 (leakage): 8 clients holding one image each (one digit, or one
   document of one format) train one round of one local SGD step, so the
   upload is the step on one image, under no defence, LDP-Fed, FedRE without
@@ -131,6 +131,7 @@ DP_ROWS = {"LDP-Fed": None,
            "FedRE (normalized PDA-PAM)": {"pda_pam_rule": "normalized"},
            "FedRE (accountant noise)": {"noise_calibration": "accountant",
                                         "pda_pam_rule": "normalized"}}
+TABLE1_METHODS = ("Central", "Localset", *DP_ROWS)
 # Table 1 of the paper (T-SROIE, DocTamper): (IoU, F-score)
 PAPER_TABLE1 = {("inf", "Central"): ((0.721, 0.838), (0.575, 0.729)),
                 ("inf", "Localset"): ((0.408, 0.585), (0.345, 0.635)),
@@ -169,12 +170,12 @@ def method_config(setting: Setting, label: str, epsilon: float, rounds: int) -> 
 
 def _with_training(args, config: dict, optimizer: str,
                    local_epochs: int = 1) -> dict:
-  """`config` with the clients' learning rate (and, for fedavg and fedre,
-  `optimizer` and `local_epochs`; for fedre the setting's PSI options)."""
+  """`config` with the clients' learning rate, `optimizer` and
+  `local_epochs` (for fedre also the setting's PSI options)."""
   kwargs = dict(config.get("method_kwargs", {}))
+  kwargs.update(client_optimizer=optimizer, local_epochs=local_epochs)
   if config["method"] in ("fedavg", "fedre"):
-    kwargs.update(client_learning_rate=args.client_lr,
-                  client_optimizer=optimizer, local_epochs=local_epochs)
+    kwargs["client_learning_rate"] = args.client_lr
   if config["method"] == "fedre":
     kwargs = {**args.setting.fedre_kwargs, **kwargs}
   elif config["method"] == "local_only":
@@ -212,23 +213,27 @@ def trained(args, out: str, row: dict, **config) -> dict:
 
 def _with_final_loss(row: dict, out: str) -> dict:
   """`row` with the run's last test loss (NaN or huge: the model diverged;
-  for Localset the mean over the clients' own models)."""
-  last = io.read_json(os.path.join(out, "metrics.json"))[-1]
-  return {**row, "final_test_loss": last.get("test_loss", last["personal_loss_mean"])}
+  for Localset the mean over the clients' own models) and its rounds whose
+  aggregate TFF rejected as non-finite (the global model stayed put)."""
+  history = io.read_json(os.path.join(out, "metrics.json"))
+  last = history[-1]
+  return {**row, "final_test_loss": last.get("test_loss", last["personal_loss_mean"]),
+          "rejected_rounds": sum(m.get("server_update_rejected", 0) for m in history)}
 
 
 def table1_rows(args) -> list[dict]:
-  rows = []
+  rows, chosen = [], args.table1_methods
   for seed in args.seeds:
-    rows.append(trained(args, os.path.join(args.out, "table1", f"central_s{seed}"),
-                        {"epsilon": "inf", "method": "Central", "seed": seed},
-                        method="fedavg", clients=1, partition="iid", seed=seed))
-    if args.setting.task == "classification":
+    if "Central" in chosen:
+      rows.append(trained(args, os.path.join(args.out, "table1", f"central_s{seed}"),
+                          {"epsilon": "inf", "method": "Central", "seed": seed},
+                          method="fedavg", clients=1, partition="iid", seed=seed))
+    if "Localset" in chosen:
       rows.append(trained(args, os.path.join(args.out, "table1", f"localset_s{seed}"),
                           {"epsilon": "inf", "method": "Localset", "seed": seed},
                           method="local_only", seed=seed))
     for eps in args.table1_epsilons:
-      for label in DP_ROWS:
+      for label in (m for m in DP_ROWS if m in chosen):
         slug = label.lower().replace(" ", "_").replace("/", "").replace("(", "").replace(")", "")
         rows.append(trained(
             args, os.path.join(args.out, "table1", f"{slug}_e{eps:g}_s{seed}"),
@@ -251,8 +256,9 @@ def write_table1(args, rows: list[dict]) -> str:
   lines = [f"### Table 1 ({args.setting.dataset}): test {', '.join(metrics)}, "
            f"{args.rounds} rounds, {args.clients} clients, seeds {args.seeds}", "",
            "| epsilon | method | " + " | ".join(metrics) + " | final test loss | "
-           "accountant epsilon | paper IoU, F (T-SROIE) | paper IoU, F (DocTamper) |",
-           "|---|---|" + "---|" * len(metrics) + "---|---|---|---|"]
+           "rejected rounds | accountant epsilon | paper IoU, F (T-SROIE) | "
+           "paper IoU, F (DocTamper) |",
+           "|---|---|" + "---|" * len(metrics) + "---|---|---|---|---|"]
   keys = list(dict.fromkeys((r["epsilon"], r["method"]) for r in rows))
   summary = []
   for eps, label in keys:
@@ -260,15 +266,20 @@ def write_table1(args, rows: list[dict]) -> str:
     accountant = mine[0]["epsilon_accountant"]
     paper = PAPER_TABLE1.get((eps, label))
     losses = ", ".join(f"{r['final_test_loss']:.3g}" for r in mine)
+    rejected = ", ".join(str(r["rejected_rounds"]) for r in mine)
     lines.append(f"| {eps} | {label} | {_scores(args, mine)} | {losses} | "
-                 f"{'-' if accountant is None else f'{accountant:.3g}'} | "
+                 f"{rejected} | {'-' if accountant is None else f'{accountant:.3g}'} | "
                  + (" | ".join(f"{p[0]:.3f}, {p[1]:.3f}" for p in paper)
                     if paper else "- | -") + " |")
     summary.append({"epsilon": eps, "method": label, **{
         f"{m}_{stat}": fn([r[m] for r in mine]) for m in metrics
         for stat, fn in (("mean", np.mean), ("std", np.std))},
         "epsilon_accountant": accountant})
-  lines += ["", "Accountant epsilon: what dp_accounting (RDP, local-DP relation, "
+  lines += ["", "Rejected rounds (per seed): rounds whose aggregate was not "
+            "finite, which TFF's finalizer refuses to apply, so the global "
+            "model did not move (eq. 11 as written multiplies by e^(M - m) "
+            "over the spread of the clients' scores).",
+            "", "Accountant epsilon: what dp_accounting (RDP, local-DP relation, "
             "delta 1e-5) computes for the noise added: for FedRE with eq. 9 and "
             "the PSI split the bound over every split, for the even split and "
             "the accountant-calibrated noise the exact value; LDP-Fed's is pure "
@@ -463,6 +474,8 @@ def main() -> None:
   parser.add_argument("--table1-epsilons", default="50,10,1000,10000",
                       help="Table 1's finite epsilons (the paper's 50 and 10, "
                       "then larger ones that show where utility returns)")
+  parser.add_argument("--table1-methods", default=",".join(TABLE1_METHODS),
+                      help="Table 1's rows, comma-separated (default: all)")
   parser.add_argument("--client-lr", type=float,
                       help="clients' learning rate (default: docs 0.005 with "
                       "Adam, digits 0.05 with SGD)")
@@ -495,6 +508,11 @@ def main() -> None:
       not all(map(math.isfinite, args.table1_epsilons)):
     parser.error(f"--table1-epsilons: {text!r}; give comma-separated finite "
                  "numbers > 0")
+  args.table1_methods = [m.strip() for m in args.table1_methods.split(",")
+                         if m.strip()]
+  if not args.table1_methods or set(args.table1_methods) - set(TABLE1_METHODS):
+    parser.error(f"--table1-methods: {args.table1_methods}; choose from "
+                 f"{', '.join(TABLE1_METHODS)}")
   if not args.seeds or args.rounds < 1 or not args.client_lr > 0 or \
       args.attack_iterations < 1 or not math.isfinite(args.client_lr) or \
       args.clients < 1:

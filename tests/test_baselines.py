@@ -82,6 +82,20 @@ def _clipped_mean_grad(model, weights, wrt, x, y, clip):
   return [t / len(y) for t in total]
 
 
+def _adam(params, grads, moments, step, lr, weight_decay, b1=0.9, b2=0.999,
+          eps=1e-7):
+  """Adam as written by Kingma and Ba (TFF's epsilon outside the root), the
+  weight decay added to the gradient."""
+  out, new = [], []
+  for w, g, (m, v) in zip(params, grads, moments):
+    g = g + weight_decay * w
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    rate = lr * np.sqrt(1 - b2 ** step) / (1 - b1 ** step)
+    out.append(w - rate * m / (tf.sqrt(v) + eps))
+    new.append((m, v))
+  return out, new
+
+
 def _zeros(ws):
   return [tf.zeros_like(w) for w in ws]
 
@@ -93,7 +107,12 @@ def _reference(method, weights, batches, p):
   w = [tf.constant(a) for a in weights]
   body, head = list(range(2)), list(range(2, 4))
   clip = p.get("l2_norm_clip")
-  if method == "local_only":
+  if method == "local_only" and p["client_optimizer"] == "adam":
+    moments = [(z, z) for z in _zeros(w)]
+    for step, (x, y) in enumerate(batches, start=1):
+      w, moments = _adam(w, _mean_grad(model, w, range(4), x, y), moments, step,
+                         p["learning_rate"], p["weight_decay"])
+  elif method == "local_only":
     bufs = _zeros(w)
     for x, y in batches:
       w, bufs = _sgd(w, _mean_grad(model, w, range(4), x, y), bufs,
@@ -125,11 +144,12 @@ def _reference(method, weights, batches, p):
   return [a.numpy() for a in w]
 
 
-@pytest.mark.parametrize("method", ["local_only", "dp_sgd_fedavg", "ppsgd",
-                                    "centaur"])
-def test_round_matches_a_plain_reference(method):
+@pytest.mark.parametrize("method,given", [
+    ("local_only", {}), ("local_only", {"client_optimizer": "adam"}),
+    ("dp_sgd_fedavg", {}), ("ppsgd", {}), ("centaur", {})])
+def test_round_matches_a_plain_reference(method, given):
   epochs = 3  # centaur: 1 classifier epoch + 2 DP epochs
-  given = {"local_epochs": 2 if method == "centaur" else 3}
+  given = {"local_epochs": 2 if method == "centaur" else 3, **given}
   if method != "local_only":
     given.update(l2_norm_clip=0.5, noise_multiplier=0.0)
   declared = algorithms.method(method).resolve(given)

@@ -174,6 +174,15 @@ def test_run_reports_both_epsilons(fedre_run):
   assert np.isfinite(final["test_loss"])
 
 
+def test_run_records_pda_pam_measurements(fedre_run):
+  _, history = fedre_run
+  for m in history:
+    assert m["server_update_rejected"] == 0
+    high, low = (np.array(m[f"server_aggregation/score_{k}"]) for k in ("max", "min"))
+    assert high.shape == (4,) and np.all(high >= low)
+    assert m["server_aggregation/spread_capped"] == [0.0] * 4
+
+
 def test_run_captures_the_noised_uploads(fedre_run):
   config, _ = fedre_run
   store = UpdateStore(f"{config.out}/updates")

@@ -56,6 +56,28 @@ def test_metrics_json_and_tensorboard(fedsgd_run):
     assert {"round", "test_accuracy", "test_loss", "seconds"} <= set(m)
     assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_loss"] > 0
   assert glob.glob(os.path.join(config.out, "tensorboard", "events.out.tfevents.*"))
+  assert [m["server_update_rejected"] for m in saved] == [0, 0, 0]
+
+
+def test_server_step_measurements_name_rejections_and_aggregation_values():
+  metrics = {"finalizer": {"update_non_finite": np.int32(1)},
+             "server_aggregation": {"score_max": np.array([1.0, 2.0], np.float32),
+                                    "count": np.float32(3.0)}}
+  assert runner.server_step_measurements(metrics) == {
+      "server_update_rejected": 1, "server_aggregation/score_max": [1.0, 2.0],
+      "server_aggregation/count": 3.0}
+  assert runner.server_step_measurements({"client_work": {}}) == {}
+
+
+def test_a_diverging_run_records_the_rejected_updates(tmp_path):
+  # a learning rate of 1e30 overflows the model within a few rounds; TFF's
+  # finalizer then rejects the non-finite aggregate and keeps the model
+  config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=4,
+                            method_kwargs={"client_learning_rate": 1e30}, **SMALL)
+  history = runner.run(config, progress=False)
+  assert max(m["server_update_rejected"] for m in history) == 1
+  final = runner.load_model_weights(config.out, runner.Run(config).spec)
+  assert all(np.isfinite(w).all() for w in final)
 
 
 def test_captured_upload_is_the_gradient_of_the_true_batch(fedsgd_run):

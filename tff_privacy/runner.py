@@ -533,6 +533,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     entry["train_loss"] = float(train["loss"])
     entry["train_accuracy"] = float(train["sparse_categorical_accuracy"])
     entry.update(r.privacy_spent(round_num))
+    entry.update(server_step_measurements(metrics))
     if capture:
       _write_capture(r, round_num, None if sent else broadcast, clients,
                      metrics["aggregator"]["captured"], sent)
@@ -541,7 +542,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     io.write_json(metrics_path, history)
     with writer.as_default(step=round_num):
       for k, v in entry.items():
-        if k != "round" and not isinstance(v, str):
+        if k != "round" and isinstance(v, (int, float, np.number)):
           tf.summary.scalar(k, v)
     writer.flush()
     asyncio.run(manager.save(state, round_num))
@@ -550,6 +551,23 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
                      "loss": f"{entry['train_loss']:.4f}"})
   _write_final_models(r, state)
   return history
+
+
+def server_step_measurements(metrics) -> dict:
+  """What a round's server step reports, for metrics.json:
+  `server_update_rejected` (1 when TFF's finalizer rejected a non-finite
+  aggregate, so the global model did not move) and a custom server
+  aggregation's measurements (`server_aggregation/<name>`, per tensor
+  lists as they come)."""
+  out = {}
+  finalizer = metrics.get("finalizer") or {}
+  if "update_non_finite" in finalizer:
+    out["server_update_rejected"] = int(finalizer["update_non_finite"])
+  for name, value in (metrics.get("server_aggregation") or {}).items():
+    value = np.asarray(value)
+    out[f"server_aggregation/{name}"] = (value.item() if value.ndim == 0
+                                         else value.tolist())
+  return out
 
 
 MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name

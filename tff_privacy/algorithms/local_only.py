@@ -4,7 +4,10 @@ and nothing leaves it (the HyperFL paper's "Local-only" baseline).
 Each round, client i runs `local_epochs` epochs of PyTorch's SGD
 (`learning_rate`, `momentum`, coupled `weight_decay`; fresh each round, as
 in the HyperFL authors' code) on its private model, which all clients start
-from one seeded initialisation. Nothing is broadcast, uploaded or
+from one seeded initialisation; `client_optimizer='adam'` runs TFF's Adam
+instead (moments fresh each round, like FedAvg's clients; `momentum` unused,
+`weight_decay` an L2 term on the gradient), for models that plain SGD barely
+moves in a few rounds (FedRE's U-Net). Nothing is broadcast, uploaded or
 aggregated (upload kind 'none'), so there is nothing for an attacker on the
 server to capture; rounds only pace training and evaluation.
 """
@@ -20,13 +23,15 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
-from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
+from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, CLIENT_OPTIMIZERS,
+                                         Algorithm, Method, PrivateState,
                                          check_positive, refuse_defense)
 
 PARAMETERS = params.Params(
     local_dp_sgd.LEARNING_RATE,
     local_dp_sgd.LOCAL_EPOCHS,
-    *local_dp_sgd.SGD_PARAMETERS)
+    *local_dp_sgd.SGD_PARAMETERS,
+    CLIENT_OPTIMIZER)
 
 
 def build_local_only(
@@ -36,15 +41,19 @@ def build_local_only(
     momentum: float = 0.5,
     weight_decay: float = 5e-4,
     label_shape: tuple[int, ...] = (),
+    client_optimizer: str = "sgd",
 ) -> personalized.PersonalizedProcess:
   """Builds local-only training as a `PersonalizedProcess` (see the module
   docstring) whose client states are `OrderedDict(model=[weights...])`;
   `label_shape` is one sample's label's (a segmentation mask's [H, W]).
 
   Raises:
-    ValueError: for a non-positive learning rate.
+    ValueError: for a non-positive learning rate or an unknown
+      `client_optimizer`.
   """
   check_positive(learning_rate=learning_rate)
+  if client_optimizer not in CLIENT_OPTIMIZERS:
+    raise ValueError(f"client_optimizer={client_optimizer!r}; choose one of {CLIENT_OPTIMIZERS}")
   with tf.Graph().as_default():
     model = keras_model_fn()
     shapes = [tuple(v.shape) for v in model.trainable_variables]
@@ -57,8 +66,12 @@ def build_local_only(
 
   def local_training(shared, state, dataset):
     del shared  # nothing is shared
-    w, sums = personalized.local_sgd(keras_model_fn(), state["model"], dataset,
-                                     learning_rate, momentum, weight_decay)
+    if client_optimizer == "adam":
+      w, sums = personalized.local_adam(keras_model_fn(), state["model"], dataset,
+                                        learning_rate, weight_decay)
+    else:
+      w, sums = personalized.local_sgd(keras_model_fn(), state["model"], dataset,
+                                       learning_rate, momentum, weight_decay)
     return [], None, collections.OrderedDict(model=w), sums
 
   return personalized.build_personalized_process(
@@ -67,7 +80,8 @@ def build_local_only(
 
 
 def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float,
-              local_epochs: int, momentum: float, weight_decay: float) -> Algorithm:
+              local_epochs: int, momentum: float, weight_decay: float,
+              client_optimizer: str) -> Algorithm:
   """Local-only training as the runner drives it."""
   refuse_defense("local_only", defense)
   check_positive(batch_size=batch_size)
@@ -78,11 +92,14 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float
       build_process=lambda aggregator: build_local_only(
           spec.keras, learning_rate=learning_rate, momentum=momentum,
           weight_decay=weight_decay,
-          label_shape=spec.task_object.label_shape(spec.input_shape)),
+          label_shape=spec.task_object.label_shape(spec.input_shape),
+          client_optimizer=client_optimizer),
       protocol={"learning_rate": learning_rate, "local_epochs": local_epochs,
-                "momentum": momentum, "weight_decay": weight_decay,
-                "batch_size": batch_size,
-                "client_optimizer": "sgd_momentum_coupled_weight_decay"},
+                "momentum": momentum if client_optimizer == "sgd" else None,
+                "weight_decay": weight_decay, "batch_size": batch_size,
+                "client_optimizer": ("sgd_momentum_coupled_weight_decay"
+                                     if client_optimizer == "sgd"
+                                     else "adam_l2_weight_decay")},
       private_state=PrivateState(
           initial=lambda client: collections.OrderedDict(
               model=[w.copy() for w in initial]),

@@ -113,6 +113,29 @@ def local_sgd(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
   return list(w), sums
 
 
+def local_adam(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
+               learning_rate: float, weight_decay: float):
+  """TFF's Adam (`tff.learning.optimizers.build_adam`) over the batches of
+  `dataset`, its moments fresh, `weight_decay` added to the gradient as an
+  L2 term (PyTorch's coupled Adam weight decay); returns (weights, summed
+  `train_sums`)."""
+  optimizer = tff.learning.optimizers.build_adam(learning_rate)
+  w = tuple(weights)
+
+  def step(carry, batch):
+    w, state, sums = carry
+    with tf.GradientTape() as tape:
+      tape.watch(w)
+      loss, batch_sums = batch_loss(model, w, batch)
+    grads = tuple(g + weight_decay * v for g, v in zip(tape.gradient(loss, w), w))
+    state, w = optimizer.next(state, w, grads)
+    return w, state, sums + batch_sums
+
+  state = optimizer.initialize(tuple(tf.TensorSpec(v.shape, v.dtype) for v in w))
+  w, _, sums = dataset.reduce((w, state, tf.zeros([3])), step)
+  return list(w), sums
+
+
 def zeros_like(tensors: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
   """Zero momentum buffers for `tensors` (a tuple, see `sgd_step`)."""
   return tuple(tf.zeros_like(t) for t in tensors)
