@@ -52,15 +52,23 @@ Two settings (`--dataset`):
   and with FedRE.
 * Table 3 (the paper's Tables 3-4): FedRE at epsilon 50 for C_l in 0.25,
   0.20, 0.15, 0.07, 0.05, 0.03.
+* Fig. 5: noise on the gradient against noise on the region's pixels. The
+  Table 2 clients' round-1 uploads of FedRE at epsilon 50 and 10 and of
+  FedRE's pixel alternative (`perturbation='pixels'`, std 0.05 to 0.8) are
+  attacked with `--fig5-iterations` (the paper's 2000) of Inverting
+  Gradients; each epsilon is matched with the pixel std of the closest
+  region SSIM, and no noise (FedAvg), the epsilon and its matched std are
+  trained as in Table 1 (all by the plain mean, so that only where the
+  noise goes differs).
 * Fig. 6: FedRE's primary score with PDA-PAM (eq. 11 as written, and the
   normalised rule) minus without, for 2, 5 and 10 clients at epsilon 50
   and 10.
 
 Each run lives in OUT/<table>/<row>/ and resumes; row.json (Table 2:
 ig/client_<k>/attack.json) caches its result. Tables: OUT/table1.md ...
-table3.md, fig6.md, with .csv, fig4.png and fig6.png.
+table3.md, fig5.md, fig6.md, with .csv, fig4.png, fig5.png and fig6.png.
 
-  python experiments/fedre_tables.py [--dataset docs|digits] [--tables 1,2,3,6]
+  python experiments/fedre_tables.py [--dataset docs|digits] [--tables 1,2,3,5,6]
       [--seeds 0,1]
 """
 
@@ -299,8 +307,6 @@ LEAKAGE_CLIENTS = 8
 def leakage_rows(args) -> tuple[list[dict], dict]:
   """Table 2's rows and Fig. 4's images."""
   setting = args.setting
-  partition = _leakage_partition(setting)
-  regions = _leakage_regions(args)
   rows, images = [], {}
   configs = [("none", "No defence", {"method": "fedavg"})]
   for eps in EPSILONS:
@@ -310,32 +316,47 @@ def leakage_rows(args) -> tuple[list[dict], dict]:
   for eps, label, config in configs:
     slug = label.lower().replace(" ", "_").replace("/", "")
     base = os.path.join(args.out, "table2", f"{slug}_e{eps}")
-    run = os.path.join(base, "run")
-    if not os.path.exists(os.path.join(run, "updates", "manifest.json")):
-      config = _with_training(args, config, "sgd")
-      if config["method"] == "fedre":
-        config["method_kwargs"].update(regions=args.region, psi_samples=1)
-      print(f"{base}", flush=True)
-      runner.run(runner.RunConfig(
-          out=run, dataset=setting.dataset, model=setting.model[0],
-          model_kwargs=setting.model[1], clients=LEAKAGE_CLIENTS, rounds=1,
-          batch_size=1, partition=partition, samples_per_client=1,
-          seed=args.seeds[0], capture_rounds=(1,), **config), progress=False)
-    samples, originals, reconstructed = [], [], []
-    for client, region in enumerate(regions):
-      out = os.path.join(base, "ig", f"client_{client}")
-      samples += _attacked(args, run, out, client, region)["samples"]
-      pairs = np.load(os.path.join(out, "reconstructions.npz"))
-      originals += list(pairs["original"])
-      reconstructed += list(pairs["reconstructed"])
+    samples, originals, reconstructed = _leakage(args, base, config,
+                                                 args.attack_iterations)
     images.setdefault("original", originals)
     images[f"{label} ({eps})"] = reconstructed
-    m = report.mean_scores(samples)
-    rows.append({"epsilon": eps, "method": label, **{k: m[k] for k in (
-        "region_mse", "region_psnr", "region_ssim", "mse", "psnr", "ssim")},
-        "lpips": (float(np.mean([r["lpips"] for r in samples]))
-                  if "lpips" in samples[0] else None)})
+    rows.append({"epsilon": eps, "method": label, **_leakage_scores(samples)})
   return rows, images
+
+
+def _leakage(args, base: str, config: dict, iterations: int):
+  """Round 1 of `config` on Table 2's one-image clients (in `base`/run),
+  each upload attacked by Inverting Gradients (`base`/ig/client_<k>);
+  returns (per-sample scores, originals, reconstructions)."""
+  setting = args.setting
+  run = os.path.join(base, "run")
+  if not os.path.exists(os.path.join(run, "updates", "manifest.json")):
+    config = _with_training(args, config, "sgd")
+    if config["method"] == "fedre":
+      config["method_kwargs"].update(regions=args.region, psi_samples=1)
+    print(f"{base}", flush=True)
+    runner.run(runner.RunConfig(
+        out=run, dataset=setting.dataset, model=setting.model[0],
+        model_kwargs=setting.model[1], clients=LEAKAGE_CLIENTS, rounds=1,
+        batch_size=1, partition=_leakage_partition(setting),
+        samples_per_client=1, seed=args.seeds[0], capture_rounds=(1,),
+        **config), progress=False)
+  samples, originals, reconstructed = [], [], []
+  for client, region in enumerate(_leakage_regions(args)):
+    out = os.path.join(base, "ig", f"client_{client}")
+    samples += _attacked(args, run, out, client, region, iterations)["samples"]
+    pairs = np.load(os.path.join(out, "reconstructions.npz"))
+    originals += list(pairs["original"])
+    reconstructed += list(pairs["reconstructed"])
+  return samples, originals, reconstructed
+
+
+def _leakage_scores(samples: list[dict]) -> dict:
+  m = report.mean_scores(samples)
+  return {**{k: m[k] for k in ("region_mse", "region_psnr", "region_ssim",
+                               "mse", "psnr", "ssim")},
+          "lpips": (float(np.mean([r["lpips"] for r in samples]))
+                    if "lpips" in samples[0] else None)}
 
 
 def _leakage_partition(setting: Setting) -> str:
@@ -352,14 +373,15 @@ def _leakage_regions(args) -> list[np.ndarray]:
                               *setting.input_shape[:2], data=fed)
 
 
-def _attacked(args, run: str, out: str, client: int, region: np.ndarray) -> dict:
+def _attacked(args, run: str, out: str, client: int, region: np.ndarray,
+              iterations: int) -> dict:
   """Inverting Gradients on `client`'s round-1 upload (cached attack.json)."""
   cached = os.path.join(out, "attack.json")
   if os.path.exists(cached):
     return io.read_json(cached)
   return evaluate.attack_round(
       os.path.join(run, "updates"), 1, out, "ig", clients=[client],
-      attack_kwargs={"iterations": args.attack_iterations,
+      attack_kwargs={"iterations": iterations,
                      "label_knowledge": args.setting.label_knowledge},
       lpips_weights=args.lpips_weights, region=region)
 
@@ -388,6 +410,101 @@ def write_table2(args, rows: list[dict], images: dict) -> str:
            if k == "original" or k.startswith(("No defence", "FedRE ("))}
   report.save_grid(shown, os.path.join(args.out, "fig4.png"), (0.0, 1.0),
                    title="Fig. 4: originals, no defence, FedRE at each epsilon")
+  return text
+
+
+FIG5_PIXEL_NOISE = (0.05, 0.1, 0.2, 0.4, 0.8)
+
+
+def _fig5_config(arm: str, level: float, rounds: int) -> dict:
+  """Fig. 5's FedRE runs, all aggregated by the plain mean so that only
+  where the noise goes differs: 'gradient' at epsilon `level`, 'pixels'
+  with pixel noise of std `level`."""
+  if arm == "gradient":
+    kwargs = {"epsilon": level, "budget_rounds": rounds}
+  else:
+    kwargs = {"perturbation": "pixels", "pixel_noise": level}
+  return {"method": "fedre", "method_kwargs": {**kwargs, "aggregation": "mean"}}
+
+
+def fig5_rows(args) -> tuple[list[dict], list[dict]]:
+  """Fig. 5: (the leakage of every noise level, the utility of each matched
+  pair). Each epsilon of FedRE's gradient noise is matched with the pixel
+  noise level whose Inverting Gradients region SSIM (`--fig5-iterations`)
+  is closest; then no noise (FedAvg), the gradient noise and its matched
+  pixel noise are trained as in Table 1."""
+  levels = ([("gradient", eps) for eps in EPSILONS]
+            + [("pixels", std) for std in FIG5_PIXEL_NOISE])
+  leakage = []
+  for arm, level in levels:
+    base = os.path.join(args.out, "fig5", f"leak_{arm}_{level:g}")
+    samples, _, _ = _leakage(args, base, _fig5_config(arm, level, args.rounds),
+                             args.fig5_iterations)
+    leakage.append({"arm": arm, "level": level, **_leakage_scores(samples)})
+  pixels = [r for r in leakage if r["arm"] == "pixels"]
+  seed = args.seeds[0]
+  plain = trained(args, os.path.join(args.out, "fig5", "train_none"),
+                  {"arm": "none"}, method="fedavg", seed=seed)
+  utility = []
+  for grad in (r for r in leakage if r["arm"] == "gradient"):
+    match = min(pixels, key=lambda r: abs(r["region_ssim"] - grad["region_ssim"]))
+    row = {"epsilon": grad["level"], "pixel_noise": match["level"],
+           "ssim_gradient": grad["region_ssim"], "ssim_pixels": match["region_ssim"]}
+    for arm, level in (("gradient", grad["level"]), ("pixels", match["level"])):
+      result = trained(args, os.path.join(args.out, "fig5", f"train_{arm}_{level:g}"),
+                       {}, seed=seed, **_fig5_config(arm, level, args.rounds))
+      row.update({f"{m}_{arm}": result[m] for m in args.setting.metrics})
+    row.update({f"{m}_none": plain[m] for m in args.setting.metrics})
+    utility.append(row)
+  return leakage, utility
+
+
+def write_fig5(args, leakage: list[dict], utility: list[dict]) -> str:
+  import matplotlib.pyplot as plt
+  metrics = args.setting.metrics
+  lines = [f"### Fig. 5 ({args.setting.dataset}): noise on the gradient (FedRE) "
+           "vs noise on the region's pixels", "",
+           f"Leakage: Inverting Gradients ({args.fig5_iterations} iterations) on "
+           f"round-1 uploads of {LEAKAGE_CLIENTS} one-image clients, scored in "
+           f"each client's region ({args.region}).", "",
+           "| noise | level | region SSIM | region PSNR | image SSIM |",
+           "|---|---|---|---|---|"]
+  lines += [f"| {r['arm']} | {'epsilon' if r['arm'] == 'gradient' else 'std'} "
+            f"{r['level']:g} | {r['region_ssim']:.4f} | {r['region_psnr']:.2f} | "
+            f"{r['ssim']:.4f} |" for r in leakage]
+  lines += ["", f"Utility ({args.rounds} rounds, {args.clients} clients, seed "
+            f"{args.seeds[0]}; all aggregated by the plain mean) of each epsilon "
+            "and the pixel noise whose region SSIM is closest:", "",
+            "| epsilon | pixel std | region SSIM gradient, pixels | "
+            + " | ".join(f"{m}: none, gradient, pixels" for m in metrics) + " |",
+            "|---|---|---|" + "---|" * len(metrics)]
+  lines += [f"| {r['epsilon']:g} | {r['pixel_noise']:g} | {r['ssim_gradient']:.4f}, "
+            f"{r['ssim_pixels']:.4f} | " + " | ".join(
+                f"{r[f'{m}_none']:.3f}, {r[f'{m}_gradient']:.3f}, {r[f'{m}_pixels']:.3f}"
+                for m in metrics) + " |" for r in utility]
+  lines += ["", "A match is only as good as the SSIM gap beside it: where the "
+            "attack fails on every run (region SSIM near 0 everywhere), the "
+            "levels are not comparable by leakage."]
+  text = "\n".join(lines) + "\n"
+  io.write_text(os.path.join(args.out, "fig5.md"), text)
+  io.write_csv(os.path.join(args.out, "fig5_leakage.csv"), leakage, list(leakage[0]))
+  io.write_csv(os.path.join(args.out, "fig5.csv"), utility, list(utility[0]))
+  fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.5),
+                           squeeze=False)
+  for ax, m in zip(axes[0], metrics):
+    x = np.arange(len(utility))
+    for i, arm in enumerate(("none", "gradient", "pixels")):
+      ax.bar(x + (i - 1) * 0.27, [r[f"{m}_{arm}"] for r in utility], 0.27,
+             label={"none": "no noise", "gradient": "gradient noise (FedRE)",
+                    "pixels": "region pixel noise"}[arm])
+    ax.set_xticks(x, [f"eps {r['epsilon']:g} / std {r['pixel_noise']:g}"
+                      for r in utility])
+    ax.set_ylabel(m)
+  axes[0][0].legend(fontsize=8)
+  fig.tight_layout()
+  with io.atomic_path(os.path.join(args.out, "fig5.png")) as tmp:
+    fig.savefig(tmp, format="png", dpi=100)
+  plt.close(fig)
   return text
 
 
@@ -465,8 +582,8 @@ def main() -> None:
   parser.add_argument("--dataset", choices=sorted(SETTINGS), default="docs",
                       help="docs: the synthetic documents (default); digits: "
                       "the classification stand-in")
-  parser.add_argument("--tables", default="1,2,3,6",
-                      help="comma-separated, from 1, 2, 3, 6 (Fig. 6)")
+  parser.add_argument("--tables", default="1,2,3,5,6",
+                      help="comma-separated, from 1, 2, 3, 5 (Fig. 5), 6 (Fig. 6)")
   parser.add_argument("--seeds", default="0,1", help="Table 1's seeds")
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--clients", type=int, help="Table 1 and 3's clients "
@@ -482,6 +599,8 @@ def main() -> None:
   parser.add_argument("--region", help="FedRE's regions (default: docs "
                       "'numbers', digits '2,2,6,6')")
   parser.add_argument("--attack-iterations", type=int, default=1000)
+  parser.add_argument("--fig5-iterations", type=int, default=2000,
+                      help="attack iterations of Fig. 5's matching (the paper's 2000)")
   parser.add_argument("--lpips-weights", help="LPIPS weights file (optional)")
   parser.add_argument("--out", help="default: results/fedre_<dataset>")
   parser.add_argument("--quiet", action="store_true")
@@ -493,8 +612,8 @@ def main() -> None:
   args.region = args.region or setting.region
   args.out = args.out or os.path.join("results", f"fedre_{args.dataset}")
   tables = {t.strip() for t in args.tables.split(",") if t.strip()}
-  if not tables or tables - {"1", "2", "3", "6"}:
-    parser.error(f"--tables: {sorted(tables)}; choose from 1, 2, 3, 6")
+  if not tables or tables - {"1", "2", "3", "5", "6"}:
+    parser.error(f"--tables: {sorted(tables)}; choose from 1, 2, 3, 5, 6")
   try:
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
   except ValueError:
@@ -515,9 +634,9 @@ def main() -> None:
                  f"{', '.join(TABLE1_METHODS)}")
   if not args.seeds or args.rounds < 1 or not args.client_lr > 0 or \
       args.attack_iterations < 1 or not math.isfinite(args.client_lr) or \
-      args.clients < 1:
-    parser.error("--seeds must not be empty; --rounds, --clients, --client-lr "
-                 "and --attack-iterations must be > 0")
+      args.clients < 1 or args.fig5_iterations < 1:
+    parser.error("--seeds must not be empty; --rounds, --clients, --client-lr, "
+                 "--attack-iterations and --fig5-iterations must be > 0")
   try:
     for region in _leakage_regions(args):
       evaluate.region_mask(region, *setting.input_shape[:2])
@@ -531,6 +650,8 @@ def main() -> None:
       print(write_table2(args, *leakage_rows(args)))
     if "3" in tables:
       print(write_table3(args, table3_rows(args)))
+    if "5" in tables:
+      print(write_fig5(args, *fig5_rows(args)))
     if "6" in tables:
       print(write_fig6(args, fig6_rows(args)))
   except ValueError as e:

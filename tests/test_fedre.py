@@ -294,3 +294,47 @@ def test_local_only_trains_the_segmentation_task(tmp_path):
       partition="groups", samples_per_client=8)
   last = runner.run(config, progress=False)[-1]
   assert 0 <= last["personal_f_score_mean"] <= 1
+
+
+def test_pixel_perturbation_noises_each_image_once_inside_its_region():
+  mechanism = _mechanism(perturbation="pixels", pixel_noise=0.5, seed=7)
+  rng = np.random.default_rng(3)
+  x = rng.random((3, 32, 32, 3)).astype(np.float32)
+  x[2] = x[0]
+  region = np.zeros((32, 32), np.float32)
+  region[8:24, 8:24] = 1
+  transform = tf.function(lambda b: mechanism.transform_batch(
+      b, {fedre.MASK_KEY: tf.constant(region)}))
+  batch = {"x": tf.constant(x), "y": tf.constant([0, 1, 2])}
+  first, again = transform(batch), transform(batch)
+  noise = (first["x"].numpy() - x) / 0.5
+  np.testing.assert_array_equal(first["x"], again["x"])  # fixed per image
+  np.testing.assert_array_equal(first["y"], batch["y"])
+  assert np.all(noise[:, region == 0] == 0)
+  inside = noise[:, region == 1]
+  np.testing.assert_allclose(inside[2], inside[0], atol=1e-6)  # same content
+  assert not np.allclose(inside[1], inside[0])
+  assert abs(inside.mean()) < 0.1 and abs(inside.std() - 1) < 0.1
+  assert _mechanism(perturbation="gradient").transform_batch(batch, {}) is batch
+
+
+def test_pixel_perturbation_uploads_the_plain_update_and_claims_no_epsilon(tmp_path):
+  def uploads(out, method, **kwargs):
+    config = runner.RunConfig(out=str(tmp_path / out), method=method, rounds=1,
+                              dataset="digits", model="mlp",
+                              model_kwargs={"hidden": [16]}, clients=2,
+                              batch_size=8, seed=4, capture_rounds=(1,),
+                              method_kwargs={"client_learning_rate": 0.1, **kwargs})
+    history = runner.run(config, progress=False)
+    return [r.upload for r in UpdateStore(f"{config.out}/updates").records(1)], history
+
+  plain, _ = uploads("fedavg", "fedavg")
+  clean, history = uploads("clean", "fedre", perturbation="pixels", pixel_noise=0.0,
+                           aggregation="mean")
+  noisy, _ = uploads("noisy", "fedre", perturbation="pixels", pixel_noise=0.3,
+                     aggregation="mean")
+  for p, c, n in zip(plain, clean, noisy):
+    for a, b, d in zip(p, c, n):
+      np.testing.assert_allclose(b, a, atol=1e-6)
+    assert not np.allclose(n[0], p[0], atol=1e-4)
+  assert "epsilon" not in history[-1] and "paper_epsilon" not in history[-1]

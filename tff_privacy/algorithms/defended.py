@@ -1,6 +1,8 @@
 """Client-side defences inside TFF client work.
 
 `with_update_defense` wraps any `ClientWorkProcess` so that each client
+trains on its batches as `UpdateDefense.transform_batch` leaves them (an
+input perturbation; by default unchanged) and
 transforms its update with an `UpdateDefense` before it is returned, i.e.
 before it leaves the client: the aggregator, the update store and any
 eavesdropper see only the defended update. Defences with
@@ -54,7 +56,9 @@ def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
 
   @tff.tensorflow.computation(seeded_data_type)
   def strip_inputs(dataset):
-    return dataset.map(lambda b: collections.OrderedDict((k, b[k]) for k in names))
+    return dataset.map(lambda b: defense.transform_batch(
+        collections.OrderedDict((k, b[k]) for k in names),
+        {k: b[k] for k in input_types}))
 
   @tff.tensorflow.computation(seeded_data_type)
   def inputs_of(dataset):

@@ -22,6 +22,15 @@ with the uploads' PSI scores on public samples and the same regions
 (`aggregation='mean'` is FedRE without PDA-PAM) and applies w = w~ -
 server_learning_rate * aggregate.
 
+Fig. 5's alternative (`perturbation='pixels'`): instead of steps 2-4, the
+client adds Gaussian noise of standard deviation `pixel_noise` to the
+pixels of its region in every training image and uploads its update as it
+is. The paper says only that noise is infused into the regions of each
+image; here it is drawn once per image (seeded by the run's seed and the
+image's content, so every pass and round sees the same noisy copy, as a
+sanitised data set would) and not clipped to the pixel range. No DP
+guarantee is claimed for it, so such runs report no epsilon.
+
 The client's total delta is the run's `dp_delta`. Privacy reported per run:
 the paper's epsilon (eq. 9 and simple
 composition over layers: epsilon itself after T rounds) and what
@@ -78,6 +87,7 @@ PROFILE_KEY = "public_profile"  # which public set PDA-PAM scores a client on
 BUDGET_SPLITS = ("psi", "even")
 NOISE_CALIBRATIONS = ("paper", "accountant")
 AGGREGATIONS = ("pda_pam", "mean")
+PERTURBATIONS = ("gradient", "pixels")
 
 PARAMETERS = params.Params(
     params.Param("epsilon", float, 50.0, "each client's total privacy budget "
@@ -88,6 +98,12 @@ PARAMETERS = params.Params(
                  exclusive_minimum=True, flag="layer-clip"),
     params.Param("budget_split", str, "psi", "psi: eq. 6; even: the same "
                  "epsilon split evenly (FedRE without PSI)", choices=BUDGET_SPLITS),
+    params.Param("perturbation", str, "gradient", "gradient: FedRE's layer-"
+                 "wise noise on the update; pixels: Gaussian noise of std "
+                 "pixel_noise on the region's pixels instead (Fig. 5)",
+                 choices=PERTURBATIONS),
+    params.Param("pixel_noise", float, 0.1, "std of the region pixel noise "
+                 "of perturbation='pixels' (pixel values in [0, 1])", minimum=0),
     params.Param("noise_calibration", str, "paper", "paper: sigma_l by eq. 9; "
                  "accountant: scaled to spend exactly epsilon by RDP",
                  choices=NOISE_CALIBRATIONS),
@@ -234,8 +250,13 @@ class FedREMechanism(UpdateDefense):
 
   def __init__(self, spec, *, epsilon: float, delta: float, rounds: int,
                clip: float, budget_split: str, noise_calibration: str,
-               psi_samples: int, psi_pixels: Optional[int]):
+               psi_samples: int, psi_pixels: Optional[int],
+               perturbation: str = "gradient", pixel_noise: float = 0.0,
+               seed: int = 0):
+    if perturbation not in PERTURBATIONS:
+      raise ValueError(f"perturbation={perturbation!r}; choose one of {PERTURBATIONS}")
     self.spec = spec
+    self.perturbation, self.pixel_noise, self.seed = perturbation, pixel_noise, seed
     self.num_layers = len(spec.initial_weights(0))
     self.epsilon, self.delta, self.rounds, self.clip = epsilon, delta, rounds, clip
     self.budget_split, self.noise_calibration = budget_split, noise_calibration
@@ -253,7 +274,24 @@ class FedREMechanism(UpdateDefense):
             "clip": self.clip,
             "budget_split": self.budget_split,
             "noise_calibration": self.noise_calibration,
-            "psi_samples": self.psi_samples, "psi_pixels": self.psi_pixels}
+            "psi_samples": self.psi_samples, "psi_pixels": self.psi_pixels,
+            "perturbation": self.perturbation, "pixel_noise": self.pixel_noise}
+
+  def transform_batch(self, batch, inputs):
+    """'pixels': each image plus N(0, pixel_noise^2) on the region's pixels,
+    the noise a function of the run's seed and the image's content."""
+    if self.perturbation != "pixels":
+      return batch
+    region = tf.cast(inputs[MASK_KEY], tf.float32)[None, :, :, None]
+
+    def noise(image):
+      content = tf.strings.to_hash_bucket_fast(tf.io.serialize_tensor(image), 2**62)
+      return tf.random.stateless_normal(
+          tf.shape(image), tf.stack([content, tf.constant(self.seed, tf.int64)]))
+
+    x = batch["x"]
+    noisy = x + self.pixel_noise * region * tf.map_fn(noise, x)
+    return type(batch)((k, noisy if k == "x" else v) for k, v in batch.items())
 
   def layer_epsilons(self, client: ClientView, seed) -> tf.Tensor:
     """Eq. 6 from the PSI scores of the client's first `psi_samples` samples
@@ -277,6 +315,8 @@ class FedREMechanism(UpdateDefense):
                                           self.rounds)
 
   def apply(self, update, seed, client: Optional[ClientView] = None):
+    if self.perturbation == "pixels":
+      return list(update)
     if client is None:
       raise ValueError("fedre needs the client's data, region and model (a ClientView)")
     psi_seed, noise_seed = tf.unstack(
@@ -290,7 +330,10 @@ class FedREMechanism(UpdateDefense):
   def dp_event(self, num_params: int) -> dp_accounting.DpEvent:
     """One round under the local-DP relation: exact for 'accountant' and
     for the even split (fixed in advance); for eq. 9 with the PSI split,
-    the bound over every split (`paper_round_multiplier_bound`)."""
+    the bound over every split (`paper_round_multiplier_bound`). None for
+    'pixels', which claims no DP guarantee."""
+    if self.perturbation == "pixels":
+      return None
     if self.round_multiplier is not None:
       return dp_accounting.GaussianDpEvent(self.round_multiplier)
     if self.budget_split == "even":
@@ -400,7 +443,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
               regions: Optional[str], aggregation: str, pda_pam_rule: str,
               public_samples: int, client_learning_rate: float,
               server_learning_rate: float, local_epochs: int,
-              client_optimizer: str) -> Algorithm:
+              client_optimizer: str, perturbation: str,
+              pixel_noise: float) -> Algorithm:
   """FedRE as the runner drives it."""
   refuse_defense("fedre", defense)
   check_positive(batch_size=batch_size)
@@ -412,7 +456,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       spec, epsilon=epsilon, delta=delta,
       rounds=budget_rounds or federation.rounds, clip=clip,
       budget_split=budget_split, noise_calibration=noise_calibration,
-      psi_samples=psi_samples, psi_pixels=psi_pixels)
+      psi_samples=psi_samples, psi_pixels=psi_pixels,
+      perturbation=perturbation, pixel_noise=pixel_noise, seed=seed)
   public = (public_regions(federation, regions, masks, public_samples)
             if aggregation == "pda_pam" else None)
   return Algorithm(
@@ -435,9 +480,10 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           PROFILE_KEY: np.int32(client)},
       defense={"name": mechanism.name, **mechanism.params()},
       dp_event=mechanism.dp_event, dp_relation=mechanism.dp_relation,
-      stated_privacy={"paper_epsilon": epsilon, "paper_delta": delta,
-                      "paper_accounting": "eq. 9 per tensor, simple "
-                      "composition over tensors (Theorem 1, Corollary 1)"})
+      stated_privacy=None if perturbation == "pixels" else {
+          "paper_epsilon": epsilon, "paper_delta": delta,
+          "paper_accounting": "eq. 9 per tensor, simple composition over "
+          "tensors (Theorem 1, Corollary 1)"})
 
 
 METHOD = Method("fedre", PARAMETERS, algorithm,

@@ -90,6 +90,13 @@ class UpdateDefense(abc.ABC):
             client: Optional[ClientView] = None) -> list[tf.Tensor]:
     """The update the client uploads instead of `update`."""
 
+  def transform_batch(self, batch: dict, inputs: dict) -> dict:
+    """The training batch ('x', 'y') the client trains on instead of
+    `batch`, given its inputs (seed, `client_input_types`): where an input
+    perturbation defence acts. Default: unchanged."""
+    del inputs
+    return batch
+
   def params(self) -> dict[str, Any]:
     """The defence's parameters, for run metadata."""
     return {k.lstrip("_"): v for k, v in vars(self).items()}
