@@ -209,15 +209,27 @@ def _segmentation_sample(digits, i=0):
   return x, (x[..., 0] > 0.5).astype(np.int32)
 
 
-def test_segmentation_upload_is_the_keras_gradient_of_the_task_loss(digits):
+@pytest.mark.parametrize("positive_weight", [1.0, 7.0])
+def test_segmentation_upload_is_the_keras_gradient_of_the_task_loss(digits,
+                                                                    positive_weight):
   x, y = _segmentation_sample(digits)
   model = SEG_SPEC.keras(0)
   with tf.GradientTape() as tape:
-    loss = SEG_SPEC.task_object.keras_loss()(y, model(x))
+    # Keras' own loss with per-pixel sample weights: the weighted mean CE
+    weights = np.where(y == 1, positive_weight, 1.0)
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(
+        y, model(x), sample_weight=weights)
   expected = tape.gradient(loss, model.trainable_variables)
+  spec = models.ModelSpec(SEG_SPEC.name, SEG_SPEC.input_shape, 2, SEG_SPEC.kwargs,
+                          "segmentation", {"positive_weight": positive_weight})
+  with tf.GradientTape() as tape:
+    task_loss = spec.task_object.keras_loss()(y, model(x))
+  for g, e in zip(tape.gradient(task_loss, model.trainable_variables), expected):
+    np.testing.assert_allclose(g, e, atol=1e-6)
   got = functional.simulate_upload(
       model, [tf.constant(v) for v in model.trainable_variables],
-      tf.constant(x), tf.one_hot(y, 2), "gradient", {"batch_size": 1})
+      tf.constant(x), tf.one_hot(y, 2), "gradient", {"batch_size": 1},
+      positive_weight=positive_weight)
   for g, e in zip(got, expected):
     np.testing.assert_allclose(g, e, atol=1e-6)
 

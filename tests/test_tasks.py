@@ -7,6 +7,9 @@ import tensorflow as tf
 from sklearn import metrics as skm
 
 from tff_privacy import models, runner, tasks
+from tff_privacy.attacks import functional
+from tff_privacy.attacks.inversion import Target
+from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
 def _pixels(seed):
@@ -56,6 +59,28 @@ def test_evaluator_batches_add_up_to_the_whole_set():
   assert scores["iou"] == pytest.approx(skm.jaccard_score(y.ravel(), pred))
 
 
+def test_positive_weight_weighs_tampered_pixels_in_the_cross_entropy():
+  logits, labels = _pixels(4)
+  p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+  ce = -np.log(np.take_along_axis(p, labels[..., None], -1)[..., 0])
+  expected = np.mean(ce * np.where(labels == 1, 5.0, 1.0))
+  task = tasks.get("segmentation", positive_weight=5.0)
+  assert float(task.loss(logits, labels)) == pytest.approx(expected, rel=1e-5)
+  assert float(task.keras_loss()(labels, logits)) == pytest.approx(expected, rel=1e-5)
+  assert float(tasks.get("segmentation").loss(logits, labels)) == pytest.approx(
+      ce.mean(), rel=1e-5)
+  with pytest.raises(ValueError, match="positive_weight must be > 0"):
+    tasks.get("segmentation", positive_weight=0.0)
+  with pytest.raises(ValueError, match="task 'classification' takes no arguments"):
+    tasks.get("classification", positive_weight=2.0)
+
+
+def test_positive_weight_is_refused_for_classification_runs(tmp_path):
+  with pytest.raises(ValueError, match="positive_weight applies to segmentation"):
+    runner.Run(runner.RunConfig(out=str(tmp_path), dataset="digits", model="mlp",
+                                positive_weight=3.0))
+
+
 def test_a_run_on_the_documents_reports_segmentation_metrics(tmp_path):
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", dataset="docs",
                             model="unet", model_kwargs={"widths": [4, 8]},
@@ -68,3 +93,31 @@ def test_a_run_on_the_documents_reports_segmentation_metrics(tmp_path):
   final = runner.load_model_weights(config.out, run.spec)
   assert runner.Evaluator(run.spec).scores(final, *run.fed.test)["loss"] == \
       pytest.approx(last["test_loss"])
+
+
+def test_weighted_run_records_its_loss_and_the_attacker_simulates_it(tmp_path):
+  """The captured delta of a FedAvg run on the documents trained with a
+  positive weight equals the attacker's simulation (`Target.simulate`, which
+  reads the weight from the record's model), and not the unweighted one."""
+  config = runner.RunConfig(out=str(tmp_path), method="fedavg", dataset="docs",
+                            model="unet", model_kwargs={"widths": [4, 8]},
+                            clients=40, clients_per_round=1, rounds=1,
+                            batch_size=8, seed=2, capture_rounds=(1,),
+                            positive_weight=6.0,
+                            method_kwargs={"client_learning_rate": 0.05})
+  runner.run(config, progress=False)
+  client = UpdateStore(f"{config.out}/updates").clients(1)[0]
+  record = UpdateStore(f"{config.out}/updates").read(1, client)
+  x, y = GroundTruthStore(f"{config.out}/ground_truth").read(1, client)
+  assert record.model_spec.task_object.positive_weight == 6.0
+  target = Target.from_record(record)
+  broadcast = [tf.constant(w) for w in record.broadcast]
+  simulated = target.simulate(broadcast, tf.constant(x), tf.one_hot(y, 2))
+  for got, want in zip(record.upload, simulated):
+    np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
+  plain = models.ModelSpec(record.model_spec.name, record.model_spec.input_shape, 2,
+                           record.model_spec.kwargs, "segmentation")
+  unweighted = functional.simulate_upload(
+      plain.keras(), broadcast, tf.constant(x), tf.one_hot(y, 2), "model_delta",
+      record.metadata["protocol"])
+  assert not np.allclose(record.upload[0], unweighted[0].numpy(), atol=2e-5)

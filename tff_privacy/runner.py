@@ -78,7 +78,10 @@ RUN_PARAMETERS = params.Params(
                  choices=tuple(sorted(defenses.DEFENSES))),
     params.Param("dp_delta", float, 1e-5, "delta at which DP runs report epsilon",
                  minimum=0, maximum=1, exclusive_minimum=True,
-                 exclusive_maximum=True))
+                 exclusive_maximum=True),
+    params.Param("positive_weight", float, 1.0, "segmentation data sets: "
+                 "weight of the positive (tampered) pixels in the cross-entropy "
+                 "(1: the plain mean)", minimum=0, exclusive_minimum=True))
 
 
 def _run_default(name: str):
@@ -112,6 +115,7 @@ class RunConfig:
   defense: Optional[str] = None  # see tff_privacy.defenses
   defense_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   dp_delta: float = _run_default("dp_delta")
+  positive_weight: float = _run_default("positive_weight")
 
   def __post_init__(self):
     checked = RUN_PARAMETERS.check(
@@ -273,9 +277,15 @@ class Run:
     self.fed = data.load(config.dataset, config.clients, config.partition,
                          config.alpha, config.seed, config.data_dir,
                          config.samples_per_client)
+    task_kwargs = {}
+    if config.positive_weight != 1.0:
+      if self.fed.source.task != "segmentation":
+        raise ValueError(f"positive_weight applies to segmentation data sets; "
+                         f"{config.dataset!r} is {self.fed.source.task}")
+      task_kwargs["positive_weight"] = config.positive_weight
     self.spec = models.ModelSpec(config.model, self.fed.source.input_shape,
                                  self.fed.source.num_classes, config.model_kwargs,
-                                 self.fed.source.task)
+                                 self.fed.source.task, task_kwargs)
     self.spec.check_builds()
     defense = (defenses.build(config.defense, self.spec, **config.defense_kwargs)
                if config.defense else None)

@@ -6,7 +6,9 @@ ModelSpec, TFF model, runner and evaluator:
 * `classification`: one integer label per sample; cross-entropy on the
   logits; accuracy. Labels can be recovered from a gradient (iDLG).
 * `segmentation`: one integer label per pixel (0 pristine, 1 tampered for
-  FedRE's tamper detection); per-pixel cross-entropy; IoU, precision,
+  FedRE's tamper detection); per-pixel cross-entropy (the paper's L_CE;
+  `positive_weight` w > 1 weighs class-1 pixels w times, mean of
+  w_p * CE_p over all pixels, for rare tampered pixels); IoU, precision,
   recall and F-score of class 1 over all test pixels (0 where undefined: no
   predicted or no true positive pixel). No analytic label recovery.
 
@@ -77,14 +79,45 @@ class Classification(Task):
     return {"accuracy": correct / count, "loss": loss / count}
 
 
+class _WeightedCrossEntropy(tf.keras.losses.Loss):
+  """Keras' form of `Segmentation.loss` with a positive weight."""
+
+  def __init__(self, task):
+    super().__init__(name="weighted_cross_entropy")
+    self.task = task
+
+  def call(self, y_true, y_pred):
+    return self.task.pixel_losses(y_pred, y_true)
+
+
 class Segmentation(Task):
   name = "segmentation"
   primary_metric = "f_score"
   labels_recoverable = False
   sum_names = ("loss", "true_positive", "false_positive", "false_negative")
 
+  def __init__(self, positive_weight: float = 1.0):
+    if not positive_weight > 0:
+      raise ValueError(f"positive_weight must be > 0, got {positive_weight}")
+    self.positive_weight = float(positive_weight)
+
   def label_shape(self, input_shape):
     return tuple(input_shape[:2])
+
+  def pixel_losses(self, logits, labels):
+    """w_p * CE_p per pixel [N, H, W]."""
+    labels = tf.cast(labels, tf.int32)
+    ce = tf.keras.losses.sparse_categorical_crossentropy(labels, logits,
+                                                         from_logits=True)
+    return ce * tf.where(tf.equal(labels, 1), self.positive_weight, 1.0)
+
+  def keras_loss(self):
+    if self.positive_weight == 1.0:
+      return super().keras_loss()
+    return _WeightedCrossEntropy(self)
+
+  def loss(self, logits, labels):
+    return tf.reduce_mean(self.pixel_losses(logits, labels))
 
   def sums(self, logits, labels):
     loss = self.loss(logits, labels) * tf.cast(tf.shape(labels)[0], tf.float32)
@@ -108,11 +141,15 @@ class Segmentation(Task):
             "loss": loss / max(count, 1)}
 
 
-_TASKS = {"classification": Classification(), "segmentation": Segmentation()}
+_TASKS = {"classification": Classification, "segmentation": Segmentation}
 
 
-def get(name: str) -> Task:
-  """The task `name` (one of `TASKS`)."""
+def get(name: str, **kwargs) -> Task:
+  """The task `name` (one of `TASKS`) with its arguments (segmentation:
+  `positive_weight`)."""
   if name not in _TASKS:
     raise ValueError(f"task={name!r} is unknown; choose one of {TASKS}")
-  return _TASKS[name]
+  try:
+    return _TASKS[name](**kwargs)
+  except TypeError:
+    raise ValueError(f"task {name!r} takes no arguments {sorted(kwargs)}") from None

@@ -42,10 +42,12 @@ def build_local_only(
     weight_decay: float = 5e-4,
     label_shape: tuple[int, ...] = (),
     client_optimizer: str = "sgd",
+    loss_fn=None,
 ) -> personalized.PersonalizedProcess:
   """Builds local-only training as a `PersonalizedProcess` (see the module
   docstring) whose client states are `OrderedDict(model=[weights...])`;
-  `label_shape` is one sample's label's (a segmentation mask's [H, W]).
+  `label_shape` is one sample's label's (a segmentation mask's [H, W]),
+  `loss_fn(logits, labels)` the task's loss (default: cross-entropy).
 
   Raises:
     ValueError: for a non-positive learning rate or an unknown
@@ -68,10 +70,11 @@ def build_local_only(
     del shared  # nothing is shared
     if client_optimizer == "adam":
       w, sums = personalized.local_adam(keras_model_fn(), state["model"], dataset,
-                                        learning_rate, weight_decay)
+                                        learning_rate, weight_decay, loss_fn)
     else:
       w, sums = personalized.local_sgd(keras_model_fn(), state["model"], dataset,
-                                       learning_rate, momentum, weight_decay)
+                                       learning_rate, momentum, weight_decay,
+                                       loss_fn)
     return [], None, collections.OrderedDict(model=w), sums
 
   return personalized.build_personalized_process(
@@ -93,7 +96,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float
           spec.keras, learning_rate=learning_rate, momentum=momentum,
           weight_decay=weight_decay,
           label_shape=spec.task_object.label_shape(spec.input_shape),
-          client_optimizer=client_optimizer),
+          client_optimizer=client_optimizer, loss_fn=spec.task_object.loss),
       protocol={"learning_rate": learning_rate, "local_epochs": local_epochs,
                 "momentum": momentum if client_optimizer == "sgd" else None,
                 "weight_decay": weight_decay, "batch_size": batch_size,

@@ -86,16 +86,22 @@ def sgd_step(params: Sequence[tf.Tensor], grads: Sequence[tf.Tensor],
   return tuple(new_params), tuple(new_buffers)
 
 
-def batch_loss(model: tf.keras.Model, weights: Sequence[tf.Tensor], batch):
-  """(mean cross-entropy, `train_sums`) of `model` with `weights` on a batch."""
+def batch_loss(model: tf.keras.Model, weights: Sequence[tf.Tensor], batch,
+               loss_fn=None):
+  """(mean loss, `train_sums`) of `model` with `weights` on a batch: the
+  cross-entropy, or `loss_fn(logits, labels)` (a task's loss)."""
   logits = forward(model, list(weights), batch["x"])
-  loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-      batch["y"], logits))
+  if loss_fn is None:
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        batch["y"], logits))
+  else:
+    loss = loss_fn(logits, batch["y"])
   return loss, train_sums(loss, logits, batch["y"])
 
 
 def local_sgd(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
-              learning_rate: float, momentum: float, weight_decay: float):
+              learning_rate: float, momentum: float, weight_decay: float,
+              loss_fn=None):
   """`sgd_step`s on every weight over the batches of `dataset`, buffers
   fresh; returns (weights, summed `train_sums`)."""
 
@@ -103,7 +109,7 @@ def local_sgd(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
     w, buffers, sums = carry
     with tf.GradientTape() as tape:
       tape.watch(w)
-      loss, batch_sums = batch_loss(model, w, batch)
+      loss, batch_sums = batch_loss(model, w, batch, loss_fn)
     w, buffers = sgd_step(w, tape.gradient(loss, w), buffers, learning_rate,
                           momentum, weight_decay)
     return w, buffers, sums + batch_sums
@@ -114,7 +120,7 @@ def local_sgd(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
 
 
 def local_adam(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
-               learning_rate: float, weight_decay: float):
+               learning_rate: float, weight_decay: float, loss_fn=None):
   """TFF's Adam (`tff.learning.optimizers.build_adam`) over the batches of
   `dataset`, its moments fresh, `weight_decay` added to the gradient as an
   L2 term (PyTorch's coupled Adam weight decay); returns (weights, summed
@@ -126,7 +132,7 @@ def local_adam(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
     w, state, sums = carry
     with tf.GradientTape() as tape:
       tape.watch(w)
-      loss, batch_sums = batch_loss(model, w, batch)
+      loss, batch_sums = batch_loss(model, w, batch, loss_fn)
     grads = tuple(g + weight_decay * v for g, v in zip(tape.gradient(loss, w), w))
     state, w = optimizer.next(state, w, grads)
     return w, state, sums + batch_sums

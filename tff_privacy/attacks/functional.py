@@ -16,20 +16,26 @@ from tff_privacy.models.functional import forward
 from tff_privacy.protocol import local_batch_sizes
 
 
-def batch_loss(model, weights, x, y_soft) -> tf.Tensor:
-  """Mean cross-entropy of soft (or one-hot) labels `y_soft` on logits.
+def batch_loss(model, weights, x, y_soft, positive_weight: float = 1.0) -> tf.Tensor:
+  """Mean cross-entropy of soft (or one-hot) labels `y_soft` on logits; with
+  `positive_weight` w, each term weighted 1 + (w - 1) y_soft[..., 1] (the
+  segmentation task's weighted loss for one-hot labels, linear in soft ones).
 
   Written out rather than with the fused `tf.nn.softmax_cross_entropy_with_
   logits`, whose second-order gradient ignores the labels: DLG differentiates
   the weight gradient with respect to its dummy labels.
   """
   logits = forward(model, weights, x)
-  return tf.reduce_mean(-tf.reduce_sum(y_soft * tf.nn.log_softmax(logits), -1))
+  terms = -tf.reduce_sum(y_soft * tf.nn.log_softmax(logits), -1)
+  if positive_weight != 1.0:
+    terms *= 1.0 + (positive_weight - 1.0) * y_soft[..., 1]
+  return tf.reduce_mean(terms)
 
 
 def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
               batch_sizes: Sequence[int], momentum: float = 0.0,
-              weight_decay: float = 0.0, optimizer: str = "sgd") -> list[tf.Tensor]:
+              weight_decay: float = 0.0, optimizer: str = "sgd",
+              positive_weight: float = 1.0) -> list[tf.Tensor]:
   """w0 - wK after local steps over consecutive batches of the sample
   sequence (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention).
 
@@ -45,7 +51,7 @@ def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
     with tf.GradientTape() as tape:
       tape.watch(current)
       loss = batch_loss(model, current, x_seq[start:start + size],
-                        y_seq[start:start + size])
+                        y_seq[start:start + size], positive_weight)
     grads = tape.gradient(loss, current)
     if optimizer == "adam":
       first = [m + (g - m) * (1 - 0.9) for m, g in zip(first, grads)]
@@ -68,8 +74,10 @@ def learning_rate(protocol: dict) -> float:
 
 
 def simulate_upload(model, weights, x, y_soft, upload_kind: str,
-                    protocol: dict, num_examples: int | None = None):
-  """What a client holding (x, y_soft) would upload from broadcast `weights`.
+                    protocol: dict, num_examples: int | None = None,
+                    positive_weight: float = 1.0):
+  """What a client holding (x, y_soft) would upload from broadcast `weights`,
+  training on `batch_loss` (with the task's `positive_weight`).
 
   'gradient': the gradient of the mean loss over the batch (FedSGD).
   'model_delta': w0 - wK after `local_epochs` passes of minibatch SGD with
@@ -84,7 +92,7 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
   if upload_kind == "gradient":
     with tf.GradientTape() as tape:
       tape.watch(weights)
-      loss = batch_loss(model, weights, x, y_soft)
+      loss = batch_loss(model, weights, x, y_soft, positive_weight)
     return tape.gradient(loss, weights)
   if upload_kind == "model_delta":
     n = int(x.shape[0]) if num_examples is None else num_examples
@@ -95,6 +103,7 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
         tf.concat([y_soft] * epochs, 0),
         learning_rate(protocol), sizes, protocol.get("client_momentum", protocol.get("momentum", 0.0)),
         protocol.get("weight_decay", 0.0),
-        "adam" if protocol.get("client_optimizer") == "adam" else "sgd")
+        "adam" if protocol.get("client_optimizer") == "adam" else "sgd",
+        positive_weight)
   raise ValueError(f"upload_kind={upload_kind!r} cannot be simulated; "
                    "supported: 'gradient', 'model_delta'")

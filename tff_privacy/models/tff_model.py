@@ -32,17 +32,18 @@ class ModelSpec:
   num_classes: int
   kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   task: str = "classification"
+  task_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     object.__setattr__(self, "input_shape", tuple(int(d) for d in self.input_shape))
     builders.check(self.name, self.num_classes)
     builders.check_kwargs(self.name, self.kwargs)
-    builders.check_task(self.name, tasks.get(self.task).name)
+    builders.check_task(self.name, self.task_object.name)
 
   @property
   def task_object(self) -> tasks.Task:
     """The `tff_privacy.tasks.Task` the model is trained for."""
-    return tasks.get(self.task)
+    return tasks.get(self.task, **self.task_kwargs)
 
   def keras(self, seed: int = 0) -> tf.keras.Model:
     return builders.build(self.name, self.input_shape, self.num_classes,
@@ -86,11 +87,12 @@ class ModelSpec:
   def to_json(self) -> dict[str, Any]:
     return {"name": self.name, "input_shape": list(self.input_shape),
             "num_classes": self.num_classes, "kwargs": dict(self.kwargs),
-            "task": self.task}
+            "task": self.task, "task_kwargs": dict(self.task_kwargs)}
 
   @classmethod
   def from_json(cls, data: dict[str, Any]) -> "ModelSpec":
     kwargs = {k: tuple(v) if isinstance(v, list) else v
               for k, v in data.get("kwargs", {}).items()}
     return cls(data["name"], tuple(data["input_shape"]), int(data["num_classes"]),
-               kwargs, data.get("task", "classification"))
+               kwargs, data.get("task", "classification"),
+               data.get("task_kwargs", {}))
