@@ -50,7 +50,8 @@ def main() -> None:
   runtime.install()  # TFF is imported but never runs here: start no worker
   src = data.load_source(args.dataset)
   height, width = src.input_shape[:2]
-  args.box = args.box or min(height, width) // 4
+  if args.box is None:
+    args.box = min(height, width) // 4
   if not 1 <= args.box <= min(height, width):
     parser.error(f"--box must lie in [1, {min(height, width)}], got {args.box}")
   name, kwargs = ((args.model, {}) if args.model

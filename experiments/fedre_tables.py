@@ -39,8 +39,9 @@ Two settings (`--dataset`):
   rule). Central and the DP rows report the global model's scores,
   Localset the mean of each client's own model on its own test split.
   Every method trains with the setting's client optimizer and local
-  epochs (Localset: the local-only method with the same). BLUR+LUS is not
-  included yet.
+  epochs (Localset: the local-only method with the same, plus its default
+  weight decay 5e-4). BLUR+LUS (Cheng et al., CVPR 2022) is not included:
+  its equations and defaults could not be read here.
 * Table 2 (leakage): 8 clients holding one image each (one digit, or one
   document of one format) train one round of one local SGD step, so the
   upload is the step on one image, under no defence, LDP-Fed, FedRE without
@@ -62,8 +63,11 @@ Two settings (`--dataset`):
   attacked with `--fig5-iterations` (the paper's 2000) of Inverting
   Gradients; each epsilon is matched with the pixel std of the closest
   region SSIM, and no noise (FedAvg), the epsilon and its matched std are
-  trained as in Table 1 (all by the plain mean, so that only where the
-  noise goes differs).
+  trained as in Table 1, all aggregated by the plain mean (the gradient
+  arm also clips each tensor to C_l). On docs a training client's region
+  is the union of its elements over all its images, so the pixel arm
+  noises more of each training image than of the one-image client it was
+  matched on.
 * Fig. 6: FedRE's primary score with PDA-PAM (eq. 11 as written, and the
   normalised rule) minus without, for 2, 5 and 10 clients at epsilon 50
   and 10.
@@ -231,8 +235,10 @@ def _with_final_loss(row: dict, out: str) -> dict:
   aggregate TFF rejected as non-finite (the global model stayed put)."""
   history = io.read_json(os.path.join(out, "metrics.json"))
   last = history[-1]
+  recorded = all("server_update_rejected" in m for m in history)
   return {**row, "final_test_loss": last.get("test_loss", last["personal_loss_mean"]),
-          "rejected_rounds": sum(m.get("server_update_rejected", 0) for m in history)}
+          "rejected_rounds": (sum(m["server_update_rejected"] for m in history)
+                              if recorded else None)}
 
 
 def table1_rows(args) -> list[dict]:
@@ -280,7 +286,8 @@ def write_table1(args, rows: list[dict]) -> str:
     accountant = mine[0]["epsilon_accountant"]
     paper = PAPER_TABLE1.get((eps, label))
     losses = ", ".join(f"{r['final_test_loss']:.3g}" for r in mine)
-    rejected = ", ".join(str(r["rejected_rounds"]) for r in mine)
+    rejected = ", ".join("-" if r["rejected_rounds"] is None
+                         else str(r["rejected_rounds"]) for r in mine)
     lines.append(f"| {eps} | {label} | {_scores(args, mine)} | {losses} | "
                  f"{rejected} | {'-' if accountant is None else f'{accountant:.3g}'} | "
                  + (" | ".join(f"{p[0]:.3f}, {p[1]:.3f}" for p in paper)
@@ -292,7 +299,8 @@ def write_table1(args, rows: list[dict]) -> str:
   lines += ["", "Rejected rounds (per seed): rounds whose aggregate was not "
             "finite, which TFF's finalizer refuses to apply, so the global "
             "model did not move (eq. 11 as written multiplies by e^(M - m) "
-            "over the spread of the clients' scores).",
+            "over the spread of the clients' scores); '-' where the run has "
+            "no global model (Localset) or did not record it.",
             "", "Accountant epsilon: what dp_accounting (RDP, local-DP relation, "
             "delta 1e-5) computes for the noise added: for FedRE with eq. 9 and "
             "the PSI split the bound over every split, for the even split and "
@@ -425,9 +433,9 @@ FIG5_MATCH_GAP = 0.05  # region SSIMs closer than this count as matched
 
 
 def _fig5_config(arm: str, level: float, rounds: int) -> dict:
-  """Fig. 5's FedRE runs, all aggregated by the plain mean so that only
-  where the noise goes differs: 'gradient' at epsilon `level`, 'pixels'
-  with pixel noise of std `level`."""
+  """Fig. 5's FedRE runs, all aggregated by the plain mean: 'gradient' at
+  epsilon `level` (budget over `rounds`), 'pixels' with pixel noise of std
+  `level`."""
   if arm == "gradient":
     kwargs = {"epsilon": level, "budget_rounds": rounds}
   else:
@@ -446,7 +454,8 @@ def fig5_rows(args) -> tuple[list[dict], list[dict]]:
             + [("pixels", std) for std in FIG5_PIXEL_NOISE])
   leakage = []
   for arm, level in levels:
-    base = os.path.join(args.out, "fig5", f"leak_{arm}_{level:g}")
+    base = os.path.join(args.out, "fig5", f"leak_{arm}_{level:g}_it"
+                        f"{args.fig5_iterations}_r{args.rounds}")
     samples, _, _ = _leakage(args, base, _fig5_config(arm, level, args.rounds),
                              args.fig5_iterations)
     leakage.append({"arm": arm, "level": level, **_leakage_scores(samples)})
@@ -496,7 +505,13 @@ def write_fig5(args, leakage: list[dict], utility: list[dict]) -> str:
   lines += ["", f"Matched: the region SSIMs differ by at most {FIG5_MATCH_GAP}; "
             "otherwise no pixel noise level of the grid leaks as little (or as "
             "much) as that gradient noise, and the row compares the closest "
-            "one only."]
+            "one only. The gradient arm also clips each tensor to C_l, which "
+            "the others do not."]
+  if args.setting.dataset == "docs":
+    lines += ["", "In training a client's region is the union of its elements "
+              "over all its images, larger than each image's own elements that "
+              "the one-image leakage clients were matched on: the pixel arm "
+              "trains with more noise than its match."]
   text = "\n".join(lines) + "\n"
   io.write_text(os.path.join(args.out, "fig5.md"), text)
   io.write_csv(os.path.join(args.out, "fig5_leakage.csv"), leakage, list(leakage[0]))

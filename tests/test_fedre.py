@@ -316,6 +316,10 @@ def test_pixel_perturbation_noises_each_image_once_inside_its_region():
   assert not np.allclose(inside[1], inside[0])
   assert abs(inside.mean()) < 0.1 and abs(inside.std() - 1) < 0.1
   assert _mechanism(perturbation="gradient").transform_batch(batch, {}) is batch
+  assert mechanism.params() == {"perturbation": "pixels", "pixel_noise": 0.5}
+  assert mechanism.dp_event(10) is None
+  with pytest.raises(ValueError, match="pixel_noise applies to perturbation='pixels'"):
+    _mechanism(pixel_noise=0.5)
 
 
 def test_pixel_perturbation_uploads_the_plain_update_and_claims_no_epsilon(tmp_path):

@@ -87,7 +87,7 @@ def test_a_run_on_the_documents_reports_segmentation_metrics(tmp_path):
                             clients=2, rounds=1, batch_size=32, seed=1)
   last = runner.run(config, progress=False)[-1]
   for key in ("test_iou", "test_precision", "test_recall", "test_f_score",
-              "test_loss", "personal_f_score_mean"):
+              "test_loss", "personal_f_score_mean", "personal_iou_mean"):
     assert np.isfinite(last[key])
   run = runner.Run(config)
   final = runner.load_model_weights(config.out, run.spec)

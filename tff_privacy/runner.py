@@ -11,7 +11,7 @@
   segmentation; `personal_<primary metric>_mean` / `_std` / `_min` and
   `personal_loss_mean` of each client's own model on its own test split;
   `train_loss`, `seconds`, ...), rewritten atomically each round;
-* `tensorboard/`: the same metrics as TensorBoard scalars;
+* `tensorboard/`: the numeric metrics as TensorBoard scalars;
 * `checkpoints/`: the algorithm state after each round, with every client's
   private state for personalised methods
   (`tff.program.FileProgramStateManager`); re-running the same command resumes
@@ -390,13 +390,15 @@ class Run:
     if not self.personalized:
       entry.update({f"test_{k}": v for k, v in evaluator.scores(
           self.server_weights(state), *self.fed.test).items()})
-    scores = np.array([evaluator(w, *self.fed.client_test_arrays(c))
-                       for c, w in enumerate(self.personal_weights(state))])
+    per_client = [evaluator.scores(w, *self.fed.client_test_arrays(c))
+                  for c, w in enumerate(self.personal_weights(state))]
     primary = evaluator.task.primary_metric
-    entry.update({f"personal_{primary}_mean": float(scores[:, 0].mean()),
-                  f"personal_{primary}_std": float(scores[:, 0].std()),
-                  f"personal_{primary}_min": float(scores[:, 0].min()),
-                  "personal_loss_mean": float(scores[:, 1].mean())})
+    for name in per_client[0]:
+      values = np.array([s[name] for s in per_client])
+      entry[f"personal_{name}_mean"] = float(values.mean())
+      if name == primary:
+        entry.update({f"personal_{primary}_std": float(values.std()),
+                      f"personal_{primary}_min": float(values.min())})
     return entry
 
   def round_data(self, round_num: int):

@@ -88,6 +88,7 @@ BUDGET_SPLITS = ("psi", "even")
 NOISE_CALIBRATIONS = ("paper", "accountant")
 AGGREGATIONS = ("pda_pam", "mean")
 PERTURBATIONS = ("gradient", "pixels")
+DEFAULT_PIXEL_NOISE = 0.1
 
 PARAMETERS = params.Params(
     params.Param("epsilon", float, 50.0, "each client's total privacy budget "
@@ -102,8 +103,9 @@ PARAMETERS = params.Params(
                  "wise noise on the update; pixels: Gaussian noise of std "
                  "pixel_noise on the region's pixels instead (Fig. 5)",
                  choices=PERTURBATIONS),
-    params.Param("pixel_noise", float, 0.1, "std of the region pixel noise "
-                 "of perturbation='pixels' (pixel values in [0, 1])", minimum=0),
+    params.Param("pixel_noise", float, None, "std of the region pixel noise "
+                 "of perturbation='pixels' (pixel values in [0, 1]; default "
+                 f"{DEFAULT_PIXEL_NOISE})", minimum=0),
     params.Param("noise_calibration", str, "paper", "paper: sigma_l by eq. 9; "
                  "accountant: scaled to spend exactly epsilon by RDP",
                  choices=NOISE_CALIBRATIONS),
@@ -251,10 +253,15 @@ class FedREMechanism(UpdateDefense):
   def __init__(self, spec, *, epsilon: float, delta: float, rounds: int,
                clip: float, budget_split: str, noise_calibration: str,
                psi_samples: int, psi_pixels: Optional[int],
-               perturbation: str = "gradient", pixel_noise: float = 0.0,
+               perturbation: str = "gradient", pixel_noise: Optional[float] = None,
                seed: int = 0):
     if perturbation not in PERTURBATIONS:
       raise ValueError(f"perturbation={perturbation!r}; choose one of {PERTURBATIONS}")
+    if perturbation == "gradient" and pixel_noise is not None:
+      raise ValueError("pixel_noise applies to perturbation='pixels'; FedRE's "
+                       "gradient noise is set by epsilon")
+    if pixel_noise is None:
+      pixel_noise = DEFAULT_PIXEL_NOISE
     self.spec = spec
     self.perturbation, self.pixel_noise, self.seed = perturbation, pixel_noise, seed
     self.num_layers = len(spec.initial_weights(0))
@@ -270,12 +277,14 @@ class FedREMechanism(UpdateDefense):
                                PROFILE_KEY: tff.TensorType(np.int32)}
 
   def params(self):
+    if self.perturbation == "pixels":  # no update noise, no budget
+      return {"perturbation": "pixels", "pixel_noise": self.pixel_noise}
     return {"epsilon": self.epsilon, "delta": self.delta, "rounds": self.rounds,
             "clip": self.clip,
             "budget_split": self.budget_split,
             "noise_calibration": self.noise_calibration,
             "psi_samples": self.psi_samples, "psi_pixels": self.psi_pixels,
-            "perturbation": self.perturbation, "pixel_noise": self.pixel_noise}
+            "perturbation": "gradient"}
 
   def transform_batch(self, batch, inputs):
     """'pixels': each image plus N(0, pixel_noise^2) on the region's pixels,
@@ -444,7 +453,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
               public_samples: int, client_learning_rate: float,
               server_learning_rate: float, local_epochs: int,
               client_optimizer: str, perturbation: str,
-              pixel_noise: float) -> Algorithm:
+              pixel_noise: Optional[float]) -> Algorithm:
   """FedRE as the runner drives it."""
   refuse_defense("fedre", defense)
   check_positive(batch_size=batch_size)
