@@ -17,7 +17,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import argparse
 import time
 
-import numpy as np
 import tensorflow as tf
 
 from tff_privacy import attacks, data, models

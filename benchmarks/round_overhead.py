@@ -24,7 +24,6 @@ import time
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from tff_privacy import algorithms, data, models, runtime
 

@@ -34,7 +34,8 @@ Two settings (`--dataset`):
   and 10000, where utility returns): LDP-Fed (alpha-CLDP, its alpha set
   so that the basic composition of every entry over every round spends the
   same total epsilon), FedRE, FedRE without PSI (even split), FedRE without
-  PDA-PAM (plain mean), FedRE with the normalised PDA-PAM rule, and FedRE
+  PDA-PAM (plain mean), FedRE with the normalised PDA-PAM rule, FedRE whose
+  PDA-PAM weighs by score ratios (log S in eq. 10), and FedRE
   whose noise the accountant calibrates to really spend epsilon (normalised
   rule). Central and the DP rows report the global model's scores,
   Localset the mean of each client's own model on its own test split.
@@ -146,6 +147,7 @@ DP_ROWS = {"LDP-Fed": None,
            "FedRE w/o PSI": {"budget_split": "even"},
            "FedRE w/o PDA-PAM": {"aggregation": "mean"},
            "FedRE (normalized PDA-PAM)": {"pda_pam_rule": "normalized"},
+           "FedRE (log-score PDA-PAM)": {"pda_pam_scores": "log"},
            "FedRE (accountant noise)": {"noise_calibration": "accountant",
                                         "pda_pam_rule": "normalized"}}
 TABLE1_METHODS = ("Central", "Localset", *DP_ROWS)

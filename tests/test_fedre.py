@@ -108,42 +108,75 @@ def test_upload_is_clipped_per_layer_plus_gaussian_noise_of_eq_8(calibration):
   np.testing.assert_array_equal(again[0].numpy(), draws[3][0])
 
 
-def _plain_pda_pam(server, updates, public, rule):
-  """Eqs. 10-11 in numpy from the nested-tape reference scores."""
+def _plain_pda_pam(server, updates, public, rule, scale="linear"):
+  """Eqs. 10-11 in numpy from the nested-tape reference scores, over the
+  clients whose tensor and score are finite."""
   model = SPEC.keras()
   scores = np.stack([psi.psi_scores_nested_tape(
       model, [tf.constant(w - d) for w, d in zip(server, u)], public.x, public.y,
-      public.masks).numpy().mean(0) for u in updates])  # [K, L]
-  alpha = np.exp(scores) / np.exp(scores).sum(0)
-  k = len(updates)
-  if rule == "paper":
-    weights = 1 / (k * alpha)
-  else:
-    weights = (1 / alpha) / (1 / alpha).sum(0)
-  return [sum(weights[c, l] * updates[c][l] for c in range(k)) for l in range(4)]
+      public.masks).numpy().mean(0) for u in updates]).astype(np.float64)  # [K, L]
+  kept = np.isfinite(scores) & np.array(
+      [[np.isfinite(d).all() for d in u] for u in updates])
+  exponents = np.log(scores) if scale == "log" else scores
+  odds = np.where(kept, np.exp(np.where(kept, exponents, 0)), 0.0)
+  alpha = odds / odds.sum(0)
+  inverse = np.where(kept, 1 / np.where(kept, alpha, 1), 0.0)
+  weights = inverse / kept.sum(0) if rule == "paper" else inverse / inverse.sum(0)
+  return [sum(weights[c, l] * np.where(kept[c, l], updates[c][l], 0)
+              for c in range(len(updates))) for l in range(4)]
 
 
-@pytest.mark.parametrize("rule", ["paper", "normalized"])
-def test_pda_pam_matches_eqs_10_and_11(rule):
-  rng = np.random.default_rng(2)
+def _pda_pam_inputs(seed=2):
+  rng = np.random.default_rng(seed)
   server = SPEC.initial_weights(1)
   updates = [[rng.normal(scale=0.3, size=w.shape).astype(np.float32) for w in server]
              for _ in range(3)]
   public = PublicRegions(rng.random((2, H, W, C)).astype(np.float32), np.array([1, 2]),
                          np.repeat(MASK[None], 2, 0))
-  aggregate = build_pda_pam(SPEC, public, rule=rule)
+  return server, updates, public
+
+
+@pytest.mark.parametrize("rule", ["paper", "normalized"])
+@pytest.mark.parametrize("scale", ["linear", "log"])
+def test_pda_pam_matches_eqs_10_and_11(rule, scale):
+  server, updates, public = _pda_pam_inputs()
+  aggregate = build_pda_pam(SPEC, public, rule=rule, score_scale=scale)
   got, measurements = aggregate(server, updates, [0, 0, 0])
-  expected = _plain_pda_pam(server, updates, public, rule)
+  expected = _plain_pda_pam(server, updates, public, rule, scale)
   for g, e in zip(got, expected):
     np.testing.assert_allclose(g, e, rtol=2e-4, atol=1e-7)
   assert np.all(np.asarray(measurements["paper_step_scale"]) >= 3 - 1e-4)
   assert not np.asarray(measurements["spread_capped"]).any()
+  assert list(measurements["excluded_uploads"]) == [0] * 4
+
+
+@pytest.mark.parametrize("rule", ["paper", "normalized"])
+def test_pda_pam_leaves_out_a_diverged_client(rule):
+  server, updates, public = _pda_pam_inputs(3)
+  updates[1][2] = np.full_like(updates[1][2], np.nan)  # so are its scores
+  got, measurements = build_pda_pam(SPEC, public, rule=rule)(server, updates, [0] * 3)
+  expected = _plain_pda_pam(server, updates[:1] + updates[2:], public, rule)
+  for g, e in zip(got, expected):
+    np.testing.assert_allclose(g, e, rtol=2e-4, atol=1e-7)
+  assert list(measurements["excluded_uploads"]) == [1] * 4
+
+
+def test_pda_pam_keeps_the_model_where_no_upload_is_finite():
+  server, updates, public = _pda_pam_inputs()
+  for u in updates:
+    u[0] = np.full_like(u[0], np.inf)
+  got, measurements = build_pda_pam(SPEC, public)(server, updates, [0] * 3)
+  for g in got:
+    assert np.all(np.asarray(g) == 0)
+  assert list(measurements["excluded_uploads"]) == [3] * 4
 
 
 def test_pda_pam_refuses_an_unknown_rule_and_a_bad_public_set():
   public = PublicRegions(np.zeros((1, H, W, C)), np.zeros(1), MASK[None])
   with pytest.raises(ValueError, match="rule='mean'"):
     build_pda_pam(SPEC, public, rule="mean")
+  with pytest.raises(ValueError, match="score_scale='exp'"):
+    build_pda_pam(SPEC, public, score_scale="exp")
   with pytest.raises(ValueError, match="select at least one pixel"):
     PublicRegions(np.zeros((1, H, W, C)), np.zeros(1), np.zeros((1, H, W), bool))
 
@@ -181,6 +214,7 @@ def test_run_records_pda_pam_measurements(fedre_run):
     high, low = (np.array(m[f"server_aggregation/score_{k}"]) for k in ("max", "min"))
     assert high.shape == (4,) and np.all(high >= low)
     assert m["server_aggregation/spread_capped"] == [0.0] * 4
+    assert m["server_aggregation/excluded_uploads"] == [0.0] * 4
 
 
 def test_run_captures_the_noised_uploads(fedre_run):

@@ -84,6 +84,19 @@ def test_forward_mode_scores_match_finite_differences(setup, chunk):
   assert not got.standard_error.numpy().any()
 
 
+def test_scores_do_not_overflow_where_the_derivatives_do_not(setup):
+  # a loss scaled by 1e22 scales every score by 1e22: derivatives near 1e21,
+  # whose squares (1e42) are past float32's range
+  model, weights, x, y, masks = setup
+  scale = 1e22
+  loss = lambda out, labels: scale * psi.scores.CLASSIFICATION_LOSS(out, labels)
+  expected = scale * _fd_scores(weights, x, y, masks)
+  fast = psi.psi_scores(model, _f32(weights), x, y, masks, loss).scores.numpy()
+  nested = psi.psi_scores_nested_tape(model, _f32(weights), x, y, masks, loss).numpy()
+  np.testing.assert_allclose(fast, expected, rtol=2e-4)
+  np.testing.assert_allclose(nested, expected, rtol=2e-4)
+
+
 def test_forward_mode_runs_in_a_graph_with_the_mask_as_input(setup):
   model, weights, x, y, masks = setup
   fn = tf.function(lambda x, y, m: psi.psi_scores(model, _f32(weights), x, y, m).scores)

@@ -20,6 +20,22 @@ less to the public regions. Eq. 11 as written divides by weights that sum to
 all scores agree); 'normalized' keeps the step size of a plain mean. The
 measurements report that factor per tensor (`paper_step_scale`).
 
+Eq. 10 exponentiates the raw score, so the weights depend on the score's
+unit: two clients whose scores differ by 20 get weights e^20 apart, whatever
+the scores' size. Under the paper's noise a U-Net's scores reach 1e20, and
+every weight but the lowest-scoring client's vanishes. `score_scale='log'`
+puts log S_l in eq. 10 instead, alpha_l^k = S_l^k / sum_j S_l^j, which
+depends only on the scores' ratios; 'linear' (the default) is eq. 10.
+
+Non-finite uploads. The paper does not say what happens when a score or an
+upload is not finite (a diverged client, or a noisy model whose derivatives
+overflow). Here tensor l of client k is left out of that tensor's sums when
+S_l^k or d_l^k is not finite, which is eq. 10's limit as S_l^k grows (its
+1 / alpha_l^k, relative to the others', goes to 0), and K in eq. 11 counts
+the clients kept; a tensor no client kept aggregates to 0 (the model stays
+put there). The measurement `excluded_uploads` counts the clients left out
+per tensor.
+
 Where it runs. TFF's aggregator interface (`tff.aggregators`) sees the
 uploads but not the broadcast model, which eq. 10 needs. PDA-PAM is
 therefore a federated computation of (the server's model, the uploads),
@@ -58,6 +74,7 @@ import tensorflow_federated as tff
 from tff_privacy import psi
 
 UPDATE_RULES = ("paper", "normalized")
+SCORE_SCALES = ("linear", "log")
 MAX_LOG_SPREAD = 80.0
 
 
@@ -80,7 +97,8 @@ class PublicRegions:
 
 
 def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
-                  *, rule: str = "paper", pixels: Optional[int] = None,
+                  *, rule: str = "paper", score_scale: str = "linear",
+                  pixels: Optional[int] = None,
                   loss_fn: psi.scores.LossFn = psi.scores.CLASSIFICATION_LOSS
                   ) -> tff.Computation:
   """PDA-PAM as a federated computation.
@@ -91,6 +109,8 @@ def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
       per profile (a client's data category and privacy preference), all of
       the same size; a single set serves every client.
     rule: 'paper' (eq. 11 as written) or 'normalized' (see the module).
+    score_scale: 'linear' (eq. 10 as written) or 'log' (log S in eq. 10,
+      see the module).
     pixels: region pixels per public sample for the PSI estimator (None:
       exact).
     loss_fn: the task's loss, as in `tff_privacy.psi.psi_scores`.
@@ -101,10 +121,13 @@ def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
     measurements@SERVER).
 
   Raises:
-    ValueError: for an unknown `rule`, or public sets of different sizes.
+    ValueError: for an unknown `rule` or `score_scale`, or public sets of
+      different sizes.
   """
   if rule not in UPDATE_RULES:
     raise ValueError(f"rule={rule!r}; choose one of {UPDATE_RULES}")
+  if score_scale not in SCORE_SCALES:
+    raise ValueError(f"score_scale={score_scale!r}; choose one of {SCORE_SCALES}")
   sets = [public] if isinstance(public, PublicRegions) else list(public)
   if not sets or len({len(p.x) for p in sets}) != 1:
     raise ValueError(f"public sets: need at least one, all of one size; got "
@@ -127,28 +150,40 @@ def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
 
   score_type = score.type_signature.result
 
-  @tff.tensorflow.computation(trainable, score_type, (score_type, score_type))
-  def weigh(update, scores, bounds):
+  @tff.tensorflow.computation(trainable, score_type)
+  def usable(update, scores):
+    """Each tensor's exponent of eq. 10 where it and its upload are finite;
+    -inf (for the max) and inf (for the min) elsewhere."""
+    if score_scale == "log":
+      scores = tf.math.log(scores)
+    ok = _finite(update, scores)
+    return tf.where(ok, scores, -np.inf), tf.where(ok, scores, np.inf)
+
+  @tff.tensorflow.computation(trainable, usable.type_signature.result,
+                              (score_type, score_type))
+  def weigh(update, exponents, bounds):
     high, low = bounds
-    down = tf.exp(low - scores)
+    scores = exponents[0]
+    ok = tf.math.is_finite(scores)
+    down = tf.where(ok, tf.exp(low - scores), 0.0)
     return collections.OrderedDict(
-        updates=[d * down[l] for l, d in enumerate(update)],
-        down=down, up=tf.exp(scores - high), count=tf.constant(1.0))
+        updates=[tf.where(ok[l], d * down[l], 0.0) for l, d in enumerate(update)],
+        down=down, up=tf.where(ok, tf.exp(scores - high), 0.0),
+        count=tf.cast(ok, tf.float32), clients=tf.ones_like(scores))
 
   @tff.tensorflow.computation(weigh.type_signature.result, score_type, score_type)
   def combine(sums, high, low):
+    spread = tf.exp(tf.minimum(high - low, MAX_LOG_SPREAD))
     if rule == "normalized":
-      scale = 1.0 / sums["down"]
+      scale = tf.math.divide_no_nan(1.0, sums["down"])
     else:
-      spread = tf.exp(tf.minimum(high - low, MAX_LOG_SPREAD))
-      scale = spread * sums["up"] / sums["count"]
+      scale = tf.math.divide_no_nan(spread * sums["up"], sums["count"])
     aggregate = [d * scale[l] for l, d in enumerate(sums["updates"])]
-    step = (tf.exp(tf.minimum(high - low, MAX_LOG_SPREAD)) * sums["up"]
-            * sums["down"] / sums["count"])
+    step = tf.math.divide_no_nan(spread * sums["up"] * sums["down"], sums["count"])
     capped = tf.cast(high - low > MAX_LOG_SPREAD, tf.float32)
     return aggregate, collections.OrderedDict(
         score_max=high, score_min=low, paper_step_scale=step,
-        spread_capped=capped)
+        spread_capped=capped, excluded_uploads=sums["clients"] - sums["count"])
 
   @tff.federated_computation(tff.FederatedType(trainable, tff.SERVER),
                              tff.FederatedType(trainable, tff.CLIENTS),
@@ -156,12 +191,20 @@ def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
   def aggregate(server_weights, updates, profiles):
     scores = tff.federated_map(score, (tff.federated_broadcast(server_weights),
                                        updates, profiles))
-    high, low = tff.federated_max(scores), tff.federated_min(scores)
+    exponents = tff.federated_map(usable, (updates, scores))
+    high = tff.federated_max(exponents[0])
+    low = tff.federated_min(exponents[1])
     bounds = tff.federated_broadcast(tff.federated_zip((high, low)))
-    sums = tff.federated_sum(tff.federated_map(weigh, (updates, scores, bounds)))
+    sums = tff.federated_sum(tff.federated_map(weigh, (updates, exponents, bounds)))
     return tff.federated_map(combine, (sums, high, low))
 
   return aggregate
+
+
+def _finite(update, scores) -> tf.Tensor:
+  """[L]: whether tensor l's score and all of its upload are finite."""
+  return tf.logical_and(tf.math.is_finite(scores), tf.stack(
+      [tf.reduce_all(tf.math.is_finite(d)) for d in update]))
 
 
 def compose_with_server_aggregation(

@@ -68,7 +68,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import data, params, psi
-from tff_privacy.aggregation import (UPDATE_RULES, PublicRegions, build_pda_pam,
+from tff_privacy.aggregation import (SCORE_SCALES, UPDATE_RULES, PublicRegions,
+                                     build_pda_pam,
                                      compose_with_server_aggregation)
 from tff_privacy.algorithms import defended
 from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Federation,
@@ -125,6 +126,9 @@ PARAMETERS = params.Params(
     params.Param("pda_pam_rule", str, "paper", "paper: eq. 11 as written; "
                  "normalized: softmax(-S) weights, a mean's step size",
                  choices=UPDATE_RULES),
+    params.Param("pda_pam_scores", str, "linear", "linear: the PSI score in "
+                 "eq. 10 as written; log: its log, weights by score ratios",
+                 choices=SCORE_SCALES),
     params.Param("public_samples", int, 10, "public samples the server scores "
                  "uploads with (PDA-PAM)", minimum=1),
     params.Param("client_learning_rate", float, 0.005, "learning rate of the "
@@ -359,6 +363,7 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
                 client_optimizer: str = "sgd",
                 public: Optional[Sequence[PublicRegions]] = None,
                 pda_pam_rule: str = "paper",
+                pda_pam_scores: str = "linear",
                 model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
                 ) -> tff.learning.templates.LearningProcess:
   """Builds FedRE's `LearningProcess` for the model of `spec` (a
@@ -374,6 +379,7 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
       (a client's 'public_profile' input indexes them); None aggregates by
       the plain example-weighted mean (FedRE without PDA-PAM).
     pda_pam_rule: 'paper' or 'normalized' (see `tff_privacy.aggregation`).
+    pda_pam_scores: 'linear' (eq. 10) or 'log' (see `tff_privacy.aggregation`).
     model_aggregator: the weighted aggregator of the uploads (e.g. a capture
       wrapper); with `public`, it runs for its measurements only.
 
@@ -382,7 +388,8 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
     'seed', a 'psi_mask' and a 'public_profile' in every batch.
 
   Raises:
-    ValueError: for a learning rate <= 0 or an unknown `pda_pam_rule`.
+    ValueError: for a learning rate <= 0, an unknown `pda_pam_rule` or
+      `pda_pam_scores`.
   """
   check_positive(client_learning_rate=client_learning_rate,
                  server_learning_rate=server_learning_rate)
@@ -407,7 +414,8 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
 
   return compose_with_server_aggregation(
       initial_model_weights_fn, client_work,
-      build_pda_pam(spec, public, rule=pda_pam_rule, pixels=mechanism.psi_pixels,
+      build_pda_pam(spec, public, rule=pda_pam_rule, score_scale=pda_pam_scores,
+                    pixels=mechanism.psi_pixels,
                     loss_fn=spec.task_object.loss),
       server_optimizer, client_profile, model_aggregator)
 
@@ -450,6 +458,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
               noise_calibration: str, budget_rounds: Optional[int],
               psi_samples: int, psi_pixels: Optional[int],
               regions: Optional[str], aggregation: str, pda_pam_rule: str,
+              pda_pam_scores: str,
               public_samples: int, client_learning_rate: float,
               server_learning_rate: float, local_epochs: int,
               client_optimizer: str, perturbation: str,
@@ -476,13 +485,15 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           spec, mechanism, client_learning_rate=client_learning_rate,
           server_learning_rate=server_learning_rate,
           client_optimizer=client_optimizer, public=public,
-          pda_pam_rule=pda_pam_rule, model_aggregator=aggregator),
+          pda_pam_rule=pda_pam_rule, pda_pam_scores=pda_pam_scores,
+          model_aggregator=aggregator),
       protocol={"client_learning_rate": client_learning_rate,
                 "server_learning_rate": server_learning_rate,
                 "local_epochs": local_epochs, "batch_size": batch_size,
                 "client_optimizer": client_optimizer,
                 "delta_convention": "broadcast_minus_local",
-                "aggregation": aggregation, "pda_pam_rule": pda_pam_rule},
+                "aggregation": aggregation, "pda_pam_rule": pda_pam_rule,
+                "pda_pam_scores": pda_pam_scores},
       client_inputs=lambda client, round_num: {
           SEED_KEY: client_seed(seed, round_num, client),
           MASK_KEY: masks[client].astype(np.float32),

@@ -61,6 +61,12 @@ def _quiet_vectorization():
     logger.setLevel(level)
 
 
+def _sum_of_squares(values: tf.Tensor, axis=None) -> tf.Tensor:
+  """Sum of squares in float64: derivatives of a noisy model's gradient
+  reach 1e20 and more, whose float32 squares would overflow to inf."""
+  return tf.reduce_sum(tf.square(tf.cast(values, tf.float64)), axis=axis)
+
+
 def _gradient(model, weights, loss_fn, x1, y1) -> list[tf.Tensor]:
   """g_l of one sample, for every model tensor (zeros where unconnected)."""
   with tf.GradientTape() as tape:
@@ -94,12 +100,12 @@ def pixel_norms_nested_tape(model, weights, x1, y1,
           lambda e: outer.gradient(g, x1, output_gradients=tf.reshape(e, g.shape),
                                    unconnected_gradients=tf.UnconnectedGradients.ZERO),
           basis)
-      return tf.reduce_sum(tf.square(rows), axis=[0, len(x1.shape)])
+      return _sum_of_squares(rows, axis=[0, len(x1.shape)])
 
     with _quiet_vectorization():
       squares = tf.map_fn(chunk_squares, tf.range((size + chunk - 1) // chunk),
-                          fn_output_signature=tf.TensorSpec(x1.shape[:-1]))
-    norms.append(tf.sqrt(tf.reduce_sum(squares, 0)))
+                          fn_output_signature=tf.TensorSpec(x1.shape[:-1], tf.float64))
+    norms.append(tf.cast(tf.sqrt(tf.reduce_sum(squares, 0)), tf.float32))
   return tf.stack(norms)
 
 
@@ -139,16 +145,17 @@ def region_pixel_norms(model: tf.keras.Model, weights: Sequence[tf.Tensor],
     tangent = tf.scatter_nd(triple[None], [1.0], tf.shape(x1))
     with tf.autodiff.ForwardAccumulator(x1, tangent) as acc:
       grads = _gradient(model, weights, loss_fn, x1, y1)
-    return tf.stack([tf.reduce_sum(tf.square(acc.jvp(
-        g, unconnected_gradients=tf.UnconnectedGradients.ZERO))) for g in grads])
+    return tf.stack([_sum_of_squares(acc.jvp(
+        g, unconnected_gradients=tf.UnconnectedGradients.ZERO)) for g in grads])
 
   with _quiet_vectorization():
     squares = tf.map_fn(lambda c: tf.vectorized_map(column, c),
                         tf.reshape(triples, [-1, chunk, 3]),
-                        fn_output_signature=tf.TensorSpec([chunk, len(weights)]))
+                        fn_output_signature=tf.TensorSpec([chunk, len(weights)],
+                                                          tf.float64))
   squares = tf.reshape(squares, [-1, len(weights)])[:num]
   per_pixel = tf.reduce_sum(tf.reshape(squares, [-1, channels, len(weights)]), 1)
-  return tf.sqrt(per_pixel)
+  return tf.cast(tf.sqrt(per_pixel), tf.float32)
 
 
 def _chosen_pixels(mask: tf.Tensor, pixels: Optional[int], seed) -> tf.Tensor:
