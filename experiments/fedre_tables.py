@@ -90,6 +90,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import argparse
 import dataclasses
 import math
+from typing import Optional
 
 import numpy as np
 
@@ -264,6 +265,16 @@ def table1_rows(args) -> list[dict]:
   return rows
 
 
+def _save(args, name: str, lines: list[str], rows: list[dict],
+          csv_name: Optional[str] = None) -> str:
+  """Writes OUT/<name>.md from `lines` and OUT/<csv_name or name>.csv from
+  `rows`; returns the markdown."""
+  text = "\n".join(lines) + "\n"
+  io.write_text(os.path.join(args.out, f"{name}.md"), text)
+  io.write_csv(os.path.join(args.out, f"{csv_name or name}.csv"), rows, list(rows[0]))
+  return text
+
+
 def _mean_std(values) -> str:
   return f"{np.mean(values):.3f} +- {np.std(values):.3f}"
 
@@ -311,9 +322,7 @@ def write_table1(args, rows: list[dict]) -> str:
             "by construction. Rows of one epsilon are therefore equal in the "
             "paper's accounting, not in the accountant's: compare FedRE "
             "(accountant noise) for noise that really spends the row's epsilon."]
-  text = "\n".join(lines) + "\n"
-  io.write_text(os.path.join(args.out, "table1.md"), text)
-  io.write_csv(os.path.join(args.out, "table1.csv"), summary, list(summary[0]))
+  text = _save(args, "table1", lines, summary)
   return text
 
 
@@ -420,9 +429,7 @@ def write_table2(args, rows: list[dict], images: dict) -> str:
   lines += ["", "LPIPS: " + ("computed" if args.lpips_weights else
                               "not computed (needs pretrained weights: "
                               "--lpips-weights)")]
-  text = "\n".join(lines) + "\n"
-  io.write_text(os.path.join(args.out, "table2.md"), text)
-  io.write_csv(os.path.join(args.out, "table2.csv"), rows, list(rows[0]))
+  text = _save(args, "table2", lines, rows)
   shown = {k: v for k, v in images.items()
            if k == "original" or k.startswith(("No defence", "FedRE ("))}
   report.save_grid(shown, os.path.join(args.out, "fig4.png"), (0.0, 1.0),
@@ -514,9 +521,7 @@ def write_fig5(args, leakage: list[dict], utility: list[dict]) -> str:
               "over all its images, larger than each image's own elements that "
               "the one-image leakage clients were matched on: the pixel arm "
               "trains with more noise than its match."]
-  text = "\n".join(lines) + "\n"
-  io.write_text(os.path.join(args.out, "fig5.md"), text)
-  io.write_csv(os.path.join(args.out, "fig5_leakage.csv"), leakage, list(leakage[0]))
+  text = _save(args, "fig5", lines, leakage, csv_name="fig5_leakage")
   io.write_csv(os.path.join(args.out, "fig5.csv"), utility, list(utility[0]))
   fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.5),
                            squeeze=False)
@@ -551,9 +556,7 @@ def write_table3(args, rows: list[dict]) -> str:
            "|---|" + "---|" * len(metrics) + "---|"]
   lines += [f"| {r['clip']:.2f} | " + " | ".join(f"{r[m]:.3f}" for m in metrics)
             + f" | {r['final_test_loss']:.3g} |" for r in rows]
-  text = "\n".join(lines) + "\n"
-  io.write_text(os.path.join(args.out, "table3.md"), text)
-  io.write_csv(os.path.join(args.out, "table3.csv"), rows, list(rows[0]))
+  text = _save(args, "table3", lines, rows)
   return text
 
 
@@ -586,9 +589,7 @@ def write_fig6(args, rows: list[dict]) -> str:
   lines += ["", "Eq. 11's step is at least K times a mean's, so its gain mixes "
             "the aggregation weights with a K-fold larger server step; the "
             "normalized rule keeps a mean's step."]
-  text = "\n".join(lines) + "\n"
-  io.write_text(os.path.join(args.out, "fig6.md"), text)
-  io.write_csv(os.path.join(args.out, "fig6.csv"), rows, list(rows[0]))
+  text = _save(args, "fig6", lines, rows)
   fig, ax = plt.subplots(figsize=(5, 3.5))
   for eps in EPSILONS:
     mine = [r for r in rows if r["epsilon"] == eps]

@@ -344,3 +344,30 @@ def test_train_sums_count_each_samples_share_of_right_pixels():
   predicted = tf.constant([[[1, 0], [0, 0]], [[1, 0], [1, 0]]])  # 4/4, 2/4
   sums = train_sums(tf.constant(0.5), tf.one_hot(predicted, 2), y).numpy()
   np.testing.assert_allclose(sums, [1.0, 1.5, 2.0])
+
+
+def test_local_adam_is_adam_with_l2_weight_decay_written_out():
+  from tff_privacy.algorithms import personalized
+  import tensorflow_federated as tff
+  rng = np.random.default_rng(5)
+  batches = [(rng.random((4, 8, 8, 1)).astype(np.float32), rng.integers(0, 10, 4))
+             for _ in range(3)]
+  dataset = tf.data.Dataset.from_tensor_slices(
+      {"x": np.concatenate([b[0] for b in batches]),
+       "y": np.concatenate([b[1] for b in batches]).astype(np.int32)}).batch(4)
+  model, w0 = SPEC.keras(), [tf.constant(w) for w in SPEC.initial_weights(2)]
+  lr, decay, (b1, b2, eps) = 0.01, 0.1, (0.9, 0.999, 1e-7)
+  w, m, v = [x.numpy().astype(np.float64) for x in w0], None, None
+  for t, (x, y) in enumerate(batches, 1):
+    grads = _mean_grad(model, [tf.constant(a, tf.float32) for a in w],
+                       range(len(w)), x, y)
+    grads = [g.numpy() + decay * a for g, a in zip(grads, w)]
+    m = [b1 * (0 if m is None else mi) + (1 - b1) * g for mi, g in zip(m or w, grads)]
+    v = [b2 * (0 if v is None else vi) + (1 - b2) * g * g for vi, g in zip(v or w, grads)]
+    step = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    w = [a - step * mi / (np.sqrt(vi) + eps) for a, mi, vi in zip(w, m, v)]
+  got, sums = personalized.local_steps(
+      model, w0, dataset, tff.learning.optimizers.build_adam(lr), decay)
+  for g, e in zip(got, w):
+    np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=1e-6)
+  assert sums.numpy()[2] == 12

@@ -23,8 +23,8 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
-from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, CLIENT_OPTIMIZERS,
-                                         Algorithm, Method, PrivateState,
+from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Method,
+                                         PrivateState, build_client_optimizer,
                                          check_positive, refuse_defense)
 
 PARAMETERS = params.Params(
@@ -54,8 +54,8 @@ def build_local_only(
       `client_optimizer`.
   """
   check_positive(learning_rate=learning_rate)
-  if client_optimizer not in CLIENT_OPTIMIZERS:
-    raise ValueError(f"client_optimizer={client_optimizer!r}; choose one of {CLIENT_OPTIMIZERS}")
+  optimizer = build_client_optimizer(
+      client_optimizer, learning_rate, momentum if client_optimizer == "sgd" else 0.0)
   with tf.Graph().as_default():
     model = keras_model_fn()
     shapes = [tuple(v.shape) for v in model.trainable_variables]
@@ -68,13 +68,8 @@ def build_local_only(
 
   def local_training(shared, state, dataset):
     del shared  # nothing is shared
-    if client_optimizer == "adam":
-      w, sums = personalized.local_adam(keras_model_fn(), state["model"], dataset,
-                                        learning_rate, weight_decay, loss_fn)
-    else:
-      w, sums = personalized.local_sgd(keras_model_fn(), state["model"], dataset,
-                                       learning_rate, momentum, weight_decay,
-                                       loss_fn)
+    w, sums = personalized.local_steps(keras_model_fn(), state["model"], dataset,
+                                       optimizer, weight_decay, loss_fn)
     return [], None, collections.OrderedDict(model=w), sums
 
   return personalized.build_personalized_process(

@@ -103,29 +103,19 @@ def local_sgd(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
               learning_rate: float, momentum: float, weight_decay: float,
               loss_fn=None):
   """`sgd_step`s on every weight over the batches of `dataset`, buffers
-  fresh; returns (weights, summed `train_sums`)."""
-
-  def step(carry, batch):
-    w, buffers, sums = carry
-    with tf.GradientTape() as tape:
-      tape.watch(w)
-      loss, batch_sums = batch_loss(model, w, batch, loss_fn)
-    w, buffers = sgd_step(w, tape.gradient(loss, w), buffers, learning_rate,
-                          momentum, weight_decay)
-    return w, buffers, sums + batch_sums
-
-  w = tuple(weights)
-  w, _, sums = dataset.reduce((w, zeros_like(w), tf.zeros([3])), step)
-  return list(w), sums
+  fresh (TFF's SGD with momentum, the same arithmetic); returns (weights,
+  summed `train_sums`)."""
+  return local_steps(model, weights, dataset, tff.learning.optimizers.build_sgdm(
+      learning_rate, momentum=momentum or None), weight_decay, loss_fn)
 
 
-def local_adam(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
-               learning_rate: float, weight_decay: float, loss_fn=None):
-  """TFF's Adam (`tff.learning.optimizers.build_adam`) over the batches of
-  `dataset`, its moments fresh, `weight_decay` added to the gradient as an
-  L2 term (PyTorch's coupled Adam weight decay); returns (weights, summed
+def local_steps(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
+                optimizer: tff.learning.optimizers.Optimizer, weight_decay: float,
+                loss_fn=None):
+  """One step of the TFF `optimizer` per batch of `dataset`, its state
+  fresh, `weight_decay` added to the gradient as an L2 term (PyTorch's
+  coupled weight decay, also for Adam); returns (weights, summed
   `train_sums`)."""
-  optimizer = tff.learning.optimizers.build_adam(learning_rate)
   w = tuple(weights)
 
   def step(carry, batch):
