@@ -35,9 +35,9 @@ Two settings (`--dataset`):
   so that the basic composition of every entry over every round spends the
   same total epsilon), FedRE, FedRE without PSI (even split), FedRE without
   PDA-PAM (plain mean), FedRE with the normalised PDA-PAM rule, FedRE whose
-  PDA-PAM weighs by score ratios (log S in eq. 10), and FedRE
-  whose noise the accountant calibrates to really spend epsilon (normalised
-  rule). Central and the DP rows report the global model's scores,
+  PDA-PAM weighs by score ratios (log S in eq. 10) under eq. 11 and under
+  the normalised rule, and FedRE whose noise the accountant calibrates to
+  really spend epsilon (normalised rule). Central and the DP rows report the global model's scores,
   Localset the mean of each client's own model on its own test split.
   Every method trains with the setting's client optimizer and local
   epochs (Localset: the local-only method with the same, plus its default
@@ -149,6 +149,8 @@ DP_ROWS = {"LDP-Fed": None,
            "FedRE w/o PDA-PAM": {"aggregation": "mean"},
            "FedRE (normalized PDA-PAM)": {"pda_pam_rule": "normalized"},
            "FedRE (log-score PDA-PAM)": {"pda_pam_scores": "log"},
+           "FedRE (log-score normalized PDA-PAM)": {"pda_pam_scores": "log",
+                                                    "pda_pam_rule": "normalized"},
            "FedRE (accountant noise)": {"noise_calibration": "accountant",
                                         "pda_pam_rule": "normalized"}}
 TABLE1_METHODS = ("Central", "Localset", *DP_ROWS)
