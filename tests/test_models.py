@@ -51,8 +51,12 @@ def test_bad_model_arguments_raise():
     models.build("resnet", (28, 28, 1), 10)
   with pytest.raises(ValueError, match="weight_init='normal'"):
     models.build("lenet", (28, 28, 1), 10, weight_init="normal")
+  with pytest.raises(ValueError, match="num_outputs must be >= 1"):
+    models.build("mlp", (8, 8, 1), 0)
   with pytest.raises(ValueError, match="num_classes must be >= 2"):
-    models.build("mlp", (8, 8, 1), 1)
+    models.ModelSpec("mlp", (8, 8, 1), 1)
+  with pytest.raises(ValueError, match="binary_mse task needs 2 classes"):
+    models.ModelSpec("mlp", (8, 8, 1), 3, task="binary_mse")
 
 
 def test_model_spec_round_trips_through_json():

@@ -121,3 +121,41 @@ def test_weighted_run_records_its_loss_and_the_attacker_simulates_it(tmp_path):
       plain.keras(), broadcast, tf.constant(x), tf.one_hot(y, 2), "model_delta",
       record.metadata["protocol"])
   assert not np.allclose(record.upload[0], unweighted[0].numpy(), atol=2e-5)
+
+
+def test_binary_mse_is_keras_mse_on_the_sigmoid_and_scores_at_one_half():
+  rng = np.random.default_rng(4)
+  logits = rng.normal(size=(9, 1)).astype(np.float32)
+  labels = rng.integers(0, 2, 9).astype(np.int32)
+  task = tasks.get("binary_mse")
+  probability = 1 / (1 + np.exp(-logits[:, 0]))
+  expected = float(tf.keras.losses.MeanSquaredError()(labels.astype(np.float32),
+                                                      probability))
+  assert float(task.loss(logits, labels)) == pytest.approx(expected, rel=1e-6)
+  assert float(task.keras_loss()(labels, logits)) == pytest.approx(expected, rel=1e-6)
+  assert float(task.soft_loss(logits, tf.one_hot(labels, 2))) == pytest.approx(
+      expected, rel=1e-6)
+  scores = task.scores([float(v) for v in task.sums(logits, labels)], 9)
+  assert scores["accuracy"] == pytest.approx(np.mean((probability > 0.5) == labels))
+  metric = task.keras_metrics()[0]
+  metric.update_state(labels, logits)
+  assert float(metric.result()) == pytest.approx(scores["accuracy"])
+  assert task.output_units(2) == 1 and not task.labels_recoverable
+
+
+def test_binary_mse_upload_is_the_keras_gradient_of_mse_on_a_sigmoid_output():
+  spec = models.ModelSpec("mlp", (6,), 2, {"hidden": (5,)}, "binary_mse")
+  model = spec.keras(1)
+  assert model.output_shape == (None, 1)
+  rng = np.random.default_rng(1)
+  x = rng.random((4, 6)).astype(np.float32)
+  y = np.array([0, 1, 1, 0], np.int32)
+  with tf.GradientTape() as tape:
+    loss = tf.keras.losses.MeanSquaredError()(y[:, None].astype(np.float32),
+                                              tf.sigmoid(model(x)))
+  expected = tape.gradient(loss, model.trainable_variables)
+  got = functional.simulate_upload(
+      model, [tf.constant(v) for v in model.trainable_variables], tf.constant(x),
+      tf.one_hot(y, 2), "gradient", {"batch_size": 4}, task=spec.task_object)
+  for g, e in zip(got, expected):
+    np.testing.assert_allclose(g, e, atol=1e-7)

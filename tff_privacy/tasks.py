@@ -11,6 +11,15 @@ ModelSpec, TFF model, runner and evaluator:
   w_p * CE_p over all pixels, for rare tampered pixels); IoU, precision,
   recall and F-score of class 1 over all test pixels (0 where undefined: no
   predicted or no true positive pixel). No analytic label recovery.
+* `binary_mse`: one 0/1 label per sample, one output unit whose sigmoid is
+  the probability of class 1, trained on the squared error of that
+  probability (RECUP-FL's Adult model: "1 sigmoid" output, MSE loss);
+  accuracy at the 0.5 threshold. The data set still has 2 classes; the
+  model has 1 output (`output_units`). Analytic label recovery (iDLG) is
+  written for softmax outputs, so it is not offered.
+
+Attacks differentiate a task's loss on soft (or one-hot) labels, [...,
+num_classes] (`soft_loss`): DLG optimises those labels.
 
 `evaluate` works from sums over batches (`sums`, then `scores`), so a test
 set is scored in one pass of any batch size.
@@ -23,7 +32,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-TASKS = ("classification", "segmentation")
+TASKS = ("binary_mse", "classification", "segmentation")
 
 
 class Task(abc.ABC):
@@ -35,6 +44,14 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def label_shape(self, input_shape: Sequence[int]) -> tuple[int, ...]:
     """The shape of one sample's label."""
+
+  def output_units(self, num_classes: int) -> int:
+    """The model's outputs per sample (or pixel) for `num_classes` classes."""
+    return num_classes
+
+  def predict(self, logits: tf.Tensor) -> tf.Tensor:
+    """The predicted class of each sample (or pixel), int32."""
+    return tf.argmax(logits, -1, output_type=tf.int32)
 
   def keras_loss(self) -> tf.keras.losses.Loss:
     """The training loss, on logits (mean over samples and pixels)."""
@@ -48,6 +65,16 @@ class Task(abc.ABC):
     """The mean loss of a batch, as a function (PSI, attacks)."""
     return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
         labels, logits, from_logits=True))
+
+  def soft_loss(self, logits: tf.Tensor, y_soft: tf.Tensor) -> tf.Tensor:
+    """The mean loss on soft (or one-hot) labels [..., num_classes], written
+    out rather than with the fused cross-entropy, whose second-order
+    gradient ignores the labels: DLG differentiates the weight gradient
+    with respect to its dummy labels."""
+    return tf.reduce_mean(self._soft_terms(logits, y_soft))
+
+  def _soft_terms(self, logits, y_soft):
+    return -tf.reduce_sum(y_soft * tf.nn.log_softmax(logits), -1)
 
   @abc.abstractmethod
   def sums(self, logits: tf.Tensor, labels: tf.Tensor) -> list[tf.Tensor]:
@@ -69,8 +96,8 @@ class Classification(Task):
 
   def sums(self, logits, labels):
     loss = self.loss(logits, labels) * tf.cast(tf.shape(labels)[0], tf.float32)
-    correct = tf.reduce_sum(tf.cast(tf.equal(
-        tf.argmax(logits, -1, output_type=tf.int32), labels), tf.float32))
+    correct = tf.reduce_sum(tf.cast(tf.equal(self.predict(logits), labels),
+                                    tf.float32))
     return [loss, correct]
 
   def scores(self, sums, count):
@@ -111,6 +138,12 @@ class Segmentation(Task):
                                                          from_logits=True)
     return ce * tf.where(tf.equal(labels, 1), self.positive_weight, 1.0)
 
+  def _soft_terms(self, logits, y_soft):
+    """Each term weighted 1 + (w - 1) y_soft[..., 1]: the weighted loss for
+    one-hot labels, linear in soft ones."""
+    return (super()._soft_terms(logits, y_soft)
+            * (1.0 + (self.positive_weight - 1.0) * y_soft[..., 1]))
+
   def keras_loss(self):
     if self.positive_weight == 1.0:
       return super().keras_loss()
@@ -121,7 +154,7 @@ class Segmentation(Task):
 
   def sums(self, logits, labels):
     loss = self.loss(logits, labels) * tf.cast(tf.shape(labels)[0], tf.float32)
-    predicted = tf.equal(tf.argmax(logits, -1, output_type=tf.int32), 1)
+    predicted = tf.equal(self.predict(logits), 1)
     true = tf.equal(labels, 1)
 
     def count(a, b):
@@ -141,7 +174,54 @@ class Segmentation(Task):
             "loss": loss / max(count, 1)}
 
 
-_TASKS = {"classification": Classification, "segmentation": Segmentation}
+class _TaskLoss(tf.keras.losses.Loss):
+  """A task's `loss` as a Keras loss (its own mean over the batch)."""
+
+  def __init__(self, task):
+    super().__init__(name=f"{task.name}_loss")
+    self.task = task
+
+  def call(self, y_true, y_pred):
+    return self.task.loss(y_pred, y_true)
+
+
+class BinaryMSE(Classification):
+  name = "binary_mse"
+  labels_recoverable = False
+
+  def output_units(self, num_classes):
+    if num_classes != 2:
+      raise ValueError(f"the binary_mse task needs 2 classes, got {num_classes}")
+    return 1
+
+  def probability(self, logits: tf.Tensor) -> tf.Tensor:
+    """P(class 1) of each sample: the sigmoid of its one output."""
+    return tf.sigmoid(logits[..., 0])
+
+  def predict(self, logits):
+    return tf.cast(logits[..., 0] > 0, tf.int32)
+
+  def loss(self, logits, labels):
+    return tf.reduce_mean(tf.square(self.probability(logits)
+                                    - tf.cast(labels, tf.float32)))
+
+  def soft_loss(self, logits, y_soft):
+    return tf.reduce_mean(tf.square(self.probability(logits) - y_soft[..., 1]))
+
+  def keras_loss(self):
+    return _TaskLoss(self)
+
+  def keras_metrics(self):
+    # Keras squeezes the [N, 1] outputs to [N] first; named like
+    # classification's accuracy: the key the runner reads
+    return [tf.keras.metrics.MeanMetricWrapper(
+        lambda y, logits: tf.cast(tf.equal(
+            tf.reshape(logits, [-1]) > 0, tf.reshape(y, [-1]) > 0.5), tf.float32),
+        name="sparse_categorical_accuracy")]
+
+
+_TASKS = {"binary_mse": BinaryMSE, "classification": Classification,
+          "segmentation": Segmentation}
 
 
 def get(name: str, **kwargs) -> Task:

@@ -15,13 +15,13 @@ server to capture; rounds only pace training and evaluation.
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_privacy import params
+from tff_privacy import params, tasks
 from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Method,
                                          PrivateState, build_client_optimizer,
@@ -42,12 +42,13 @@ def build_local_only(
     weight_decay: float = 5e-4,
     label_shape: tuple[int, ...] = (),
     client_optimizer: str = "sgd",
-    loss_fn=None,
+    task: Optional[tasks.Task] = None,
 ) -> personalized.PersonalizedProcess:
   """Builds local-only training as a `PersonalizedProcess` (see the module
   docstring) whose client states are `OrderedDict(model=[weights...])`;
   `label_shape` is one sample's label's (a segmentation mask's [H, W]),
-  `loss_fn(logits, labels)` the task's loss (default: cross-entropy).
+  `task` the `tff_privacy.tasks.Task` trained for (default:
+  classification).
 
   Raises:
     ValueError: for a non-positive learning rate or an unknown
@@ -69,7 +70,7 @@ def build_local_only(
   def local_training(shared, state, dataset):
     del shared  # nothing is shared
     w, sums = personalized.local_steps(keras_model_fn(), state["model"], dataset,
-                                       optimizer, weight_decay, loss_fn)
+                                       optimizer, weight_decay, task)
     return [], None, collections.OrderedDict(model=w), sums
 
   return personalized.build_personalized_process(
@@ -91,7 +92,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float
           spec.keras, learning_rate=learning_rate, momentum=momentum,
           weight_decay=weight_decay,
           label_shape=spec.task_object.label_shape(spec.input_shape),
-          client_optimizer=client_optimizer, loss_fn=spec.task_object.loss),
+          client_optimizer=client_optimizer, task=spec.task_object),
       protocol={"learning_rate": learning_rate, "local_epochs": local_epochs,
                 "momentum": momentum if client_optimizer == "sgd" else None,
                 "weight_decay": weight_decay, "batch_size": batch_size,

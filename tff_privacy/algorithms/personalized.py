@@ -37,7 +37,10 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_privacy import tasks
 from tff_privacy.models.functional import forward
+
+CLASSIFICATION = tasks.get("classification")
 
 
 class PersonalizedProcess(tff.templates.IterativeProcess):
@@ -87,31 +90,28 @@ def sgd_step(params: Sequence[tf.Tensor], grads: Sequence[tf.Tensor],
 
 
 def batch_loss(model: tf.keras.Model, weights: Sequence[tf.Tensor], batch,
-               loss_fn=None):
-  """(mean loss, `train_sums`) of `model` with `weights` on a batch: the
-  cross-entropy, or `loss_fn(logits, labels)` (a task's loss)."""
+               task: Optional[tasks.Task] = None):
+  """(mean loss, `train_sums`) of `model` with `weights` on a batch, by the
+  `task`'s loss and predictions (default: classification's)."""
+  task = task or CLASSIFICATION
   logits = forward(model, list(weights), batch["x"])
-  if loss_fn is None:
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        batch["y"], logits))
-  else:
-    loss = loss_fn(logits, batch["y"])
-  return loss, train_sums(loss, logits, batch["y"])
+  loss = task.loss(logits, batch["y"])
+  return loss, train_sums(loss, task.predict(logits), batch["y"])
 
 
 def local_sgd(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
               learning_rate: float, momentum: float, weight_decay: float,
-              loss_fn=None):
+              task: Optional[tasks.Task] = None):
   """`sgd_step`s on every weight over the batches of `dataset`, buffers
   fresh (TFF's SGD with momentum, the same arithmetic); returns (weights,
   summed `train_sums`)."""
   return local_steps(model, weights, dataset, tff.learning.optimizers.build_sgdm(
-      learning_rate, momentum=momentum or None), weight_decay, loss_fn)
+      learning_rate, momentum=momentum or None), weight_decay, task)
 
 
 def local_steps(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
                 optimizer: tff.learning.optimizers.Optimizer, weight_decay: float,
-                loss_fn=None):
+                task: Optional[tasks.Task] = None):
   """One step of the TFF `optimizer` per batch of `dataset`, its state
   fresh, `weight_decay` added to the gradient as an L2 term (PyTorch's
   coupled weight decay, also for Adam); returns (weights, summed
@@ -122,7 +122,7 @@ def local_steps(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
     w, state, sums = carry
     with tf.GradientTape() as tape:
       tape.watch(w)
-      loss, batch_sums = batch_loss(model, w, batch, loss_fn)
+      loss, batch_sums = batch_loss(model, w, batch, task)
     grads = tuple(g + weight_decay * v for g, v in zip(tape.gradient(loss, w), w))
     state, w = optimizer.next(state, w, grads)
     return w, state, sums + batch_sums
@@ -137,12 +137,12 @@ def zeros_like(tensors: Sequence[tf.Tensor]) -> tuple[tf.Tensor, ...]:
   return tuple(tf.zeros_like(t) for t in tensors)
 
 
-def train_sums(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-  """[loss sum, correct, examples] of one batch (mean `loss` over it); a
-  sample with a label per pixel counts the share of its pixels right."""
+def train_sums(loss: tf.Tensor, predicted: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+  """[loss sum, correct, examples] of one batch (mean `loss` over it,
+  `predicted` classes); a sample with a label per pixel counts the share of
+  its pixels right."""
   n = tf.shape(y)[0]
-  hits = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y),
-                 tf.float32)
+  hits = tf.cast(tf.equal(predicted, y), tf.float32)
   correct = tf.reduce_sum(tf.reduce_mean(tf.reshape(hits, [n, -1]), 1))
   n = tf.cast(n, tf.float32)
   return tf.stack([loss * n, correct, n])

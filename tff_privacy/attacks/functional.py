@@ -12,30 +12,24 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from tff_privacy import tasks
 from tff_privacy.models.functional import forward
 from tff_privacy.protocol import local_batch_sizes
 
+CLASSIFICATION = tasks.get("classification")
 
-def batch_loss(model, weights, x, y_soft, positive_weight: float = 1.0) -> tf.Tensor:
-  """Mean cross-entropy of soft (or one-hot) labels `y_soft` on logits; with
-  `positive_weight` w, each term weighted 1 + (w - 1) y_soft[..., 1] (the
-  segmentation task's weighted loss for one-hot labels, linear in soft ones).
 
-  Written out rather than with the fused `tf.nn.softmax_cross_entropy_with_
-  logits`, whose second-order gradient ignores the labels: DLG differentiates
-  the weight gradient with respect to its dummy labels.
-  """
-  logits = forward(model, weights, x)
-  terms = -tf.reduce_sum(y_soft * tf.nn.log_softmax(logits), -1)
-  if positive_weight != 1.0:
-    terms *= 1.0 + (positive_weight - 1.0) * y_soft[..., 1]
-  return tf.reduce_mean(terms)
+def batch_loss(model, weights, x, y_soft, task: tasks.Task = CLASSIFICATION
+               ) -> tf.Tensor:
+  """The `task`'s mean loss (`Task.soft_loss`) of soft (or one-hot) labels
+  `y_soft` on the model's outputs at `weights`."""
+  return task.soft_loss(forward(model, weights, x), y_soft)
 
 
 def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
               batch_sizes: Sequence[int], momentum: float = 0.0,
               weight_decay: float = 0.0, optimizer: str = "sgd",
-              positive_weight: float = 1.0) -> list[tf.Tensor]:
+              task: tasks.Task = CLASSIFICATION) -> list[tf.Tensor]:
   """w0 - wK after local steps over consecutive batches of the sample
   sequence (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention).
 
@@ -51,7 +45,7 @@ def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
     with tf.GradientTape() as tape:
       tape.watch(current)
       loss = batch_loss(model, current, x_seq[start:start + size],
-                        y_seq[start:start + size], positive_weight)
+                        y_seq[start:start + size], task)
     grads = tape.gradient(loss, current)
     if optimizer == "adam":
       first = [m + (g - m) * (1 - 0.9) for m, g in zip(first, grads)]
@@ -75,9 +69,9 @@ def learning_rate(protocol: dict) -> float:
 
 def simulate_upload(model, weights, x, y_soft, upload_kind: str,
                     protocol: dict, num_examples: int | None = None,
-                    positive_weight: float = 1.0):
+                    task: tasks.Task = CLASSIFICATION):
   """What a client holding (x, y_soft) would upload from broadcast `weights`,
-  training on `batch_loss` (with the task's `positive_weight`).
+  training on `task`'s loss (`batch_loss`).
 
   'gradient': the gradient of the mean loss over the batch (FedSGD).
   'model_delta': w0 - wK after `local_epochs` passes of minibatch SGD with
@@ -92,7 +86,7 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
   if upload_kind == "gradient":
     with tf.GradientTape() as tape:
       tape.watch(weights)
-      loss = batch_loss(model, weights, x, y_soft, positive_weight)
+      loss = batch_loss(model, weights, x, y_soft, task)
     return tape.gradient(loss, weights)
   if upload_kind == "model_delta":
     n = int(x.shape[0]) if num_examples is None else num_examples
@@ -103,7 +97,6 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
         tf.concat([y_soft] * epochs, 0),
         learning_rate(protocol), sizes, protocol.get("client_momentum", protocol.get("momentum", 0.0)),
         protocol.get("weight_decay", 0.0),
-        "adam" if protocol.get("client_optimizer") == "adam" else "sgd",
-        positive_weight)
+        "adam" if protocol.get("client_optimizer") == "adam" else "sgd", task)
   raise ValueError(f"upload_kind={upload_kind!r} cannot be simulated; "
                    "supported: 'gradient', 'model_delta'")

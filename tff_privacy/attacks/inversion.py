@@ -132,8 +132,7 @@ class Target:
     protocol."""
     return functional.simulate_upload(
         self.model, weights, x, y_soft, self.record.upload_kind,
-        self.record.metadata["protocol"], self.num_examples,
-        getattr(self.task, "positive_weight", 1.0))
+        self.record.metadata["protocol"], self.num_examples, self.task)
 
   def cache_key(self) -> str:
     """What a compiled attack function depends on besides its arguments."""

@@ -106,7 +106,7 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
                                             samples_per_client)),
         tuple(partitioners.by_group(test_groups, num_clients, seed + 1,
                                     samples_per_client)))
-  if source.task != "classification" and partition != "iid":
+  if source.task == "segmentation" and partition != "iid":
     raise ValueError(f"partition={partition!r} splits by class label; "
                      f"dataset {dataset!r} ({source.task}) takes 'iid' or "
                      "'groups'")

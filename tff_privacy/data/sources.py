@@ -1,8 +1,9 @@
 """Array sources: bundled offline data sets and `tensorflow_datasets` loaders.
 
-Every source returns a `Source`: images as float32 NHWC scaled to [0, 1] and int32
-labels, with the scaling recorded (`raw_max`) so that attacks and metrics work in
-the same range as training.
+Every source returns a `Source`: images as float32 NHWC scaled to [0, 1] (or,
+for tabular data, feature vectors in [0, 1]) and int32 labels, with the
+scaling recorded (`raw_max`) so that attacks and metrics work in the same
+range as training.
 """
 
 from __future__ import annotations
@@ -35,10 +36,22 @@ class ElementMaps:
 
 
 @dataclasses.dataclass(frozen=True)
+class SensitiveAttributes:
+  """Traits of each sample other than its label that an attacker may infer
+  (Adult's race and sex): for each attribute, its class names and the
+  train and test samples' class indices."""
+
+  classes: dict[str, tuple[str, ...]]
+  train: dict[str, np.ndarray]
+  test: dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
 class Source:
-  """A labelled image data set split into train and test arrays; optionally
-  each sample's group (`groups`: train and test arrays of names, e.g. the
-  document format) and element maps (`elements`)."""
+  """A labelled data set (images NHWC, or feature vectors) split into train
+  and test arrays; optionally each sample's group (`groups`: train and test
+  arrays of names, e.g. the document format), element maps (`elements`)
+  and sensitive attributes (`attributes`)."""
 
   name: str
   x_train: np.ndarray
@@ -51,6 +64,7 @@ class Source:
   task: str = "classification"  # see tff_privacy.tasks; 'segmentation': y per pixel
   groups: Optional[tuple[np.ndarray, np.ndarray]] = None
   elements: Optional[ElementMaps] = None
+  attributes: Optional[SensitiveAttributes] = None
 
   @property
   def input_shape(self) -> tuple[int, ...]:
@@ -64,8 +78,9 @@ def _scaled(images: np.ndarray, raw_max: float) -> np.ndarray:
   return images
 
 
-def _stratified_split(x, y, test_fraction: float, seed: int):
-  """Splits per class so that train and test keep the class balance."""
+def _stratified_test_mask(y, test_fraction: float, seed: int) -> np.ndarray:
+  """Which samples are test samples, drawn per class so that train and test
+  keep the class balance."""
   rng = np.random.default_rng(seed)
   test_idx = []
   for label in np.unique(y):
@@ -73,6 +88,11 @@ def _stratified_split(x, y, test_fraction: float, seed: int):
     test_idx.extend(idx[: int(round(len(idx) * test_fraction))])
   test_mask = np.zeros(len(y), dtype=bool)
   test_mask[test_idx] = True
+  return test_mask
+
+
+def _stratified_split(x, y, test_fraction: float, seed: int):
+  test_mask = _stratified_test_mask(y, test_fraction, seed)
   return x[~test_mask], y[~test_mask], x[test_mask], y[test_mask]
 
 
@@ -130,6 +150,21 @@ def load_docs(test_fraction: float = 0.2, num: int = 800, size: int = 64,
                                      maps[cut:]))
 
 
+def load_adult(test_fraction: float = 0.2, **_) -> Source:
+  """The 48,842 UCI Adult Income records (`tff_privacy.data.adult`): 103
+  features in [0, 1], label income > 50K, sensitive attributes race and
+  sex; split 80/20 stratified by the label (seed 0)."""
+  from tff_privacy.data import adult
+  records = [r for path in adult.data_files() for r in adult.read_records(path)]
+  x, y, attributes = adult.encode(records)
+  test = _stratified_test_mask(y, test_fraction, seed=0)
+  return Source("adult", x[~test], y[~test], x[test], y[test], 2, 1.0,
+                task="binary_mse", attributes=SensitiveAttributes(
+                    dict(adult.ATTRIBUTE_CLASSES),
+                    {k: v[~test] for k, v in attributes.items()},
+                    {k: v[test] for k, v in attributes.items()}))
+
+
 _TFDS_SOURCES = {
     # our name: tensorflow_datasets builder name
     "mnist": "mnist",
@@ -171,6 +206,7 @@ def load_tfds(name: str, data_dir: str | None = None, **_) -> Source:
 
 
 _BUNDLED: dict[str, Callable[..., Source]] = {
+    "adult": load_adult,
     "mnist5k": load_mnist5k,
     "digits": load_digits,
     "lfw_subset": load_lfw_subset,

@@ -216,9 +216,14 @@ def check_kwargs(name: str, kwargs: dict[str, Any]) -> None:
                      f"its arguments: {', '.join(accepted)}")
 
 
-def build(name: str, input_shape, num_classes: int, seed: int = 0,
+def build(name: str, input_shape, num_outputs: int, seed: int = 0,
           **kwargs) -> tf.keras.Model:
-  """Builds model `name` (one of `MODELS`) with builder keyword `kwargs`."""
-  check(name, num_classes)
+  """Builds model `name` (one of `MODELS`) with `num_outputs` outputs per
+  sample or pixel (the task's `output_units`: the number of classes, or 1
+  for a sigmoid output) and builder keyword `kwargs`."""
+  if name not in MODELS:
+    raise ValueError(f"model={name!r} is unknown; choose one of {sorted(MODELS)}")
+  if num_outputs < 1:
+    raise ValueError(f"num_outputs must be >= 1, got {num_outputs}")
   check_kwargs(name, kwargs)
-  return MODELS[name](tuple(input_shape), num_classes, seed=seed, **kwargs)
+  return MODELS[name](tuple(input_shape), num_outputs, seed=seed, **kwargs)

@@ -39,6 +39,7 @@ class ModelSpec:
     builders.check(self.name, self.num_classes)
     builders.check_kwargs(self.name, self.kwargs)
     builders.check_task(self.name, self.task_object.name)
+    self.task_object.output_units(self.num_classes)  # raises if it cannot
 
   @property
   def task_object(self) -> tasks.Task:
@@ -46,7 +47,8 @@ class ModelSpec:
     return tasks.get(self.task, **self.task_kwargs)
 
   def keras(self, seed: int = 0) -> tf.keras.Model:
-    return builders.build(self.name, self.input_shape, self.num_classes,
+    return builders.build(self.name, self.input_shape,
+                          self.task_object.output_units(self.num_classes),
                           seed=seed, **self.kwargs)
 
   def check_builds(self) -> None:
