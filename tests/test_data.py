@@ -25,6 +25,16 @@ def test_mnist5k_split_is_stratified_and_disjoint():
   assert np.all(np.bincount(src.y_test) == 100)
 
 
+def test_mnist5k_parity_relabels_mnist5k_and_keeps_the_parity_aside():
+  digits, parity = data.load_source("mnist5k"), data.load_source("mnist5k_parity")
+  np.testing.assert_array_equal(parity.x_test, digits.x_test)
+  expected = {0: 0, 1: 0, 2: 0, 3: 0, 4: 0, 5: 1, 6: 1, 7: 1, 8: 1, 9: 1}
+  assert parity.y_train.tolist() == [expected[d] for d in digits.y_train.tolist()]
+  assert parity.attributes.test["parity"].tolist() == [
+      int(d in (1, 3, 5, 7, 9)) for d in digits.y_test.tolist()]
+  assert parity.num_classes == 2 and parity.attributes.classes["parity"] == ("even", "odd")
+
+
 def test_unknown_dataset_names_choices():
   with pytest.raises(ValueError, match="dataset='nope'.*mnist5k"):
     data.load_source("nope")

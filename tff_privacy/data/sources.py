@@ -111,6 +111,20 @@ def load_mnist5k(test_fraction: float = 0.2, **_) -> Source:
   return _bundled("mnist5k", x.reshape(-1, 28, 28), y, 255.0, 10, test_fraction)
 
 
+def load_mnist5k_parity(test_fraction: float = 0.2, **_) -> Source:
+  """mnist5k relabelled for attribute inference on images: the task is
+  digit >= 5 (label 1), and the digit's parity (even, odd), which the label
+  does not give away, is the sensitive attribute; the split is mnist5k's."""
+  digits = load_mnist5k(test_fraction)
+  return dataclasses.replace(
+      digits, name="mnist5k_parity", num_classes=2,
+      y_train=(digits.y_train >= 5).astype(np.int32),
+      y_test=(digits.y_test >= 5).astype(np.int32),
+      attributes=SensitiveAttributes({"parity": ("even", "odd")},
+                                     {"parity": digits.y_train % 2},
+                                     {"parity": digits.y_test % 2}))
+
+
 def load_digits(test_fraction: float = 0.2, **_) -> Source:
   """1,797 real 8x8 digits shipped with scikit-learn (pixel values 0..16)."""
   from sklearn.datasets import load_digits as sk_digits
@@ -208,6 +222,7 @@ def load_tfds(name: str, data_dir: str | None = None, **_) -> Source:
 _BUNDLED: dict[str, Callable[..., Source]] = {
     "adult": load_adult,
     "mnist5k": load_mnist5k,
+    "mnist5k_parity": load_mnist5k_parity,
     "digits": load_digits,
     "lfw_subset": load_lfw_subset,
     "docs": load_docs,
