@@ -1,0 +1,155 @@
+"""RECUP-FL's perturbation (Algorithm 1, Appendix E) against a plain numpy
+implementation with linear softmax defenders, whose input gradients are
+written out by hand."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_privacy.attacks import attribute
+from tff_privacy.defenses import recupfl
+
+SIZE, LENGTH, CLASSES, ZOO = 203, 16, 3, 6
+
+
+def _zoo(seed=0):
+  rng = np.random.default_rng(seed)
+  return [(rng.normal(size=(LENGTH, CLASSES)).astype(np.float32),
+           rng.normal(size=CLASSES).astype(np.float32)) for _ in range(ZOO)]
+
+
+def _defenders(zoo):
+  return [lambda z, w=w, b=b: tf.matmul(z, w) + b for w, b in zoo]
+
+
+def _np_gradient(zoo_model, x, label):
+  """d CE(softmax(pool(x) W + b), label) / dx, through each bin's maximum."""
+  w, b = zoo_model
+  bins = np.array_split(np.arange(SIZE), LENGTH)
+  z = np.array([x[i].max() for i in bins], np.float64)
+  logits = z @ w + b
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  dz = (p - np.eye(CLASSES)[label]) @ w.T
+  dx = np.zeros(SIZE)
+  for j, i in enumerate(bins):
+    dx[i[np.argmax(x[i])]] = dz[j]
+  return dx
+
+
+def _np_perturbation(x, label, zoo, choices, eps, iterations, sampled, variant):
+  g = lambda k, v: _np_gradient(zoo[k], v, label)
+  step = eps / sampled
+  if variant == "one_step":
+    return eps * np.sign(g(choices[0, 0], x))
+  if variant == "average":
+    return sum(eps * np.sign(g(choices[0, q], x)) for q in range(sampled)) / sampled
+  if variant in ("iterative", "momentum"):
+    v, u = x.copy(), np.zeros_like(x)
+    for q in range(sampled):
+      d = g(choices[0, q], v)
+      if variant == "momentum":
+        u = 0.9 * u + d / np.abs(d).sum()
+        d = u
+      v = v + step * np.sign(d)
+    return v - x
+  current = x.copy()
+  for p in range(iterations):
+    v = current.copy()
+    for q in range(sampled - 1):
+      v = v + step * np.sign(g(choices[p, q], v))
+    current = current + eps * np.sign(g(choices[p, sampled - 1], v))
+  return current - x
+
+
+def test_pool_is_the_adversaries_max_pooling():
+  rng = np.random.default_rng(1)
+  upload = [rng.normal(size=(7, 9)), rng.normal(size=140)]
+  flat = np.concatenate([u.ravel() for u in upload]).astype(np.float32)
+  got = recupfl.pool(tf.constant(flat), recupfl.pool_segments(SIZE, LENGTH))
+  np.testing.assert_allclose(got.numpy()[0], attribute.pooled(upload, LENGTH))
+
+
+@pytest.mark.parametrize("variant", recupfl.VARIANTS)
+def test_perturbation_matches_a_plain_implementation(variant):
+  zoo = _zoo()
+  x = np.random.default_rng(2).normal(size=SIZE).astype(np.float32)
+  seed = tf.constant([3, 4], tf.int64)
+  rounds = 4 if variant == "recupfl" else 1
+  choices = recupfl.model_choices(seed, rounds, ZOO, 3).numpy()
+  got = recupfl.attribute_perturbation(
+      x, 1, _defenders(zoo), epsilon=0.01, pool_length=LENGTH, seed=seed,
+      iterations=4, sampled=3, variant=variant).numpy()
+  expected = _np_perturbation(x.astype(np.float64), 1, zoo, choices, 0.01, 4, 3,
+                              variant)
+  np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_recupfl_moves_entries_by_multiples_of_epsilon_and_fools_the_zoo():
+  zoo = _zoo(5)
+  x = np.random.default_rng(3).normal(size=SIZE).astype(np.float32)
+  delta = recupfl.attribute_perturbation(
+      x, 0, _defenders(zoo), epsilon=0.05, pool_length=LENGTH,
+      seed=tf.constant([1, 2], tf.int64), iterations=10, sampled=5).numpy()
+  steps = delta / 0.05
+  np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+  assert np.abs(steps).max() <= 10 + 1e-3 and np.abs(steps).sum() > 0
+  segments = recupfl.pool_segments(SIZE, LENGTH)
+
+  def mean_loss(v):
+    z = recupfl.pool(tf.constant(v), segments)
+    return np.mean([float(tf.keras.losses.sparse_categorical_crossentropy(
+        [0], d(z), from_logits=True)[0]) for d in _defenders(zoo)])
+  assert mean_loss(x + delta) > mean_loss(x)
+
+
+def test_several_attributes_add_their_weighted_perturbations():
+  rng = np.random.default_rng(4)
+  upload = [tf.constant(rng.normal(size=(7, 9)), tf.float32),
+            tf.constant(rng.normal(size=140), tf.float32)]
+  flat = tf.concat([tf.reshape(u, [-1]) for u in upload], 0)
+  first, second = _defenders(_zoo(6)), _defenders(_zoo(7))
+  seeds = [tf.constant([1, k], tf.int64) for k in (1, 2)]
+  kwargs = dict(epsilon=0.02, pool_length=LENGTH, iterations=3, sampled=2)
+  got = recupfl.perturb_upload(upload, [(2, first, 0.25, seeds[0]),
+                                        (0, second, 0.75, seeds[1])], **kwargs)
+  expected = (flat + 0.25 * recupfl.attribute_perturbation(flat, 2, first, seed=seeds[0], **kwargs)
+              + 0.75 * recupfl.attribute_perturbation(flat, 0, second, seed=seeds[1], **kwargs))
+  assert [g.shape for g in got] == [u.shape for u in upload]
+  np.testing.assert_allclose(tf.concat([tf.reshape(g, [-1]) for g in got], 0),
+                             expected, atol=1e-6)
+
+
+def test_model_choices_are_distinct_per_iteration_and_seeded():
+  choices = recupfl.model_choices(tf.constant([5, 6], tf.int64), 50, 20, 5).numpy()
+  assert all(len(set(row)) == 5 for row in choices) and choices.max() < 20
+  again = recupfl.model_choices(tf.constant([5, 6], tf.int64), 50, 20, 5).numpy()
+  np.testing.assert_array_equal(choices, again)
+  assert len({tuple(r) for r in choices}) > 40
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"variant": "pgd"}, "variant='pgd'"), ({"epsilon": 0.0}, "epsilon must be > 0"),
+    ({"iterations": 0}, "iterations P must be >= 1"),
+    ({"sampled": 1}, "sampled models Q must be >= 2"),
+    ({"sampled": 7}, r"sampled models Q must be in \[1, 6\]"),
+    ({"pool_length": 500}, r"pool length must be in \[1, 203\]")])
+def test_bad_arguments_are_refused(kwargs, match):
+  args = dict(epsilon=0.01, pool_length=LENGTH, seed=tf.constant([0, 0], tf.int64))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    recupfl.attribute_perturbation(np.zeros(SIZE, np.float32), 0,
+                                   _defenders(_zoo()), **args)
+
+
+def test_perturbation_compiles_in_a_graph_with_the_label_and_seed_as_inputs():
+  zoo = _zoo(8)
+  x = np.random.default_rng(9).normal(size=SIZE).astype(np.float32)
+  kwargs = dict(epsilon=0.03, pool_length=LENGTH, iterations=3, sampled=3)
+  graph = tf.function(lambda v, a, s: recupfl.attribute_perturbation(
+      v, a, _defenders(zoo), seed=s, **kwargs))
+  seed = tf.constant([2, 2], tf.int64)
+  np.testing.assert_allclose(
+      graph(x, tf.constant(2), seed),
+      recupfl.attribute_perturbation(x, 2, _defenders(zoo), seed=seed, **kwargs),
+      atol=1e-6)

@@ -1,0 +1,183 @@
+"""RECUP-FL's defensive perturbation of an upload (Appendix Algorithm 1,
+eqs. 4-9, and the FGSM variants of Appendix E).
+
+A client protects attribute a of its data against an attacker who infers it
+from its upload. It holds a zoo S of defender models, each mapping a
+max-pooled upload (`pool`, the adversaries' features:
+`tff_privacy.attacks.attribute.pooled`) to logits over a's classes, and
+moves its upload w so that they mispredict a. With P iterations of Q models
+sampled from the zoo and budget epsilon, 'recupfl' (Algorithm 1) is, from
+w^0 = w:
+
+  for p = 1..P:
+    x = w^(p-1)
+    meta-train (eq. 5), q = 1..Q-1:  x = x + (epsilon / Q) sign(d CE(S_q(x), a) / dx)
+    meta-test (eq. 6):               step = epsilon sign(d CE(S_Q(x), a) / dx)
+    w^p = w^(p-1) + step             (eqs. 7-8, line 22)
+
+and the attribute's perturbation is w^P - w. Only the meta-test steps reach
+the upload; the meta-train steps choose where the meta-test gradient is
+taken. Each entry therefore moves by a multiple of epsilon, at most P
+epsilon. The defender's loss g_q of eq. 5 is taken to be the cross-entropy,
+the loss the zoo is trained with, so meta-train and meta-test differ in
+their step and their model only. The gradient reaches an upload entry only
+through the maximum of its pooling bin: the other entries keep their value.
+
+Several attributes (eq. 9, Algorithm 1 line 23): the upload sent is
+w + sum_m gamma_m (w^(P, m) - w), each attribute's perturbation computed
+from the clean upload w. Eq. 9 as printed sums gamma_m times the perturbed
+updates themselves, which would scale the upload; line 23 sums their
+differences from w, which is read here. Line 23 sits inside the P loop in
+the printout, but line 22 already carries the iterations forward, so the
+difference is taken once, after the last one.
+
+Appendix E's variants, each applied once (no P loop, as written there), Q
+models sampled:
+  'one_step':  w + epsilon sign(grad of one sampled model)          (eq. 10)
+  'average':   w + (1/Q) sum_q epsilon sign(grad_q at w)              (eq. 11)
+  'iterative': x_q = x_(q-1) + (epsilon / Q) sign(grad_q at x_(q-1))  (eq. 12)
+  'momentum':  u_q = mu u_(q-1) + grad_q / ||grad_q||_1,
+               x_q = x_(q-1) + (epsilon / Q) sign(u_q), mu = 0.9      (eqs. 13-14;
+               the printed eq. 13 lacks the gradient's nabla in its
+               numerator, which MI-FGSM has)
+
+Models are drawn without replacement, independently per iteration, from a
+stateless seed, so a (run, round, client) seed fixes the perturbation.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+VARIANTS = ("recupfl", "one_step", "average", "iterative", "momentum")
+MOMENTUM = 0.9
+
+Defender = Callable[[tf.Tensor], tf.Tensor]  # pooled [1, L] -> logits [1, C]
+
+
+def pool_segments(size: int, length: int) -> np.ndarray:
+  """The pooling bin of each of `size` entries: `length` contiguous bins
+  as `np.array_split` cuts them (the first size % length one entry
+  longer)."""
+  if not 1 <= length <= size:
+    raise ValueError(f"pool length must be in [1, {size}] (the upload's entries), "
+                     f"got {length}")
+  return np.concatenate([np.full(len(b), i) for i, b in
+                         enumerate(np.array_split(np.arange(size), length))])
+
+
+def pool(flat: tf.Tensor, segments: np.ndarray) -> tf.Tensor:
+  """Max of each bin of the flat upload, [1, length]."""
+  return tf.math.segment_max(flat, tf.constant(segments, tf.int32))[None]
+
+
+def model_choices(seed, iterations: int, zoo_size: int, sampled: int) -> tf.Tensor:
+  """[iterations, sampled] distinct zoo indices per iteration, drawn from a
+  stateless `seed` (two int64 numbers)."""
+  if not 1 <= sampled <= zoo_size:
+    raise ValueError(f"sampled models Q must be in [1, {zoo_size}] (the zoo's "
+                     f"size), got {sampled}")
+  keys = tf.random.stateless_uniform([iterations, zoo_size], seed)
+  return tf.argsort(keys, axis=1)[:, :sampled]
+
+
+def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments):
+  """d CE(S_index(pool(x)), label) / dx."""
+
+  def branch(defender):
+    def gradient():
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        logits = defender(pool(x, segments))
+        loss = tf.keras.losses.sparse_categorical_crossentropy(
+            label[None], logits, from_logits=True)
+      return tape.gradient(loss, x)
+    return gradient
+
+  return tf.switch_case(index, [branch(d) for d in defenders])
+
+
+def attribute_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender], *,
+                           epsilon: float, pool_length: int, seed,
+                           iterations: int = 10, sampled: int = 5,
+                           variant: str = "recupfl") -> tf.Tensor:
+  """The perturbation (w' - w) of one flat upload `flat` that protects
+  attribute value `label` against the zoo `defenders`.
+
+  Args:
+    flat: the upload, flattened to one vector.
+    label: the client's class of the attribute (int).
+    defenders: the zoo, functions from the pooled upload [1, pool_length]
+      to logits [1, classes].
+    epsilon: the perturbation budget (the paper: 1e-5 to 0.1 on Adult).
+    pool_length: the pooled length the defenders read.
+    seed: a stateless seed (two integers).
+    iterations: P (recupfl only; paper 10).
+    sampled: Q, models per iteration (paper 5; 'recupfl' needs 2 or more).
+    variant: one of `VARIANTS` (see the module).
+
+  Returns:
+    A tensor shaped like `flat`.
+
+  Raises:
+    ValueError: for a bad variant, epsilon, P, Q or pool length.
+  """
+  if variant not in VARIANTS:
+    raise ValueError(f"variant={variant!r}; choose one of {VARIANTS}")
+  if not epsilon > 0:
+    raise ValueError(f"epsilon must be > 0, got {epsilon}")
+  if iterations < 1:
+    raise ValueError(f"iterations P must be >= 1, got {iterations}")
+  if variant == "recupfl" and sampled < 2:
+    raise ValueError(f"sampled models Q must be >= 2 for meta-train and "
+                     f"meta-test, got {sampled}")
+  flat = tf.convert_to_tensor(flat, tf.float32)
+  segments = pool_segments(int(flat.shape[0]), pool_length)
+  label = tf.cast(label, tf.int32)
+  rounds = iterations if variant == "recupfl" else 1
+  choices = model_choices(seed, rounds, len(defenders), sampled)
+
+  def grad(index, x):
+    return _attack_gradient(defenders, index, x, label, segments)
+
+  step = epsilon / sampled
+  if variant == "one_step":
+    return epsilon * tf.sign(grad(choices[0, 0], flat))
+  if variant == "average":
+    return tf.add_n([epsilon * tf.sign(grad(choices[0, q], flat))
+                     for q in range(sampled)]) / sampled
+  if variant in ("iterative", "momentum"):
+    x, u = flat, tf.zeros_like(flat)
+    for q in range(sampled):
+      g = grad(choices[0, q], x)
+      if variant == "momentum":
+        u = MOMENTUM * u + g / tf.maximum(tf.reduce_sum(tf.abs(g)), 1e-30)
+        g = u
+      x = x + step * tf.sign(g)
+    return x - flat
+  current = flat
+  for p in range(iterations):
+    x = current
+    for q in range(sampled - 1):
+      x = x + step * tf.sign(grad(choices[p, q], x))
+    current = current + epsilon * tf.sign(grad(choices[p, sampled - 1], x))
+  return current - flat
+
+
+def perturb_upload(upload: Sequence[tf.Tensor], protections, **kwargs
+                   ) -> list[tf.Tensor]:
+  """The upload RECUP-FL sends (eq. 9, Algorithm 1 line 25): w + sum_m
+  gamma_m * `attribute_perturbation` of attribute m, for `protections` a
+  sequence of (label, defenders, gamma, seed); `kwargs` go to
+  `attribute_perturbation`."""
+  flat = tf.concat([tf.reshape(u, [-1]) for u in upload], 0)
+  total = tf.zeros_like(flat)
+  for label, defenders, gamma, seed in protections:
+    total += gamma * attribute_perturbation(flat, label, defenders, seed=seed,
+                                            **kwargs)
+  sizes = [int(np.prod(u.shape)) for u in upload]
+  return [tf.reshape(d, u.shape) + u
+          for d, u in zip(tf.split(total, sizes), upload)]
