@@ -70,7 +70,6 @@ def inversion_rows(out: str, ig_iterations: int) -> list[dict]:
 def attribute_rows(shadow: int, victims: int, seed: int = 0) -> tuple[dict, float]:
   src = data.load_source("mnist5k")
   spec = models.ModelSpec("cnn", src.input_shape, 2)
-  model = spec.keras()
   broadcast = spec.initial_weights(seed)
   protocol = {"batch_size": 1}
   rng = np.random.default_rng(seed)
@@ -79,7 +78,7 @@ def attribute_rows(shadow: int, victims: int, seed: int = 0) -> tuple[dict, floa
 
   def features(x, digits):
     task = (digits >= 5).astype(np.int32)
-    return attribute.shadow_features(model, broadcast, x, task, "gradient", protocol)
+    return attribute.shadow_features(spec, broadcast, x, task, "gradient", protocol)
 
   f_train = features(src.x_train[tr], src.y_train[tr])
   f_victim = features(src.x_test[te], src.y_test[te])

@@ -2,12 +2,15 @@
 implementation with linear softmax defenders, whose input gradients are
 written out by hand."""
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tff_privacy import models
 from tff_privacy.attacks import attribute
-from tff_privacy.defenses import recupfl
+from tff_privacy.defenses import defender_zoo, recupfl
 
 SIZE, LENGTH, CLASSES, ZOO = 203, 16, 3, 6
 
@@ -153,3 +156,93 @@ def test_perturbation_compiles_in_a_graph_with_the_label_and_seed_as_inputs():
       graph(x, tf.constant(2), seed),
       recupfl.attribute_perturbation(x, 2, _defenders(zoo), seed=seed, **kwargs),
       atol=1e-6)
+
+
+def _shadow(classes, seed=0, n=120):
+  rng = np.random.default_rng(seed)
+  attributes = np.arange(n) % classes
+  features = rng.normal(size=(n, LENGTH)) + attributes[:, None] * 0.8
+  return features.astype(np.float32), attributes
+
+
+@pytest.mark.parametrize("classes", [2, 3])
+def test_zoo_defenders_are_the_fitted_scikit_learn_models(classes):
+  features, attributes = _shadow(classes)
+  pipelines = defender_zoo.fit_defenders(features, attributes,
+                                         widths=((8, 4), (16, 8)), epochs=20)
+  zoo = defender_zoo.zoo_from_pipelines(pipelines, "a", [f"c{k}" for k in range(classes)])
+  for pipeline, defender in zip(pipelines, defender_zoo.defenders(zoo)):
+    probabilities = tf.nn.softmax(defender(tf.constant(features))).numpy()
+    np.testing.assert_allclose(probabilities, pipeline.predict_proba(features),
+                               atol=1e-5)
+
+
+def _saved_zoo(folder, widths, seed=1):
+  features, attributes = _shadow(3, seed)
+  zoo = defender_zoo.zoo_from_pipelines(defender_zoo.fit_defenders(
+      features, attributes, widths=widths, epochs=5), "race", ["x", "y", "z"])
+  defender_zoo.save_zoo(zoo, folder)
+  return zoo
+
+
+def _perturb_from_files(folder, **kwargs):
+  return tf.function(lambda v: recupfl.attribute_perturbation(
+      v, 1, defender_zoo.defenders(defender_zoo.load_zoo(folder, in_graph=True)),
+      **kwargs))
+
+
+def test_saved_zoo_is_read_by_the_graph_and_stays_out_of_it(tmp_path):
+  large = _saved_zoo(str(tmp_path / "large"), ((256, 128), (128, 64), (64, 32)))
+  small = _saved_zoo(str(tmp_path / "small"), ((4, 2), (4, 2), (4, 2)))
+  again = defender_zoo.load_zoo(str(tmp_path / "large"))
+  for m, n in zip(large.models, again.models):
+    for a, b in zip(m, n):
+      np.testing.assert_array_equal(a, b)
+  x = np.random.default_rng(2).normal(size=SIZE).astype(np.float32)
+  kwargs = dict(epsilon=0.01, pool_length=LENGTH, iterations=2, sampled=2,
+                seed=tf.constant([1, 1], tf.int64))
+  from_files = _perturb_from_files(str(tmp_path / "large"), **kwargs)
+  expected = recupfl.attribute_perturbation(x, 1, defender_zoo.defenders(large), **kwargs)
+  np.testing.assert_allclose(from_files(x), expected, atol=1e-6)
+
+  def graph_bytes(fn):
+    return len(fn.get_concrete_function(tf.TensorSpec([SIZE], tf.float32))
+               .graph.as_graph_def().SerializeToString())
+  # the weights stay in the files: a zoo 150 times larger, the same graph
+  assert large.size_bytes() > 150 * small.size_bytes()
+  assert graph_bytes(from_files) < 1.05 * graph_bytes(
+      _perturb_from_files(str(tmp_path / "small"), **kwargs))
+  embedded = tf.function(lambda v: recupfl.attribute_perturbation(
+      v, 1, defender_zoo.defenders(large), **kwargs))
+  assert graph_bytes(embedded) > large.size_bytes() > 2 * graph_bytes(from_files)
+  assert not [f for f in os.listdir(tmp_path) if f.startswith(".zoo-")]
+
+
+def test_zoo_errors_name_what_is_wrong(tmp_path):
+  with pytest.raises(ValueError, match="zoo=.*nowhere.*holds no readable zoo.json"):
+    defender_zoo.load_zoo(str(tmp_path / "nowhere"))
+  features, _ = _shadow(3)
+  with pytest.raises(ValueError, match="one attribute class only"):
+    defender_zoo.fit_defenders(features, np.zeros(len(features), int))
+  pipelines = defender_zoo.fit_defenders(features, np.arange(len(features)) % 2,
+                                         widths=((4, 2),), epochs=2)
+  with pytest.raises(ValueError, match="classes \\[0, 1\\] of 3; every class must occur"):
+    defender_zoo.zoo_from_pipelines(pipelines, "race", ["a", "b", "c"])
+
+
+def test_shadow_features_pool_the_tasks_gradient():
+  spec = models.ModelSpec("mlp", (12,), 2, {"hidden": (6,)}, "binary_mse")
+  rng = np.random.default_rng(3)
+  x = rng.random((4, 12)).astype(np.float32)
+  y = np.array([1, 0, 0, 1], np.int32)
+  broadcast = spec.initial_weights(2)
+  got = attribute.shadow_features(spec, broadcast, x, y, "gradient",
+                                  {"batch_size": 1}, length=20)
+  model = spec.keras()
+  model.set_weights(broadcast)
+  for i in range(4):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.square(tf.sigmoid(model(x[i:i + 1])[:, 0]) - y[i]))
+    grads = tape.gradient(loss, model.trainable_variables)
+    np.testing.assert_allclose(got[i], attribute.pooled([g.numpy() for g in grads], 20),
+                               atol=1e-7)

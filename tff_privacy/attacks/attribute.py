@@ -47,14 +47,17 @@ def pooled(upload: Sequence[np.ndarray], length: int = 1024) -> np.ndarray:
   return np.array([b.max() for b in np.array_split(flat, length)], np.float32)
 
 
-def shadow_features(model: tf.keras.Model, broadcast, x: np.ndarray,
-                    y: np.ndarray, upload_kind: str, protocol: dict,
-                    samples_per_upload: int = 1, length: int = 1024) -> np.ndarray:
-  """Pooled uploads of consecutive groups of `samples_per_upload` samples."""
+def shadow_features(spec, broadcast, x: np.ndarray, y: np.ndarray,
+                    upload_kind: str, protocol: dict, samples_per_upload: int = 1,
+                    length: int = 1024) -> np.ndarray:
+  """Pooled uploads of consecutive groups of `samples_per_upload` samples
+  by the model of `spec` (a `tff_privacy.models.ModelSpec`, whose task's
+  loss the clients train on) at weights `broadcast`."""
   weights = [tf.constant(w) for w in broadcast]
-  num_classes = int(model.output_shape[-1])
+  model, task = spec.keras(), spec.task_object
   compute = tf.function(lambda xb, yb: functional.simulate_upload(
-      model, weights, xb, tf.one_hot(yb, num_classes), upload_kind, protocol))
+      model, weights, xb, tf.one_hot(yb, spec.num_classes), upload_kind,
+      protocol, task=task))
   rows = []
   for start in range(0, len(y) - samples_per_upload + 1, samples_per_upload):
     end = start + samples_per_upload

@@ -143,28 +143,43 @@ def attribute_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender]
   def grad(index, x):
     return _attack_gradient(defenders, index, x, label, segments)
 
-  step = epsilon / sampled
   if variant == "one_step":
     return epsilon * tf.sign(grad(choices[0, 0], flat))
-  if variant == "average":
-    return tf.add_n([epsilon * tf.sign(grad(choices[0, q], flat))
-                     for q in range(sampled)]) / sampled
-  if variant in ("iterative", "momentum"):
-    x, u = flat, tf.zeros_like(flat)
-    for q in range(sampled):
-      g = grad(choices[0, q], x)
-      if variant == "momentum":
-        u = MOMENTUM * u + g / tf.maximum(tf.reduce_sum(tf.abs(g)), 1e-30)
-        g = u
-      x = x + step * tf.sign(g)
-    return x - flat
-  current = flat
-  for p in range(iterations):
-    x = current
-    for q in range(sampled - 1):
-      x = x + step * tf.sign(grad(choices[p, q], x))
-    current = current + epsilon * tf.sign(grad(choices[p, sampled - 1], x))
-  return current - flat
+  if variant == "recupfl":
+    return _meta_steps(flat, grad, choices, epsilon, sampled) - flat
+  return _fgsm_variant(flat, grad, choices[0], epsilon, sampled, variant)
+
+
+def _meta_steps(flat, grad, choices, epsilon, sampled):
+  """Algorithm 1 lines 14-22 as one loop over (p, q), so that a graph holds
+  one gradient per defender, not one per step."""
+  def body(i, current, x):
+    q = i % sampled
+    g = tf.sign(grad(choices[i // sampled, q], x))
+    meta_test = tf.equal(q, sampled - 1)
+    current = tf.where(meta_test, current + epsilon * g, current)
+    return i + 1, current, tf.where(meta_test, current, x + epsilon / sampled * g)
+
+  steps = choices.shape[0] * sampled
+  _, current, _ = tf.while_loop(lambda i, *_: i < steps, body,
+                                (tf.constant(0), flat, flat))
+  return current
+
+
+def _fgsm_variant(flat, grad, chosen, epsilon, sampled, variant):
+  """Appendix E's 'average', 'iterative' and 'momentum' over the `chosen`
+  models: the perturbation."""
+  def body(q, x, u, total):
+    g = grad(chosen[q], flat if variant == "average" else x)
+    if variant == "momentum":
+      u = MOMENTUM * u + g / tf.maximum(tf.reduce_sum(tf.abs(g)), 1e-30)
+      g = u
+    return q + 1, x + epsilon / sampled * tf.sign(g), u, total + tf.sign(g)
+
+  zeros = tf.zeros_like(flat)
+  _, x, _, total = tf.while_loop(lambda q, *_: q < sampled, body,
+                                 (tf.constant(0), flat, zeros, zeros))
+  return epsilon * total / sampled if variant == "average" else x - flat
 
 
 def perturb_upload(upload: Sequence[tf.Tensor], protections, **kwargs

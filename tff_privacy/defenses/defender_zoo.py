@@ -1,0 +1,177 @@
+"""RECUP-FL's defender zoo (Sec. 4, 5.3): models that predict a sensitive
+attribute from a max-pooled upload, the substitutes of the attacker's
+classifier that `tff_privacy.defenses.recupfl` perturbs uploads against.
+
+The paper: 20 three-layer fully connected networks "with varying numbers of
+neurons for each layer (i.e., 128 to 2,048)", trained on the same shadow
+data as the attacker, whose Stru-NN is "included in the defender model
+zoo". Here the 20 are every pair of hidden widths (h1, h2), h1 in 128 ...
+2048 and h2 in 128 ... 1024 by powers of 2 (`ZOO_WIDTHS`), which includes
+Stru-NN's (512, 256), each trained as Stru-NN is
+(`tff_privacy.attacks.attribute`: scikit-learn's MLP, SGD at learning rate
+0.01 for 80 epochs, inputs standardised per feature), from its own seed.
+
+A zoo is saved as a folder of `tf.io.serialize_tensor` files (data, never
+pickle) with a `zoo.json` that names them, so that a TensorFlow graph can
+read it with `tf.io.read_file` and `tf.io.parse_tensor`: TFF's C++ workers
+run such ops, so the zoo's tens of megabytes stay out of the serialized
+computation, which only holds the folder's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.neural_network import MLPClassifier
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+ZOO_WIDTHS = tuple((h1, h2) for h1 in (128, 256, 512, 1024, 2048)
+                   for h2 in (128, 256, 512, 1024))
+ARRAYS = ("kernel_1", "bias_1", "kernel_2", "bias_2", "kernel_3", "bias_3")
+INDEX = "zoo.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class DefenderZoo:
+  """Defenders of one attribute: standardisation `mean`, `scale` of the
+  pooled features and, per model, its 6 weight arrays (`ARRAYS`; a binary
+  attribute's model has one output, the logit of class 1)."""
+
+  attribute: str
+  classes: tuple[str, ...]
+  mean: np.ndarray
+  scale: np.ndarray
+  models: tuple[tuple[np.ndarray, ...], ...]
+
+  @property
+  def pool_length(self) -> int:
+    return len(self.mean)
+
+  def size_bytes(self) -> int:
+    return sum(a.nbytes for m in self.models for a in m) + 2 * self.mean.nbytes
+
+
+def defender_logits(mean, scale, arrays, pooled: tf.Tensor) -> tf.Tensor:
+  """Logits over the attribute's classes of one defender on pooled uploads
+  [N, L] (a binary model's one logit z becomes [0, z]: the same softmax)."""
+  k1, b1, k2, b2, k3, b3 = arrays
+  h = (pooled - mean) / scale
+  h = tf.nn.relu(tf.matmul(h, k1) + b1)
+  h = tf.nn.relu(tf.matmul(h, k2) + b2)
+  out = tf.matmul(h, k3) + b3
+  if out.shape[-1] == 1:
+    out = tf.concat([tf.zeros_like(out), out], -1)
+  return out
+
+
+def defenders(zoo: DefenderZoo):
+  """The zoo as functions pooled [N, L] -> logits, for `recupfl`."""
+  return [lambda z, m=m: defender_logits(zoo.mean, zoo.scale, m, z)
+          for m in zoo.models]
+
+
+def fit_defenders(features: np.ndarray, attributes: np.ndarray, *,
+                  widths=ZOO_WIDTHS, epochs: int = 80, learning_rate: float = 0.01,
+                  seed: int = 0) -> list:
+  """One scikit-learn pipeline (standardisation, MLP with hidden widths
+  (h1, h2)) per entry of `widths`, fitted to pooled shadow uploads
+  `features` [N, L] labelled with attribute class indices `attributes`."""
+  if len(set(np.asarray(attributes).tolist())) < 2:
+    raise ValueError("the shadow data hold one attribute class only; a "
+                     "defender needs at least two")
+  pipelines = []
+  for k, hidden in enumerate(widths):
+    pipeline = make_pipeline(StandardScaler(), MLPClassifier(
+        tuple(hidden), solver="sgd", learning_rate_init=learning_rate,
+        max_iter=epochs, random_state=seed + k))
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", ConvergenceWarning)
+      pipelines.append(pipeline.fit(features, attributes))
+  return pipelines
+
+
+def zoo_from_pipelines(pipelines, attribute: str, classes: Sequence[str]) -> DefenderZoo:
+  """The zoo of fitted `fit_defenders` pipelines, every class of `classes`
+  seen in training.
+
+  Raises:
+    ValueError: when a class never occurred in the shadow data.
+  """
+  scaler = pipelines[0][0]
+  models = []
+  for pipeline in pipelines:
+    clf = pipeline[-1]
+    if clf.classes_.tolist() != list(range(len(classes))):
+      raise ValueError(f"attribute {attribute!r}: the shadow data hold classes "
+                       f"{clf.classes_.tolist()} of {len(classes)}; every class "
+                       "must occur")
+    models.append(tuple(a.astype(np.float32) for pair in zip(clf.coefs_, clf.intercepts_)
+                        for a in pair))
+  return DefenderZoo(attribute, tuple(classes), scaler.mean_.astype(np.float32),
+                     scaler.scale_.astype(np.float32), tuple(models))
+
+
+def save_zoo(zoo: DefenderZoo, folder: str) -> None:
+  """Writes `zoo` to `folder` (replaced whole: written beside it, then
+  renamed)."""
+  parent = os.path.dirname(os.path.abspath(folder))
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(dir=parent, prefix=".zoo-")
+  try:
+    files = {"mean": zoo.mean, "scale": zoo.scale}
+    files.update({f"model{k:02d}_{name}": a for k, m in enumerate(zoo.models)
+                  for name, a in zip(ARRAYS, m)})
+    for name, array in files.items():
+      tf.io.write_file(os.path.join(staging, f"{name}.tensor"),
+                       tf.io.serialize_tensor(tf.constant(array, tf.float32)))
+    with open(os.path.join(staging, INDEX), "w") as f:
+      json.dump({"attribute": zoo.attribute, "classes": list(zoo.classes),
+                 "models": len(zoo.models),
+                 "shapes": {n: list(a.shape) for n, a in files.items()}}, f, indent=1)
+    if os.path.isdir(folder):
+      shutil.rmtree(folder)
+    os.replace(staging, folder)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+
+
+def read_index(folder: str) -> dict:
+  """The `zoo.json` of a saved zoo.
+
+  Raises:
+    ValueError: naming the folder when it holds no readable zoo.
+  """
+  path = os.path.join(folder, INDEX)
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"zoo={folder!r} holds no readable {INDEX} ({e})") from None
+
+
+def load_zoo(folder: str, in_graph: bool = False) -> DefenderZoo:
+  """A saved zoo; with `in_graph`, its arrays are read by TensorFlow ops
+  (`tf.io.read_file`, `tf.io.parse_tensor`) in the current graph, so a
+  `tf.function` or TFF computation holds the path, not the weights."""
+  index = read_index(folder)
+
+  def array(name):
+    tensor = tf.ensure_shape(tf.io.parse_tensor(tf.io.read_file(
+        os.path.join(folder, f"{name}.tensor")), tf.float32), index["shapes"][name])
+    return tensor if in_graph else tensor.numpy()
+
+  return DefenderZoo(index["attribute"], tuple(index["classes"]), array("mean"),
+                     array("scale"),
+                     tuple(tuple(array(f"model{k:02d}_{n}") for n in ARRAYS)
+                           for k in range(index["models"])))
