@@ -61,7 +61,7 @@ def test_json_regions_need_known_clients_and_a_default(tmp_path):
   with pytest.raises(ValueError, match=r"clients \['5'\]"):
     fedre.client_regions(str(path), 2, 8, 8)
   path.write_text(json.dumps({"clients": {"0": [[0, 0, 1, 1]]}}))
-  with pytest.raises(ValueError, match="client 1 has no region"):
+  with pytest.raises(ValueError, match="regions=.*client 1 has no value"):
     fedre.client_regions(str(path), 2, 8, 8)
   path.write_text("{not json")
   with pytest.raises(ValueError, match="not readable JSON"):

@@ -246,3 +246,24 @@ def test_shadow_features_pool_the_tasks_gradient():
     grads = tape.gradient(loss, model.trainable_variables)
     np.testing.assert_allclose(got[i], attribute.pooled([g.numpy() for g in grads], 20),
                                atol=1e-7)
+
+
+def test_client_protections_from_text_and_a_json_file(tmp_path):
+  attributes = ("race", "sex")
+  assert recupfl.client_protections("race", 2, attributes) == [{"race": 1.0}] * 2
+  assert recupfl.client_protections("race=0.25, sex=0.75", 1, attributes) == [
+      {"race": 0.25, "sex": 0.75}]
+  path = tmp_path / "protect.json"
+  path.write_text('{"default": "race", "clients": {"1": "sex=0.5", "3": "sex=0.5"}}')
+  assert recupfl.client_protections(str(path), 4, attributes) == [
+      {"race": 1.0}, {"sex": 0.5}, {"race": 1.0}, {"sex": 0.5}]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("age", "attribute 'age' is not one of the data set's: race, sex"),
+    ("race=1.5", r"gamma of 'race' must be a number in \[0, 1\], got '1.5'"),
+    ("race=high", "got 'high'"), ("race,race=0.5", "'race' given twice"),
+    ("", r"expected 'attribute\[=gamma\]"), ("none.json", "no such file")])
+def test_bad_protections_name_the_parameter(text, match):
+  with pytest.raises(ValueError, match=f"protect.*{match}"):
+    recupfl.client_protections(text, 2, ("race", "sex"))

@@ -17,9 +17,11 @@ and the one-line error that names a wrong value and what is accepted.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
-from typing import Any, Iterator, Optional
+import os
+from typing import Any, Callable, Iterator, Optional
 
 
 class _Required:
@@ -200,3 +202,47 @@ class Params:
     if unknown:
       raise ValueError(f"{owner} takes no {', '.join(unknown)}; its parameters: "
                        f"{', '.join(self.names) or 'none'}")
+
+
+def per_client(value: Any, num_clients: int, name: str,
+               parse: Callable[[Any, str], Any]) -> list:
+  """One setting per client from a parameter `name`'s `value`: the same for
+  every client, or, for a path ending in '.json', a file
+  `{"default": v, "clients": {"3": v, ...}}` (clients by index, 'default'
+  for the rest). `parse(v, label)` reads one value, `label` naming it in
+  errors ("regions[3]").
+
+  Raises:
+    ValueError: naming `name` for an unreadable file, unknown client
+      indices or a client left without a value.
+  """
+  if not (isinstance(value, str) and value.endswith(".json")):
+    return [parse(value, name)] * num_clients
+  spec = _read_per_client_json(value, name)
+  own = spec.get("clients", {})
+  unknown = [c for c in own if not str(c).isdigit() or int(c) >= num_clients]
+  if unknown:
+    raise ValueError(f"{name}={value!r}: clients {unknown} are not client "
+                     f"indices 0..{num_clients - 1}")
+  out = []
+  for c in range(num_clients):
+    setting = own.get(str(c), spec.get("default"))
+    if setting is None:
+      raise ValueError(f"{name}={value!r}: client {c} has no value and there "
+                       "is no 'default'")
+    out.append(parse(setting, f"{name}[{c}]"))
+  return out
+
+
+def _read_per_client_json(path: str, name: str) -> dict:
+  if not os.path.isfile(path):
+    raise ValueError(f"{name}={path!r}: no such file")
+  try:
+    with open(path) as f:
+      spec = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f"{name}={path!r} is not readable JSON: {e}") from None
+  if not isinstance(spec, dict) or set(spec) - {"default", "clients"}:
+    raise ValueError(f"{name}={path!r}: expected an object with keys "
+                     "'default' and 'clients'")
+  return spec

@@ -172,22 +172,7 @@ def region_specs(regions: Optional[str], num_clients: int) -> list[tuple[str, li
   classes) or ('default', None)."""
   if regions is None:
     return [("default", None)] * num_clients
-  if not regions.endswith(".json"):
-    return [_region_spec(regions, "regions")] * num_clients
-  spec = _read_json(regions)
-  own = spec.get("clients", {})
-  unknown = [c for c in own if not str(c).isdigit() or int(c) >= num_clients]
-  if unknown:
-    raise ValueError(f"regions={regions!r}: clients {unknown} are not client "
-                     f"indices 0..{num_clients - 1}")
-  out = []
-  for c in range(num_clients):
-    value = own.get(str(c), spec.get("default"))
-    if value is None:
-      raise ValueError(f"regions={regions!r}: client {c} has no region and "
-                       "there is no 'default'")
-    out.append(_region_spec(value, f"regions[{c}]"))
-  return out
+  return params.per_client(regions, num_clients, "regions", _region_spec)
 
 
 def _region_spec(value, name: str) -> tuple[str, list]:
@@ -200,20 +185,6 @@ def _region_spec(value, name: str) -> tuple[str, list]:
   if value in PRIVACY_PREFERENCES:
     return "classes", list(PRIVACY_PREFERENCES[value])
   return "classes", [c.strip() for c in value.split(",")]
-
-
-def _read_json(path: str) -> dict:
-  if not os.path.isfile(path):
-    raise ValueError(f"regions={path!r}: no such file")
-  try:
-    with open(path) as f:
-      spec = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"regions={path!r} is not readable JSON: {e}") from None
-  if not isinstance(spec, dict) or set(spec) - {"default", "clients"}:
-    raise ValueError(f"regions={path!r}: expected an object with keys "
-                     "'default' and 'clients'")
-  return spec
 
 
 def _element_masks(data, classes, regions, split: str = "train") -> np.ndarray:

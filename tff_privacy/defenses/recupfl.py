@@ -47,10 +47,13 @@ stateless seed, so a (run, round, client) seed fixes the perturbation.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+
+from tff_privacy import params
 
 VARIANTS = ("recupfl", "one_step", "average", "iterative", "momentum")
 MOMENTUM = 0.9
@@ -180,6 +183,43 @@ def _fgsm_variant(flat, grad, chosen, epsilon, sampled, variant):
   _, x, _, total = tf.while_loop(lambda q, *_: q < sampled, body,
                                  (tf.constant(0), flat, zeros, zeros))
   return epsilon * total / sampled if variant == "average" else x - flat
+
+
+def client_protections(value, num_clients: int, attributes: Sequence[str],
+                       name: str = "protect") -> list[dict[str, float]]:
+  """Each client's attributes to protect with their protection levels gamma
+  (its A_i, Sec. 4): 'race' (gamma 1), 'race=0.5,sex=0.25', or a JSON file
+  of them per client (`tff_privacy.params.per_client`), e.g. half the
+  clients 'race' and half 'sex' (Sec. 6.4); `attributes` are the data
+  set's. gamma lies in [0, 1] (the paper's (0, 1); 0 is allowed for its
+  sweep from 0).
+
+  Raises:
+    ValueError: naming `name` for an unknown attribute, a repeated one or a
+      gamma outside [0, 1].
+  """
+  def parse(text, label):
+    if not isinstance(text, str) or not text.strip():
+      raise ValueError(f"{label}={text!r}: expected 'attribute[=gamma],...'")
+    levels = {}
+    for part in text.split(","):
+      attribute, _, gamma = part.strip().partition("=")
+      if attribute not in attributes:
+        raise ValueError(f"{label}={text!r}: attribute {attribute!r} is not one "
+                         f"of the data set's: {', '.join(attributes) or 'none'}")
+      if attribute in levels:
+        raise ValueError(f"{label}={text!r}: attribute {attribute!r} given twice")
+      try:
+        level = float(gamma) if gamma else 1.0
+      except ValueError:
+        level = math.nan
+      if not 0 <= level <= 1:
+        raise ValueError(f"{label}={text!r}: gamma of {attribute!r} must be a "
+                         f"number in [0, 1], got {gamma!r}")
+      levels[attribute] = level
+    return levels
+
+  return params.per_client(value, num_clients, name, parse)
 
 
 def perturb_upload(upload: Sequence[tf.Tensor], protections, **kwargs
