@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_privacy import models
+from tff_privacy import models, runner
+from tff_privacy.algorithms.defended import client_seed
 from tff_privacy.attacks import attribute
-from tff_privacy.defenses import defender_zoo, recupfl
+from tff_privacy.defenses import ClientView, defender_zoo, recupfl
+from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 SIZE, LENGTH, CLASSES, ZOO = 203, 16, 3, 6
 
@@ -267,3 +269,69 @@ def test_client_protections_from_text_and_a_json_file(tmp_path):
 def test_bad_protections_name_the_parameter(text, match):
   with pytest.raises(ValueError, match=f"protect.*{match}"):
     recupfl.client_protections(text, 2, ("race", "sex"))
+
+
+def _adult_config(out, **defense_kwargs):
+  return runner.RunConfig(
+      out=str(out), method="fedsgd", dataset="adult", model="mlp",
+      model_kwargs={"hidden": [8]}, clients=4, rounds=2, batch_size=64, seed=3,
+      capture_rounds=(2,), defense="recupfl", defense_kwargs={
+          "protect": "race", "zoo_size": 3, "sampled_models": 2, "iterations": 3,
+          "shadow_samples": 60, "zoo_epochs": 2, "pool_length": 64,
+          "perturbation_budget": 0.01, **defense_kwargs})
+
+
+def test_captured_upload_is_the_gradient_perturbed_against_the_zoo_files(tmp_path):
+  config = _adult_config(tmp_path)
+  runner.run(config, progress=False)
+  defense = runner.Run(config).client_defense
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  for client in store.clients(2):
+    record = store.read(2, client)
+    assert record.metadata["defense"]["name"] == "recupfl"
+    x, y = truth.read(2, client)
+    model = record.model_spec.keras()
+    model.set_weights(record.broadcast)
+    with tf.GradientTape() as tape:
+      loss = record.model_spec.task_object.loss(model(x), y)
+    clean = tape.gradient(loss, model.trainable_variables)
+    view = ClientView([tf.constant(w) for w in record.broadcast], None,
+                      defense.client_inputs(client, 2))
+    want = defense.apply(clean, client_seed(config.seed, 2, client), view)
+    moved = 0
+    for got, w, c in zip(record.upload, want, clean):
+      np.testing.assert_allclose(got, w.numpy(), atol=2e-6)
+      moved += int(np.sum(np.abs(got - c.numpy()) > 1e-4))
+    assert moved > 0  # the perturbation is there
+  assert sorted(os.listdir(os.path.join(config.out, "recupfl_zoo"))) == ["race", "sex"]
+
+
+def test_clients_protect_what_their_json_says_with_their_own_class(tmp_path):
+  path = tmp_path / "protect.json"
+  path.write_text('{"default": "race", "clients": {"1": "sex=0.5", "3": "sex=0.5"}}')
+  run = runner.Run(_adult_config(tmp_path / "run", protect=str(path)))
+  defense, fed = run.client_defense, run.fed
+  for client in range(4):
+    inputs = defense.client_inputs(client, 1)
+    gammas = (inputs["recupfl_gamma_race"], inputs["recupfl_gamma_sex"])
+    assert gammas == ((0.0, 0.5) if client in (1, 3) else (1.0, 0.0))
+    sexes = fed.source.attributes.train["sex"][fed.client_indices[client]]
+    assert inputs["recupfl_class_sex"] == np.bincount(sexes).argmax()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"protect": "age"}, "attribute 'age' is not one of the data set's: race, sex"),
+    ({"sampled_models": 4}, r"sampled_models \(4\) exceeds zoo_size \(3\)"),
+    ({"zoo_size": 21}, "zoo_size"), ({"fgsm": "pgd"}, "fgsm")])
+def test_bad_recupfl_settings_are_refused(tmp_path, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    runner.Run(_adult_config(tmp_path, **kwargs))
+
+
+def test_recupfl_needs_a_data_set_with_attributes(tmp_path):
+  config = runner.RunConfig(out=str(tmp_path), method="fedsgd", dataset="digits",
+                            model="mlp", clients=2, defense="recupfl",
+                            defense_kwargs={"protect": "race"})
+  with pytest.raises(ValueError, match="needs a data set with sensitive attributes"):
+    runner.Run(config)

@@ -287,11 +287,13 @@ class Run:
                                  self.fed.source.num_classes, config.model_kwargs,
                                  self.fed.source.task, task_kwargs)
     self.spec.check_builds()
-    defense = (defenses.build(config.defense, self.spec, **config.defense_kwargs)
+    defense = (defenses.build(config.defense, self.spec, self.fed, config.out,
+                              **config.defense_kwargs)
                if config.defense else None)
     # Server-side defences replace the aggregator; client-side ones go into
     # the method's client work.
     self.central = defense if isinstance(defense, defenses.DPFedAvg) else None
+    self.client_defense = None if self.central else defense
     self.algorithm = algorithms.get(
         config.method, self.spec, batch_size=config.batch_size,
         seed=config.seed, defense=None if self.central else defense,
@@ -538,6 +540,9 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     capture = round_num in config.capture_rounds
     clients = r.round_data(round_num)
     broadcast = r.server_weights(state)
+    if r.client_defense is not None:
+      r.client_defense.prepare_round(round_num, broadcast, r.algorithm.upload_kind,
+                                     r.algorithm.protocol)
     sent = r.sent_models(state, clients) if capture else None
     state, metrics = r.step(state, clients, capture)
     entry = {"round": round_num, **r.evaluate(evaluator, state)}

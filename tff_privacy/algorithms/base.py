@@ -235,4 +235,5 @@ def defense_fields(defense, seed: int) -> dict[str, Any]:
           "dp_event": defense.dp_event,
           "pure_epsilon": defense.pure_epsilon,
           "client_inputs": lambda client, round_num: {
-              SEED_KEY: client_seed(seed, round_num, client)}}
+              SEED_KEY: client_seed(seed, round_num, client),
+              **defense.client_inputs(client, round_num)}}

@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -160,11 +160,27 @@ def read_index(folder: str) -> dict:
     raise ValueError(f"zoo={folder!r} holds no readable {INDEX} ({e})") from None
 
 
-def load_zoo(folder: str, in_graph: bool = False) -> DefenderZoo:
+def zoo_index(attribute: str, classes: Sequence[str], widths, pool_length: int) -> dict:
+  """What `save_zoo` writes to zoo.json for a zoo of `widths` on pooled
+  uploads of `pool_length` (a binary attribute's models have one output)."""
+  outputs = 1 if len(classes) == 2 else len(classes)
+  shapes = {"mean": [pool_length], "scale": [pool_length]}
+  for k, (h1, h2) in enumerate(widths):
+    for name, shape in zip(ARRAYS, ([pool_length, h1], [h1], [h1, h2], [h2],
+                                    [h2, outputs], [outputs])):
+      shapes[f"model{k:02d}_{name}"] = shape
+  return {"attribute": attribute, "classes": list(classes), "models": len(widths),
+          "shapes": shapes}
+
+
+def load_zoo(folder: str, in_graph: bool = False,
+             index: Optional[dict] = None) -> DefenderZoo:
   """A saved zoo; with `in_graph`, its arrays are read by TensorFlow ops
   (`tf.io.read_file`, `tf.io.parse_tensor`) in the current graph, so a
-  `tf.function` or TFF computation holds the path, not the weights."""
-  index = read_index(folder)
+  `tf.function` or TFF computation holds the path, not the weights, and
+  reads the files each time it runs. `index` (`zoo_index`) lets a graph be
+  built before the files exist."""
+  index = index or read_index(folder)
 
   def array(name):
     tensor = tf.ensure_shape(tf.io.parse_tensor(tf.io.read_file(

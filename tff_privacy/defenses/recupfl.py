@@ -48,12 +48,18 @@ stateless seed, so a (run, round, client) seed fixes the perturbation.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+import os
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tff_privacy import params
+from tff_privacy.attacks import attribute
+from tff_privacy.defenses import defender_zoo
+from tff_privacy.defenses.updates import ClientView, UpdateDefense
+from tff_privacy.params import Param, Params
 
 VARIANTS = ("recupfl", "one_step", "average", "iterative", "momentum")
 MOMENTUM = 0.9
@@ -236,3 +242,140 @@ def perturb_upload(upload: Sequence[tf.Tensor], protections, **kwargs
   sizes = [int(np.prod(u.shape)) for u in upload]
   return [tf.reshape(d, u.shape) + u
           for d, u in zip(tf.split(total, sizes), upload)]
+
+
+def _zoo_widths(size: int) -> tuple:
+  """`size` of `defender_zoo.ZOO_WIDTHS`, a fixed spread of them."""
+  order = np.random.default_rng(0).permutation(len(defender_zoo.ZOO_WIDTHS))
+  return tuple(defender_zoo.ZOO_WIDTHS[i] for i in sorted(order[:size]))
+
+
+class RecupFL(UpdateDefense):
+  """RECUP-FL as a client-side defence (Algorithm 1, lines 10-25): each
+  client perturbs its upload against the zoo of every attribute it protects
+  (`client_protections`), weighted by its gammas (eq. 9).
+
+  The server side: before every `zoo_refresh`-th round (and whenever a
+  zoo is missing) the zoo of each protected attribute is retrained at that
+  round's broadcast model (`prepare_round`) on `shadow_samples` samples of
+  the test split (public: no client trains on them), each one a shadow
+  upload of a one-sample client (Sec. 5.1), and written to
+  OUT/recupfl_zoo/<attribute>/; the paper pre-trains the zoo before
+  training and does not say whether it follows the model. The client work
+  reads the files when it runs (`defender_zoo.load_zoo(in_graph=True)`), so
+  the computation holds paths, not weights. A client's class of an
+  attribute is that of its samples (the most frequent one when they
+  differ); it reaches the client work with its gamma as client inputs.
+  Every attribute of the data set is perturbed for, with gamma 0 where the
+  client does not protect it, so that all clients run one computation.
+  """
+
+  name = "recupfl"
+  needs_client_view = True
+  needs_model_spec = True
+  needs_data = True
+  PARAMETERS = Params(
+      Param("protect", str, help="attributes to protect, with gamma: 'race', "
+            "'race=0.5,sex=0.5', or a JSON file of them per client"),
+      Param("perturbation_budget", float, 0.001, "epsilon of the FGSM steps "
+            "(Sec. 5.3: 1e-5 to 0.1 on Adult)", minimum=0, exclusive_minimum=True),
+      Param("iterations", int, 10, "P: meta-train/meta-test iterations", minimum=1),
+      Param("sampled_models", int, 5, "Q: zoo models per iteration", minimum=1),
+      Param("fgsm", str, "recupfl", "recupfl (Algorithm 1) or an FGSM variant "
+            "of Appendix E", choices=VARIANTS),
+      Param("zoo_size", int, 20, "defender models per attribute (Fig. 8: 5 to 20)",
+            minimum=2, maximum=len(defender_zoo.ZOO_WIDTHS)),
+      Param("zoo_refresh", int, 1, "rounds between retrainings of the zoo at the "
+            "broadcast model", minimum=1),
+      Param("shadow_samples", int, 1000, "test samples the zoo is trained on",
+            minimum=10),
+      Param("zoo_epochs", int, 80, "epochs of each defender's SGD", minimum=1),
+      Param("pool_length", int, 1024, "max-pooled length of an upload, the "
+            "defenders' input", minimum=1))
+
+  def __init__(self, model, data, out: str, *, protect: str,
+               perturbation_budget: float = 0.001, iterations: int = 10,
+               sampled_models: int = 5, fgsm: str = "recupfl", zoo_size: int = 20,
+               zoo_refresh: int = 1, shadow_samples: int = 1000, zoo_epochs: int = 80,
+               pool_length: int = 1024):
+    self._settings = self.PARAMETERS.check(
+        protect=protect, perturbation_budget=perturbation_budget,
+        iterations=iterations, sampled_models=sampled_models, fgsm=fgsm,
+        zoo_size=zoo_size, zoo_refresh=zoo_refresh, shadow_samples=shadow_samples,
+        zoo_epochs=zoo_epochs, pool_length=pool_length)
+    attributes = data.source.attributes
+    if attributes is None:
+      raise ValueError(f"defense='recupfl' needs a data set with sensitive "
+                       f"attributes (e.g. adult, mnist5k_parity); "
+                       f"{data.source.name!r} has none")
+    if fgsm == "recupfl" and sampled_models < 2:
+      raise ValueError("sampled_models must be >= 2 for fgsm='recupfl' "
+                       f"(meta-train and meta-test), got {sampled_models}")
+    if sampled_models > zoo_size:
+      raise ValueError(f"sampled_models ({sampled_models}) exceeds zoo_size "
+                       f"({zoo_size})")
+    self._model, self._data = model, data
+    self._names = tuple(attributes.classes)
+    self._levels = client_protections(protect, len(data.client_indices), self._names)
+    self._classes = [{a: int(np.bincount(attributes.train[a][idx]).argmax())
+                      for a in self._names} for idx in data.client_indices]
+    self._widths = _zoo_widths(zoo_size)
+    self._folder = os.path.join(out, "recupfl_zoo")
+    self.client_input_types = {}
+    for a in self._names:
+      self.client_input_types[f"recupfl_class_{a}"] = tff.TensorType(np.int32)
+      self.client_input_types[f"recupfl_gamma_{a}"] = tff.TensorType(np.float32)
+
+  def params(self):
+    return dict(self._settings, zoo_widths=[list(w) for w in self._widths])
+
+  def zoo_folder(self, attribute: str) -> str:
+    return os.path.join(self._folder, attribute)
+
+  def client_inputs(self, client, round_num):
+    del round_num
+    inputs = {}
+    for a in self._names:
+      inputs[f"recupfl_class_{a}"] = np.int32(self._classes[client][a])
+      inputs[f"recupfl_gamma_{a}"] = np.float32(self._levels[client].get(a, 0.0))
+    return inputs
+
+  def _index(self, attribute):
+    return defender_zoo.zoo_index(
+        attribute, self._data.source.attributes.classes[attribute], self._widths,
+        self._settings["pool_length"])
+
+  def prepare_round(self, round_num, broadcast, upload_kind, protocol):
+    """Retrains and writes each attribute's zoo when due (see the class)."""
+    due = (round_num - 1) % self._settings["zoo_refresh"] == 0
+    source, n = self._data.source, self._settings["shadow_samples"]
+    features = None
+    for a in self._names:
+      if not due and os.path.isfile(os.path.join(self.zoo_folder(a), defender_zoo.INDEX)):
+        continue
+      if features is None:  # one-sample shadow uploads at the broadcast model
+        features = attribute.shadow_features(
+            self._model, broadcast, source.x_test[:n], source.y_test[:n],
+            upload_kind, protocol, length=self._settings["pool_length"])
+      pipelines = defender_zoo.fit_defenders(
+          features, source.attributes.test[a][:n], widths=self._widths,
+          epochs=self._settings["zoo_epochs"], seed=round_num)
+      defender_zoo.save_zoo(defender_zoo.zoo_from_pipelines(
+          pipelines, a, source.attributes.classes[a]), self.zoo_folder(a))
+
+  def apply(self, update, seed, client: Optional[ClientView] = None):
+    if client is None:
+      raise ValueError("recupfl needs the client's inputs (a ClientView)")
+    protections = []
+    for k, a in enumerate(self._names):
+      zoo = defender_zoo.load_zoo(self.zoo_folder(a), in_graph=True,
+                                  index=self._index(a))
+      protections.append((client.inputs[f"recupfl_class_{a}"],
+                          defender_zoo.defenders(zoo),
+                          client.inputs[f"recupfl_gamma_{a}"],
+                          tf.random.experimental.stateless_fold_in(seed, k)))
+    s = self._settings
+    return perturb_upload(update, protections, epsilon=s["perturbation_budget"],
+                          pool_length=s["pool_length"], iterations=s["iterations"],
+                          sampled=s["sampled_models"], variant=s["fgsm"])
+

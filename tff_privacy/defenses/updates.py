@@ -28,6 +28,7 @@ import math
 from typing import Any, Optional, Sequence
 
 import dp_accounting
+import numpy as np
 import tensorflow as tf
 from tensorflow_privacy.privacy.dp_query import dp_query
 
@@ -78,6 +79,8 @@ class UpdateDefense(abc.ABC):
   name = "defense"
   needs_client_view = False
   needs_model_spec = False
+  # built with the run's `FederatedData` (`data`) and output folder (`out`)
+  needs_data = False
   # per-client inputs beyond the noise seed: {name: tff.TensorType}, given
   # by the method's `client_inputs` and read from `ClientView.inputs`
   client_input_types: dict = {}
@@ -96,6 +99,18 @@ class UpdateDefense(abc.ABC):
     perturbation defence acts. Default: unchanged."""
     del inputs
     return batch
+
+  def client_inputs(self, client: int, round_num: int) -> dict:
+    """The values of `client_input_types` for one client and round, for
+    defences that supply their own (RECUP-FL's attribute classes)."""
+    del client, round_num
+    return {}
+
+  def prepare_round(self, round_num: int, broadcast: Sequence[np.ndarray],
+                    upload_kind: str, protocol: dict) -> None:
+    """Server-side work before round `round_num`'s clients run, at the
+    model `broadcast` they receive (RECUP-FL retrains its zoo). Default:
+    none."""
 
   def params(self) -> dict[str, Any]:
     """The defence's parameters, for run metadata."""
