@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
+import tqdm
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.neural_network import MLPClassifier
 from sklearn.pipeline import make_pipeline
@@ -82,15 +83,18 @@ def defenders(zoo: DefenderZoo):
 
 def fit_defenders(features: np.ndarray, attributes: np.ndarray, *,
                   widths=ZOO_WIDTHS, epochs: int = 80, learning_rate: float = 0.01,
-                  seed: int = 0) -> list:
+                  seed: int = 0, progress: Optional[str] = None) -> list:
   """One scikit-learn pipeline (standardisation, MLP with hidden widths
   (h1, h2)) per entry of `widths`, fitted to pooled shadow uploads
-  `features` [N, L] labelled with attribute class indices `attributes`."""
+  `features` [N, L] labelled with attribute class indices `attributes`;
+  with `progress`, a tqdm bar of that name (on a terminal)."""
   if len(set(np.asarray(attributes).tolist())) < 2:
     raise ValueError("the shadow data hold one attribute class only; a "
                      "defender needs at least two")
   pipelines = []
-  for k, hidden in enumerate(widths):
+  bar = tqdm.tqdm(widths, desc=progress, unit="model", leave=False,
+                  disable=None if progress else True)
+  for k, hidden in enumerate(bar):
     pipeline = make_pipeline(StandardScaler(), MLPClassifier(
         tuple(hidden), solver="sgd", learning_rate_init=learning_rate,
         max_iter=epochs, random_state=seed + k))

@@ -266,8 +266,9 @@ class RecupFL(UpdateDefense):
   the computation holds paths, not weights. A client's class of an
   attribute is that of its samples (the most frequent one when they
   differ); it reaches the client work with its gamma as client inputs.
-  Every attribute of the data set is perturbed for, with gamma 0 where the
-  client does not protect it, so that all clients run one computation.
+  Every attribute that some client protects has a zoo and is perturbed for
+  on every client, with gamma 0 where the client does not protect it, so
+  that all clients run one computation.
   """
 
   name = "recupfl"
@@ -315,8 +316,10 @@ class RecupFL(UpdateDefense):
       raise ValueError(f"sampled_models ({sampled_models}) exceeds zoo_size "
                        f"({zoo_size})")
     self._model, self._data = model, data
-    self._names = tuple(attributes.classes)
-    self._levels = client_protections(protect, len(data.client_indices), self._names)
+    self._levels = client_protections(protect, len(data.client_indices),
+                                      tuple(attributes.classes))
+    self._names = tuple(a for a in attributes.classes
+                        if any(a in levels for levels in self._levels))
     self._classes = [{a: int(np.bincount(attributes.train[a][idx]).argmax())
                       for a in self._names} for idx in data.client_indices]
     self._widths = _zoo_widths(zoo_size)
@@ -359,7 +362,8 @@ class RecupFL(UpdateDefense):
             upload_kind, protocol, length=self._settings["pool_length"])
       pipelines = defender_zoo.fit_defenders(
           features, source.attributes.test[a][:n], widths=self._widths,
-          epochs=self._settings["zoo_epochs"], seed=round_num)
+          epochs=self._settings["zoo_epochs"], seed=round_num,
+          progress=f"round {round_num}: zoo of {a}")
       defender_zoo.save_zoo(defender_zoo.zoo_from_pipelines(
           pipelines, a, source.attributes.classes[a]), self.zoo_folder(a))
 
