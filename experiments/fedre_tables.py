@@ -236,14 +236,24 @@ def trained(args, out: str, row: dict, **config) -> dict:
 
 def _with_final_loss(row: dict, out: str) -> dict:
   """`row` with the run's last test loss (NaN or huge: the model diverged;
-  for Localset the mean over the clients' own models) and its rounds whose
-  aggregate TFF rejected as non-finite (the global model stayed put)."""
+  for Localset the mean over the clients' own models), its rounds whose
+  aggregate TFF rejected as non-finite (the global model stayed put) and,
+  with PDA-PAM, its rounds where it left every upload out as non-finite."""
   history = io.read_json(os.path.join(out, "metrics.json"))
   last = history[-1]
   recorded = all("server_update_rejected" in m for m in history)
+  excluded = [m.get("server_aggregation/excluded_uploads") for m in history]
   return {**row, "final_test_loss": last.get("test_loss", last["personal_loss_mean"]),
           "rejected_rounds": (sum(m["server_update_rejected"] for m in history)
-                              if recorded else None)}
+                              if recorded else None),
+          "all_excluded_rounds": (None if None in excluded else sum(
+              min(e) >= _run_clients(out) for e in excluded))}
+
+
+def _run_clients(out: str) -> int:
+  """The clients per round of the run in `out`."""
+  config = io.read_json(os.path.join(out, "config.json"))
+  return config.get("clients_per_round") or config["clients"]
 
 
 def table1_rows(args) -> list[dict]:
@@ -291,9 +301,9 @@ def write_table1(args, rows: list[dict]) -> str:
   lines = [f"### Table 1 ({args.setting.dataset}): test {', '.join(metrics)}, "
            f"{args.rounds} rounds, {args.clients} clients, seeds {args.seeds}", "",
            "| epsilon | method | " + " | ".join(metrics) + " | final test loss | "
-           "rejected rounds | accountant epsilon | paper IoU, F (T-SROIE) | "
-           "paper IoU, F (DocTamper) |",
-           "|---|---|" + "---|" * len(metrics) + "---|---|---|---|---|"]
+           "rejected rounds | rounds all left out | accountant epsilon | "
+           "paper IoU, F (T-SROIE) | paper IoU, F (DocTamper) |",
+           "|---|---|" + "---|" * len(metrics) + "---|---|---|---|---|---|"]
   keys = list(dict.fromkeys((r["epsilon"], r["method"]) for r in rows))
   summary = []
   for eps, label in keys:
@@ -301,10 +311,12 @@ def write_table1(args, rows: list[dict]) -> str:
     accountant = mine[0]["epsilon_accountant"]
     paper = PAPER_TABLE1.get((eps, label))
     losses = ", ".join(f"{r['final_test_loss']:.3g}" for r in mine)
-    rejected = ", ".join("-" if r["rejected_rounds"] is None
-                         else str(r["rejected_rounds"]) for r in mine)
+    rejected, left_out = (", ".join("-" if r[key] is None else str(r[key])
+                                    for r in mine)
+                          for key in ("rejected_rounds", "all_excluded_rounds"))
     lines.append(f"| {eps} | {label} | {_scores(args, mine)} | {losses} | "
-                 f"{rejected} | {'-' if accountant is None else f'{accountant:.3g}'} | "
+                 f"{rejected} | {left_out} | "
+                 f"{'-' if accountant is None else f'{accountant:.3g}'} | "
                  + (" | ".join(f"{p[0]:.3f}, {p[1]:.3f}" for p in paper)
                     if paper else "- | -") + " |")
     summary.append({"epsilon": eps, "method": label, **{
@@ -315,7 +327,9 @@ def write_table1(args, rows: list[dict]) -> str:
             "finite, which TFF's finalizer refuses to apply, so the global "
             "model did not move (eq. 11 as written multiplies by e^(M - m) "
             "over the spread of the clients' scores); '-' where the run has "
-            "no global model (Localset) or did not record it.",
+            "no global model (Localset) or did not record it. Rounds all "
+            "left out: rounds where PDA-PAM found no upload and score finite "
+            "and kept the model where it was ('-' without PDA-PAM).",
             "", "Accountant epsilon: what dp_accounting (RDP, local-DP relation, "
             "delta 1e-5) computes for the noise added: for FedRE with eq. 9 and "
             "the PSI split the bound over every split, for the even split and "
