@@ -56,7 +56,9 @@ RUN_PARAMETERS = params.Params(
     params.Param("method", str, "fedavg", "federated method",
                  choices=tuple(sorted(algorithms.METHODS))),
     params.Param("dataset", str, "mnist5k", "data set", choices=data.DATASETS),
-    params.Param("data_dir", str, None, "tensorflow_datasets data directory"),
+    params.Param("data_dir", str, None, "tensorflow_datasets data directory, or "
+                 "the folder of a data set read from its published files "
+                 "(audiomnist)"),
     params.Param("model", str, "cnn", "model builder",
                  choices=tuple(sorted(models.MODELS))),
     params.Param("clients", int, 10, "number of clients", minimum=1),
