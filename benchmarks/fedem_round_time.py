@@ -32,7 +32,7 @@ def _process_and_data(method: str, out: str, **method_kwargs):
       out=out, method=method, dataset="mnist5k", model="cnn", clients=4,
       batch_size=32, seed=0, method_kwargs=method_kwargs))
   process = run.process(capture=False)
-  return process, process.initialize(), [ds for *_, ds in run.round_data(1)]
+  return process, process.initialize(), [c.dataset for c in run.round_data(1)]
 
 
 def main() -> None:

@@ -40,6 +40,11 @@ def parse_rounds(text: str) -> tuple[int, ...]:
   return tuple(rounds)
 
 
+def parse_names(text: str) -> tuple[str, ...]:
+  """'race,sex' -> ('race', 'sex')."""
+  return tuple(filter(None, (p.strip() for p in text.split(","))))
+
+
 def json_object(text: str) -> dict:
   """A JSON object given on the command line."""
   try:
@@ -156,6 +161,13 @@ def _train_parser(sub) -> None:
                  "'{\"perturb_steps\": 10}' (the flags below override)")
   p.add_argument("--capture-rounds", type=parse_rounds,
                  help="rounds whose uploads are written to OUT/updates, e.g. 1,5")
+  p.add_argument("--infer-attributes", type=parse_names,
+                 help="sensitive attributes inferred from each captured round's "
+                 "uploads, e.g. race,sex (adult); attack success rates go "
+                 "into metrics.json")
+  p.add_argument("--attribute-adversaries", type=parse_names,
+                 help="attribute-inference adversaries, default all of "
+                 "stru_nn,unknown_nn,svm,rf")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
   _method_flags().add_to(p)
   _defense_flags().add_to(p)
@@ -193,7 +205,8 @@ def _config_from_args(args):
     before = fields.get(component, RUN_PARAMETERS[component].default)
     if getattr(args, component) not in (None, before):
       fields.pop(kwargs, None)
-  for name in ["out", "capture_rounds", *RUN_PARAMETERS.names]:
+  for name in ["out", "capture_rounds", "infer_attributes",
+               "attribute_adversaries", *RUN_PARAMETERS.names]:
     if getattr(args, name) is not None:
       fields[name] = getattr(args, name)
   method = RUN_PARAMETERS["method"].check(
@@ -293,6 +306,40 @@ def _attack(args) -> int:
   return 0
 
 
+def _infer_parser(sub) -> None:
+  p = sub.add_parser("infer-attributes", help="infer a sensitive attribute of "
+                     "each captured client from its upload")
+  p.add_argument("--updates", required=True, help="an update store (RUN/updates)")
+  p.add_argument("--ground-truth", help="ground-truth store for scoring "
+                 "(default: the run's ground_truth folder)")
+  p.add_argument("--round", type=int, required=True)
+  p.add_argument("--attribute", required=True, help="e.g. race or sex (adult)")
+  p.add_argument("--adversaries", type=parse_names,
+                 default=("stru_nn", "unknown_nn", "svm", "rf"),
+                 help="comma-separated; default all four")
+  p.add_argument("--shadow-samples", type=int, default=1000,
+                 help="test samples the adversaries train on")
+  p.add_argument("--data-dir", help="the data set's folder, if the run read one "
+                 "(default: the run's own)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", required=True)
+
+
+def _infer(args) -> int:
+  from tff_privacy import evaluate
+  result = evaluate.infer_attributes_round(
+      args.updates, args.round, args.attribute, args.out, args.adversaries,
+      args.shadow_samples, seed=args.seed, ground_truth=args.ground_truth,
+      data_dir=args.data_dir)
+  print(f"attribute={args.attribute} round={args.round} victims={result['victims']} "
+        f"chance={result['chance']:.3f} balanced_chance={result['balanced_chance']:.3f}")
+  for name in args.adversaries:
+    print(f"  {name}: asr={result['asr'][name]:.3f} "
+          f"balanced_asr={result['balanced_asr'][name]:.3f}")
+  print(f"results in {args.out}")
+  return 0
+
+
 def _demo_parser(sub) -> None:
   p = sub.add_parser("demo", help="train FedSGD on bundled digits, then invert "
                      "its round-1 uploads and print utility beside leakage")
@@ -343,6 +390,7 @@ def _parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   _train_parser(sub)
   _attack_parser(sub)
+  _infer_parser(sub)
   _demo_parser(sub)
   return parser
 
@@ -356,7 +404,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from tff_privacy import runtime
   runtime.install()
   try:
-    return {"train": _train, "attack": _attack, "demo": _demo}[args.command](args)
+    return {"train": _train, "attack": _attack, "infer-attributes": _infer,
+            "demo": _demo}[args.command](args)
   except (ValueError, OSError) as e:
     if os.environ.get(DEBUG_VARIABLE):
       raise

@@ -16,7 +16,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from tff_privacy import attacks, io, psi
+from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.algorithms.fedre import run_regions
+from tff_privacy.data import sources
 from tff_privacy.metrics import lpips, report
 from tff_privacy.metrics.image import region_boxes, ssim_parts
 from tff_privacy.updates import GroundTruthStore, UpdateStore
@@ -108,6 +110,66 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                 "reconstructed": np.stack([p[1] for p in pairs])})
   report.save_figure(pairs, os.path.join(out, "reconstructions.png"), value_range,
                      title=f"{attack} on {result['method']} round {round_num}")
+  return result
+
+
+def infer_attributes_round(updates: str, round_num: int, attribute: str,
+                           out: Optional[str] = None,
+                           adversaries: Sequence[str] = attribute_inference.ADVERSARIES,
+                           shadow_samples: int = 1000, balanced_shadow: bool = True,
+                           pool_length: int = 1024, seed: int = 0,
+                           ground_truth: Optional[str] = None,
+                           data_dir: Optional[str] = None,
+                           source: Any = None) -> dict[str, Any]:
+  """Infers `attribute` of every client captured in `round_num` from its
+  upload (`tff_privacy.attacks.attribute.infer_round`) with each of
+  `adversaries`, trained on uploads of `shadow_samples` test samples
+  (`tff_privacy.attacks.attribute.shadow_indices`: from the end of the test split,
+  `balanced_shadow` over the attribute's classes). The victims' true
+  attribute (their samples' most frequent class) is read from the ground
+  truth store. The data set is the run's (`source`, else loaded by the name
+  in the store, with `data_dir` or the run's own). With `out`, writes
+  OUT/attribute_round_RRRR_<attribute>.json.
+
+  Returns `infer_round`'s result plus 'attribute', 'classes', 'round'.
+
+  Raises:
+    ValueError: an unknown attribute or adversary, a round not captured.
+  """
+  unknown = sorted(set(adversaries) - set(attribute_inference.ADVERSARIES))
+  if unknown or not adversaries:
+    raise ValueError(f"adversaries {unknown or '(none)'} are not among "
+                     f"{attribute_inference.ADVERSARIES}")
+  if not isinstance(shadow_samples, int) or shadow_samples < 2:
+    raise ValueError(f"shadow_samples must be an integer >= 2, got {shadow_samples!r}")
+  store = UpdateStore(updates)
+  if round_num not in store.rounds():
+    raise ValueError(f"round {round_num} was not captured in {updates}; "
+                     f"captured rounds: {store.rounds()}")
+  records = store.records(round_num)
+  run_dir = os.path.dirname(os.path.abspath(updates))
+  if source is None:
+    config_path = os.path.join(run_dir, "config.json")
+    if data_dir is None and os.path.isfile(config_path):
+      data_dir = io.read_json(config_path).get("data_dir")
+    source = sources.load_source(records[0].metadata["dataset"], data_dir)
+  if source.attributes is None or attribute not in source.attributes.classes:
+    known = sorted(source.attributes.classes) if source.attributes else []
+    raise ValueError(f"attribute={attribute!r}: data set {source.name!r} has "
+                     f"sensitive attributes {known or 'none'}")
+  truth = GroundTruthStore(ground_truth or os.path.join(run_dir, "ground_truth"))
+  victims = np.array([np.bincount(truth.read_attributes(
+      round_num, r.client_index)[attribute]).argmax() for r in records])
+  test = source.attributes.test[attribute]
+  shadow = attribute_inference.shadow_indices(test, shadow_samples, balanced_shadow)
+  result = attribute_inference.infer_round(
+      records, victims, source.x_test[shadow], source.y_test[shadow], test[shadow],
+      adversaries, pool_length, seed)
+  result.update(attribute=attribute, round=round_num,
+                classes=list(source.attributes.classes[attribute]))
+  if out is not None:
+    io.write_json(os.path.join(
+        out, f"attribute_round_{round_num:04d}_{attribute}.json"), result)
   return result
 
 

@@ -35,15 +35,16 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 import tqdm
 
-from tff_privacy import (algorithms, data, defenses, io, models, params,
-                         pretrained)
+from tff_privacy import (algorithms, data, defenses, evaluate, io, models,
+                         params, pretrained)
+from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.dp import accounting
 from tff_privacy.models.lpm import LPM_MODELS
 from tff_privacy.protocol import local_batch_sizes
@@ -83,7 +84,10 @@ RUN_PARAMETERS = params.Params(
                  exclusive_maximum=True),
     params.Param("positive_weight", float, 1.0, "segmentation data sets: "
                  "weight of the positive (tampered) pixels in the cross-entropy "
-                 "(1: the plain mean)", minimum=0, exclusive_minimum=True))
+                 "(1: the plain mean)", minimum=0, exclusive_minimum=True),
+    params.Param("attribute_shadow_samples", int, 1000, "test samples the "
+                 "attribute-inference adversaries train on (infer_attributes)",
+                 minimum=2))
 
 
 def _run_default(name: str):
@@ -113,11 +117,17 @@ class RunConfig:
   samples_per_client: Optional[int] = None
   seed: int = _run_default("seed")
   capture_rounds: tuple[int, ...] = ()
+  # sensitive attributes inferred from every captured round's uploads by
+  # `attribute_adversaries` (tff_privacy.evaluate.infer_attributes_round);
+  # the attack success rates go into metrics.json
+  infer_attributes: tuple[str, ...] = ()
+  attribute_adversaries: tuple[str, ...] = attribute_inference.ADVERSARIES
   data_dir: Optional[str] = None
   defense: Optional[str] = None  # see tff_privacy.defenses
   defense_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   dp_delta: float = _run_default("dp_delta")
   positive_weight: float = _run_default("positive_weight")
+  attribute_shadow_samples: int = _run_default("attribute_shadow_samples")
 
   def __post_init__(self):
     checked = RUN_PARAMETERS.check(
@@ -131,6 +141,7 @@ class RunConfig:
         raise ValueError(f"{name} must be a JSON object (dict), got "
                          f"{getattr(self, name)!r}")
     self._check_capture_rounds()
+    self._check_attribute_inference()
     if self.samples_per_client is not None and self.partition not in (
         "label_groups", "groups"):
       raise ValueError("samples_per_client applies to partitions 'label_groups' "
@@ -163,6 +174,22 @@ class RunConfig:
     if bad:
       raise ValueError(f"capture_rounds must lie in [1, rounds={self.rounds}], "
                        f"got {bad}")
+
+  def _check_attribute_inference(self) -> None:
+    for name in ("infer_attributes", "attribute_adversaries"):
+      value = getattr(self, name)
+      if not isinstance(value, (list, tuple)) or not all(
+          isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a list of names, got {value!r}")
+      object.__setattr__(self, name, tuple(value))
+    if self.infer_attributes and not self.capture_rounds:
+      raise ValueError("infer_attributes attacks captured uploads: give "
+                       "capture_rounds too")
+    unknown = sorted(set(self.attribute_adversaries)
+                     - set(attribute_inference.ADVERSARIES))
+    if unknown or not self.attribute_adversaries:
+      raise ValueError(f"attribute_adversaries {unknown or '(none)'}: choose "
+                       f"from {', '.join(attribute_inference.ADVERSARIES)}")
 
   @property
   def sampled_per_round(self) -> int:
@@ -271,6 +298,20 @@ def _scalar_metrics(tree, prefix: str = "") -> dict[str, float]:
   return out
 
 
+class RoundClient(NamedTuple):
+  """A client sampled for a round: its index; its distinct samples x, y in
+  their first-epoch order (the ground truth); the dataset it trains on
+  (those samples in training order, every local epoch); the sensitive
+  attributes of its distinct samples, by name (empty if the data set has
+  none)."""
+
+  index: int
+  x: np.ndarray
+  y: np.ndarray
+  dataset: Any
+  attributes: dict[str, np.ndarray]
+
+
 class Run:
   """A configured run: data, model, algorithm and output folders."""
 
@@ -307,6 +348,13 @@ class Run:
       raise ValueError(f"defense {config.defense!r} transforms the aggregate, "
                        f"which method {config.method!r} does not use; choose "
                        "a method that averages its uploads")
+    attributes = self.fed.source.attributes
+    missing = [a for a in config.infer_attributes
+               if attributes is None or a not in attributes.classes]
+    if missing:
+      raise ValueError(f"infer_attributes {missing}: data set {config.dataset!r} "
+                       f"has sensitive attributes "
+                       f"{sorted(attributes.classes) if attributes else 'none'}")
     if config.capture_rounds and self.algorithm.upload_kind == "none":
       raise ValueError(f"capture_rounds: method {config.method!r} uploads "
                        "nothing; leave --capture-rounds out")
@@ -355,15 +403,15 @@ class Run:
   def step(self, state, clients, capture: bool):
     """One round on `clients` (from `round_data`); returns (state, metrics).
     Private states go in and come back CLIENTS-placed, in client order."""
-    datasets = [c[3] for c in clients]
+    datasets = [c.dataset for c in clients]
     if not self.personalized:
       output = self.process(capture).next(state, datasets)
       return output.state, output.metrics
     table = list(state["clients"])
     output = self.process(capture).next(
-        state["server"], datasets, [table[c[0]] for c in clients])
-    for (index, *_), new in zip(clients, output["client_states"]):
-      table[index] = new
+        state["server"], datasets, [table[c.index] for c in clients])
+    for c, new in zip(clients, output["client_states"]):
+      table[c.index] = new
     return (collections.OrderedDict(server=output["state"], clients=table),
             output["metrics"])
 
@@ -375,7 +423,8 @@ class Run:
     if private is None or private.sent is None:
       return None
     weights = self.server_weights(state)
-    return {c[0]: private.sent(weights, state["clients"][c[0]]) for c in clients}
+    return {c.index: private.sent(weights, state["clients"][c.index])
+            for c in clients}
 
   def personal_weights(self, state) -> list[list[np.ndarray]]:
     """Every client's own model: for personalised methods from its private
@@ -405,20 +454,22 @@ class Run:
                       f"personal_{primary}_min": float(values.min())})
     return entry
 
-  def round_data(self, round_num: int):
-    """Per sampled client: (index, x, y, dataset). The dataset holds the
-    samples in the order the client trains on them (every local epoch); x and
-    y are its distinct samples in their first-epoch order (the ground truth)."""
+  def round_data(self, round_num: int) -> list["RoundClient"]:
+    """Every client sampled for `round_num`, as a `RoundClient`."""
     out = []
+    attributes = self.fed.source.attributes
     for client in sample_clients(self.config, round_num):
-      x, y = self.fed.client_arrays(client)
-      order = local_order(len(y), self.algorithm, self.config, round_num, client)
+      idx = self.fed.client_indices[client]
+      order = local_order(len(idx), self.algorithm, self.config, round_num, client)
       extra = (self.algorithm.client_inputs(int(client), round_num)
                if self.algorithm.client_inputs else None)
-      distinct = order[: min(len(y), len(order))]
+      distinct = idx[order[: min(len(idx), len(order))]]
       sizes = local_batches(len(distinct), self.algorithm, self.config)
-      out.append((int(client), x[distinct], y[distinct],
-                  client_dataset(x[order], y[order], sizes, extra)))
+      x, y = self.fed.source.x_train, self.fed.source.y_train
+      out.append(RoundClient(
+          int(client), x[distinct], y[distinct],
+          client_dataset(x[idx[order]], y[idx[order]], sizes, extra),
+          {a: v[distinct] for a, v in attributes.train.items()} if attributes else {}))
     return out
 
   @functools.cached_property
@@ -556,6 +607,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     if capture:
       _write_capture(r, round_num, None if sent else broadcast, clients,
                      metrics["aggregator"]["captured"], sent)
+      entry.update(_attribute_inference(r, round_num))
     entry["seconds"] = time.perf_counter() - start
     history.append(entry)
     io.write_json(metrics_path, history)
@@ -616,13 +668,38 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
   count = int(captured["num_uploads"])
   if count != len(clients):
     raise RuntimeError(f"captured {count} uploads from {len(clients)} clients")
-  uploads = [(index, data.client_id(index), [u[i] for u in captured["uploads"]],
-              captured["upload_weights"][i], len(y))
-             for i, (index, _, y, _) in enumerate(clients)]
+  uploads = [(c.index, data.client_id(c.index), [u[i] for u in captured["uploads"]],
+              captured["upload_weights"][i], len(c.y))
+             for i, c in enumerate(clients)]
   meta = r.run_metadata()
   UpdateStore(os.path.join(r.config.out, "updates")).write_round(
       round_num, None if broadcast is None else list(broadcast), uploads, meta,
       sent)
   GroundTruthStore(os.path.join(r.config.out, "ground_truth")).write_round(
-      round_num, [(index, x, y) for index, x, y, _ in clients],
-      {"dataset": meta["dataset"], "value_range": meta["value_range"]})
+      round_num, [(c.index, c.x, c.y, c.attributes) for c in clients],
+      {"dataset": meta["dataset"], "value_range": meta["value_range"],
+       **_attribute_classes(r.fed.source)})
+
+
+def _attribute_inference(r: Run, round_num: int) -> dict[str, float]:
+  """metrics.json's attack success rates of the round's captured uploads:
+  'asr/<attribute>/<adversary>', 'balanced_asr/<attribute>/<adversary>'
+  and their chance rates ('.../chance')."""
+  entry = {}
+  for a in r.config.infer_attributes:
+    result = evaluate.infer_attributes_round(
+        os.path.join(r.config.out, "updates"), round_num, a,
+        adversaries=r.config.attribute_adversaries,
+        shadow_samples=r.config.attribute_shadow_samples, seed=r.config.seed,
+        source=r.fed.source)
+    for kind in ("asr", "balanced_asr"):
+      entry.update({f"{kind}/{a}/{n}": v for n, v in result[kind].items()})
+    entry[f"asr/{a}/chance"] = result["chance"]
+    entry[f"balanced_asr/{a}/chance"] = result["balanced_chance"]
+  return entry
+
+
+def _attribute_classes(source) -> dict[str, Any]:
+  if source.attributes is None:
+    return {}
+  return {"attributes": {a: list(c) for a, c in source.attributes.classes.items()}}

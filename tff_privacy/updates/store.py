@@ -23,7 +23,8 @@ files read with `allow_pickle=False`; every read checks the SHA-256, the
 tensor names, shapes and dtypes against the manifest and names the file that
 is wrong.
 
-The clients' true samples (for scoring attacks only) live in a separate
+The clients' true samples (for scoring attacks only), and their sensitive
+attributes where the data set has them, live in a separate
 `GroundTruthStore` with the same checks.
 """
 
@@ -41,6 +42,7 @@ from tff_privacy.models import ModelSpec
 
 FORMAT = "tff_privacy.updates/2"
 GROUND_TRUTH_FORMAT = "tff_privacy.ground_truth/1"
+_ATTRIBUTE_PREFIX = "attribute_"
 
 
 class UpdateStoreError(ValueError):
@@ -245,24 +247,39 @@ class GroundTruthStore:
     self._dir = _ChecksummedDir(root, GROUND_TRUTH_FORMAT)
     self.root = root
 
-  def write_round(self, round_num: int,
-                  samples: list[tuple[int, np.ndarray, np.ndarray]],
+  def write_round(self, round_num: int, samples: list[tuple],
                   run_metadata: dict[str, Any]) -> None:
-    """Writes `(client_index, x, y)` for each client, samples in the order the
-    client used them."""
+    """Writes `(client_index, x, y)` or `(client_index, x, y, attributes)`
+    for each client, samples in the order the client used them;
+    `attributes` maps a sensitive attribute's name to its class index per
+    sample (`read_attributes`)."""
     manifest = self._dir.manifest_or_new(io.canonical(run_metadata))
     rdir = _round_dir(round_num)
-    manifest["rounds"][str(round_num)] = {
-        str(index): self._dir.put(f"{rdir}/client_{index:04d}.npz", {"x": x, "y": y})
-        for index, x, y in samples}
+    entries = {}
+    for index, x, y, *extra in samples:
+      arrays = {"x": x, "y": y}
+      for name, values in (extra[0] if extra else {}).items():
+        arrays[_ATTRIBUTE_PREFIX + name] = np.asarray(values, np.int32)
+      entries[str(index)] = self._dir.put(f"{rdir}/client_{index:04d}.npz", arrays)
+    manifest["rounds"][str(round_num)] = entries
     io.write_json(self._dir.manifest_path, manifest)
 
-  def read(self, round_num: int, client_index: int) -> tuple[np.ndarray, np.ndarray]:
+  def _arrays(self, round_num: int, client_index: int) -> dict[str, np.ndarray]:
     manifest = self._dir.manifest()
     try:
       entry = manifest["rounds"][str(round_num)][str(client_index)]
     except KeyError:
       raise UpdateStoreError(f"{self._dir.manifest_path}: no ground truth for "
                              f"round {round_num}, client {client_index}") from None
-    arrays = self._dir.get(entry)
+    return self._dir.get(entry)
+
+  def read(self, round_num: int, client_index: int) -> tuple[np.ndarray, np.ndarray]:
+    arrays = self._arrays(round_num, client_index)
     return arrays["x"], arrays["y"]
+
+  def read_attributes(self, round_num: int, client_index: int) -> dict[str, np.ndarray]:
+    """The sensitive attributes' class indices of the client's samples
+    (empty when the data set has none)."""
+    arrays = self._arrays(round_num, client_index)
+    return {k[len(_ATTRIBUTE_PREFIX):]: v for k, v in arrays.items()
+            if k.startswith(_ATTRIBUTE_PREFIX)}

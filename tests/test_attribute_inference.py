@@ -1,0 +1,133 @@
+"""Attribute inference on captured uploads: the ground truth's attributes,
+the adversary's shadow data and the attack success rates in metrics.json."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.ensemble import RandomForestClassifier
+
+from tff_privacy import evaluate, runner
+from tff_privacy.attacks import attribute
+from tff_privacy.updates import GroundTruthStore, UpdateStore
+
+
+def test_shadow_indices_come_from_the_end_balanced_over_classes():
+  classes = np.array([0, 1, 0, 2, 0, 1, 0])
+  # ceil(4 / 3) = 2 per class, the last ones of each; class 2 has only one
+  np.testing.assert_array_equal(attribute.shadow_indices(classes, 4), [1, 3, 4, 5, 6])
+  np.testing.assert_array_equal(attribute.shadow_indices(classes, 3, balanced=False),
+                                [4, 5, 6])
+
+
+def test_balanced_rate_is_the_mean_recall_over_classes():
+  # class 0: 2 of 3 right; class 1: 1 of 1
+  assert attribute.balanced_rate(np.array([0, 0, 1, 1]),
+                                 np.array([0, 0, 0, 1])) == pytest.approx(5 / 6)
+
+
+def _config(out, **kwargs):
+  return runner.RunConfig(**{
+      "out": str(out), "method": "fedsgd", "dataset": "adult", "model": "mlp",
+      "model_kwargs": {"hidden": [12]}, "clients": 40,
+      "partition": "one_per_client", "rounds": 1, "batch_size": 1, "seed": 3,
+      "capture_rounds": (1,), "infer_attributes": ("race", "sex"),
+      "attribute_adversaries": ("rf",), "attribute_shadow_samples": 60, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def adult_run(tmp_path_factory):
+  config = _config(tmp_path_factory.mktemp("run"))
+  runner.run(config, progress=False)
+  return config
+
+
+def _plain_pooled(arrays, length=1024):
+  flat = np.concatenate([a.ravel() for a in arrays])
+  return np.array([b.max() for b in np.array_split(flat, length)])
+
+
+def test_ground_truth_holds_each_clients_attributes(adult_run):
+  fed = runner.Run(adult_run).fed
+  truth = GroundTruthStore(os.path.join(adult_run.out, "ground_truth"))
+  for client in range(40):
+    sample = fed.client_indices[client]
+    got = truth.read_attributes(1, client)
+    assert sorted(got) == ["race", "sex"]
+    for name in ("race", "sex"):
+      np.testing.assert_array_equal(got[name], fed.source.attributes.train[name][sample])
+
+
+def test_metrics_hold_the_rates_of_adversaries_fitted_on_plain_gradients(adult_run):
+  entry = json.load(open(os.path.join(adult_run.out, "metrics.json")))[0]
+  fed = runner.Run(adult_run).fed  # before any eager Keras model
+  source = fed.source
+  store = UpdateStore(os.path.join(adult_run.out, "updates"))
+  records = store.records(1)
+  spec = records[0].model_spec
+  model = spec.keras()
+  model.set_weights(records[0].broadcast)
+  victims = np.stack([_plain_pooled(r.upload) for r in records])
+  for name in ("race", "sex"):
+    truth = np.array([source.attributes.train[name][fed.client_indices[r.client_index][0]]
+                      for r in records])
+    test = source.attributes.test[name]
+    shadow = attribute.shadow_indices(test, 60)
+    features = []
+    for i in shadow:
+      with tf.GradientTape() as tape:
+        p = tf.sigmoid(model(source.x_test[i:i + 1])[:, 0])
+        loss = tf.reduce_mean(tf.square(p - source.y_test[i]))
+      grads = tape.gradient(loss, model.trainable_variables)
+      features.append(_plain_pooled([g.numpy() for g in grads]))
+    forest = RandomForestClassifier(n_estimators=120, random_state=3)
+    guessed = forest.fit(np.stack(features), test[shadow]).predict(victims)
+    assert entry[f"asr/{name}/rf"] == pytest.approx(np.mean(guessed == truth), abs=1 / 40)
+    assert entry[f"asr/{name}/chance"] == pytest.approx(np.bincount(truth).max() / 40)
+    assert entry[f"balanced_asr/{name}/chance"] == pytest.approx(
+        1 / len(np.unique(truth)))
+
+
+def test_the_command_writes_the_same_rates(adult_run, tmp_path):
+  from tff_privacy import cli
+  assert cli.main(["infer-attributes", "--updates",
+                   os.path.join(adult_run.out, "updates"), "--round", "1",
+                   "--attribute", "sex", "--adversaries", "rf",
+                   "--shadow-samples", "60", "--seed", "3",
+                   "--out", str(tmp_path)]) == 0
+  result = json.load(open(tmp_path / "attribute_round_0001_sex.json"))
+  entry = json.load(open(os.path.join(adult_run.out, "metrics.json")))[0]
+  assert result["asr"]["rf"] == entry["asr/sex/rf"]
+  assert result["victims"] == 40 and result["classes"] == ["Female", "Male"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"attribute": "age"}, "attribute='age': data set 'adult' has sensitive "
+     r"attributes \['race', 'sex'\]"),
+    ({"round_num": 2}, r"round 2 was not captured .* captured rounds: \[1\]"),
+    ({"adversaries": ("knn",)}, r"adversaries \['knn'\] are not among"),
+    ({"shadow_samples": 1}, "shadow_samples must be an integer >= 2")])
+def test_bad_inference_arguments_name_the_parameter(adult_run, kwargs, match):
+  args = {"updates": os.path.join(adult_run.out, "updates"), "round_num": 1,
+          "attribute": "race", **kwargs}
+  with pytest.raises(ValueError, match=match):
+    evaluate.infer_attributes_round(**args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"capture_rounds": ()}, "infer_attributes attacks captured uploads"),
+    ({"attribute_adversaries": ("knn",)}, r"attribute_adversaries \['knn'\]")])
+def test_bad_run_settings_are_refused(tmp_path, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    _config(tmp_path, **kwargs)
+
+
+def test_a_data_set_without_the_attribute_is_refused(tmp_path):
+  config = runner.RunConfig(out=str(tmp_path), dataset="digits", model="mlp",
+                            clients=2, rounds=1, capture_rounds=(1,),
+                            infer_attributes=("race",))
+  with pytest.raises(ValueError, match="infer_attributes \\['race'\\]: data set "
+                     "'digits' has sensitive attributes none"):
+    runner.Run(config)
