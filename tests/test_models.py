@@ -84,3 +84,20 @@ def test_unet_refuses_sizes_its_pooling_cannot_halve():
   from tff_privacy.models import builders
   with pytest.raises(ValueError, match="divisible by 4"):
     builders.unet((10, 8, 1), 2)
+
+
+@pytest.mark.parametrize("name,shape,flat", [
+    ("recupfl_lfw", (62, 47, 3), 8 * 6 * 128),  # 62x47 pooled 3 times, rounding up
+    ("recupfl_celeba", (32, 32, 3), 4 * 4 * 64),
+    ("recupfl_audiomnist", (224, 224, 1), 4 * 4 * 64)])  # 224 / 2^6 = 3.5
+def test_recupfl_cnns_have_the_papers_layers_and_run_on_weight_tensors(name, shape, flat):
+  from tff_privacy.models import functional
+  model = models.build(name, shape, 2, seed=1)
+  convs = [l for l in model.layers if isinstance(l, tf.keras.layers.Conv2D)]
+  dense = [l for l in model.layers if isinstance(l, tf.keras.layers.Dense)]
+  assert [c.filters for c in convs] == {"recupfl_lfw": [32, 64, 128]}.get(name, [16, 32, 64])
+  assert dense[0].kernel.shape == (flat, {"recupfl_lfw": 256, "recupfl_celeba": 128,
+                                          "recupfl_audiomnist": 32}[name])
+  x = tf.random.uniform((2,) + shape, seed=2)
+  out = functional.forward(model, [tf.constant(v) for v in model.trainable_variables], x)
+  np.testing.assert_allclose(out, model(x), atol=1e-5)

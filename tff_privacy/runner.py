@@ -59,7 +59,7 @@ RUN_PARAMETERS = params.Params(
     params.Param("dataset", str, "mnist5k", "data set", choices=data.DATASETS),
     params.Param("data_dir", str, None, "tensorflow_datasets data directory, or "
                  "the folder of a data set read from its published files "
-                 "(audiomnist)"),
+                 "(audiomnist, lfw)"),
     params.Param("model", str, "cnn", "model builder",
                  choices=tuple(sorted(models.MODELS))),
     params.Param("clients", int, 10, "number of clients", minimum=1),

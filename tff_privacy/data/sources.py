@@ -171,12 +171,8 @@ def load_adult(test_fraction: float = 0.2, **_) -> Source:
   from tff_privacy.data import adult
   records = [r for path in adult.data_files() for r in adult.read_records(path)]
   x, y, attributes = adult.encode(records)
-  test = _stratified_test_mask(y, test_fraction, seed=0)
-  return Source("adult", x[~test], y[~test], x[test], y[test], 2, 1.0,
-                task="binary_mse", attributes=SensitiveAttributes(
-                    dict(adult.ATTRIBUTE_CLASSES),
-                    {k: v[~test] for k, v in attributes.items()},
-                    {k: v[test] for k, v in attributes.items()}))
+  return _with_attributes("adult", x, y, 2, attributes, dict(adult.ATTRIBUTE_CLASSES),
+                          test_fraction, task="binary_mse")
 
 
 def load_audiomnist(data_dir: str, test_fraction: float = 0.2,
@@ -197,12 +193,75 @@ def load_audiomnist(data_dir: str, test_fraction: float = 0.2,
   y = np.array([digit for _, digit, _ in found], np.int32)
   attributes = {a: np.array([speakers[spk][a] for _, _, spk in found], np.int32)
                 for a in audiomnist.ATTRIBUTE_CLASSES}
+  return _with_attributes("audiomnist", x, y, 10, attributes,
+                          dict(audiomnist.ATTRIBUTE_CLASSES), test_fraction)
+
+
+def load_lfw(data_dir: str, test_fraction: float = 0.2) -> Source:
+  """LFW with its attribute annotations from their published files in
+  `data_dir` (`tff_privacy.data.lfw`): 62 x 47 RGB faces, task smiling,
+  sensitive attributes race, gender, age, glasses and hair; split 80/20
+  stratified by the task label (seed 0)."""
+  from tff_privacy.data import lfw
+  x, y, attributes = lfw.load(data_dir)
+  return _with_attributes("lfw", x, y, 2, attributes, dict(lfw.ATTRIBUTE_CLASSES),
+                          test_fraction)
+
+
+def _with_attributes(name, x, y, num_classes, attributes, classes,
+                     test_fraction, **fields) -> Source:
+  """A source of samples in [0, 1] with sensitive attributes, split
+  stratified by the label (seed 0)."""
   test = _stratified_test_mask(y, test_fraction, seed=0)
-  return Source("audiomnist", x[~test], y[~test], x[test], y[test], 10, 1.0,
-                attributes=SensitiveAttributes(
-                    dict(audiomnist.ATTRIBUTE_CLASSES),
-                    {k: v[~test] for k, v in attributes.items()},
+  return Source(name, x[~test], y[~test], x[test], y[test], num_classes, 1.0,
+                **fields, attributes=SensitiveAttributes(
+                    classes, {k: v[~test] for k, v in attributes.items()},
                     {k: v[test] for k, v in attributes.items()}))
+
+
+CELEBA_TASK = "Male"  # RECUP-FL Sec. 5.2: gender classification
+CELEBA_SIZE = (32, 32)
+
+
+def load_celeba(data_dir: str | None = None, test_fraction: float = 0.2) -> Source:
+  """CelebA through `tensorflow_datasets` ('celeb_a': from a prepared
+  `data_dir`, else tfds' default folder, downloading there if needed),
+  images resized to 32 x 32 RGB by area averaging (RECUP-FL's size). Task:
+  gender ('Male'); each of the other 39 binary attributes is a sensitive
+  attribute with classes (no, yes). tfds' train and validation splits are
+  pooled and split 80/20 stratified by the task (seed 0); its test split is
+  not used."""
+  import tensorflow as tf
+  import tensorflow_datasets as tfds
+  _check_prepared("celeb_a", data_dir)
+  splits = tfds.load("celeb_a", split=["train", "validation"], data_dir=data_dir,
+                     download=data_dir is None)
+  images, labels = [], {}
+  for split in splits:
+    resized = split.map(lambda e: (tf.image.resize(e["image"], CELEBA_SIZE, "area"),
+                                   e["attributes"])).batch(4096)
+    for x, attributes in tfds.as_numpy(resized):
+      images.append(x)
+      for k, v in attributes.items():
+        labels.setdefault(k, []).append(v)
+  x = np.concatenate(images).astype(np.float32) / np.float32(255.0)
+  labels = {k: np.concatenate(v).astype(np.int32) for k, v in labels.items()}
+  y = labels.pop(CELEBA_TASK)
+  return _with_attributes("celeba", x, y, 2, labels,
+                          {k: ("no", "yes") for k in labels}, test_fraction)
+
+
+def _check_prepared(tfds_name: str, data_dir: str | None) -> None:
+  import tensorflow_datasets as tfds
+  if data_dir is None:
+    return
+  if not os.path.isdir(data_dir):
+    raise ValueError(f"data_dir={data_dir!r} is not a folder")
+  if not tfds.builder(tfds_name, data_dir=data_dir).is_prepared():
+    raise ValueError(
+        f"data_dir={data_dir!r} holds no prepared {tfds_name!r}; prepare it "
+        f"there with `tfds build {tfds_name} --data_dir {data_dir}` on a "
+        "machine with internet, or leave out data_dir to download it")
 
 
 _TFDS_SOURCES = {
@@ -226,14 +285,7 @@ def load_tfds(name: str, data_dir: str | None = None, **_) -> Source:
   there if needed (needs internet)."""
   import tensorflow_datasets as tfds
   tfds_name = _TFDS_SOURCES[name]
-  if data_dir is not None:
-    if not os.path.isdir(data_dir):
-      raise ValueError(f"data_dir={data_dir!r} is not a folder")
-    if not tfds.builder(tfds_name, data_dir=data_dir).is_prepared():
-      raise ValueError(
-          f"data_dir={data_dir!r} holds no prepared {tfds_name!r}; prepare it "
-          f"there with `tfds build {tfds_name} --data_dir {data_dir}` on a "
-          "machine with internet, or leave out data_dir to download it")
+  _check_prepared(tfds_name, data_dir)
   (train, test), info = tfds.load(tfds_name, split=["train", "test"],
                                   as_supervised=True, with_info=True,
                                   data_dir=data_dir,
@@ -254,10 +306,13 @@ _BUNDLED: dict[str, Callable[..., Source]] = {
     "docs": load_docs,
 }
 # read from their published files in a user's data_dir
-_ON_DISK: dict[str, Callable[..., Source]] = {"audiomnist": load_audiomnist}
+_ON_DISK: dict[str, Callable[..., Source]] = {"audiomnist": load_audiomnist,
+                                              "lfw": load_lfw}
+# tensorflow_datasets data sets with their own loaders
+_TFDS_LOADERS: dict[str, Callable[..., Source]] = {"celeba": load_celeba}
 SEGMENTATION_DATASETS = ("docs",)
 
-DATASETS = (tuple(sorted(_BUNDLED)) + tuple(sorted(_TFDS_SOURCES))
+DATASETS = (tuple(sorted(_BUNDLED)) + tuple(sorted({**_TFDS_SOURCES, **_TFDS_LOADERS}))
             + tuple(sorted(_ON_DISK)))
 
 
@@ -273,5 +328,7 @@ def load_source(name: str, data_dir: str | None = None) -> Source:
     return _ON_DISK[name](data_dir)
   if name in _TFDS_SOURCES:
     return load_tfds(name, data_dir=data_dir)
+  if name in _TFDS_LOADERS:
+    return _TFDS_LOADERS[name](data_dir)
   raise ValueError(
       f"dataset={name!r} is unknown; choose one of {', '.join(DATASETS)}")

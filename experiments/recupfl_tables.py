@@ -1,0 +1,406 @@
+"""RECUP-FL's experiments (paper 003, Sec. 6) at a small scale by default.
+
+Every point is one FedSGD run in TFF (`tff_privacy.runner`) with one sample
+per client (Sec. 5.1) and the server learning rate of Appendix Table 2
+(Adult: 0.01). Its rounds 1, 3 and 5 are captured, and the protected
+attribute of every sampled client is inferred from its upload by the four
+adversaries (`tff-privacy train --infer-attributes`: Stru-NN, Unknown-NN,
+SVM and RF trained on clean shadow uploads at the round's broadcast model).
+The learning loss is the global model's loss on the test split after the
+round (Sec. 5.6; MSE on Adult). ASR is the share of victims whose attribute
+is inferred correctly (the paper's metric); the balanced ASR, the mean recall
+over the attribute's classes, is given beside it because 85% of Adult's
+records are white, so plain ASR stays high for an adversary that always says
+'white'.
+
+Tables (CSV and Markdown in OUT; PNG figures):
+* tradeoff: learning loss against ASR for RECUP-FL, DP Gaussian, DP Laplace,
+  gradient sparsification and Soteria, each over its range of Sec. 5.3 / 5.5,
+  plus no defence, for each adversary at rounds 1, 3 and 5 (Figs. 2, 10, 11:
+  tradeoff.png, one panel per round and adversary). tradeoff.md compares
+  RECUP-FL's ASR with DP Gaussian's at equal learning loss (each curve
+  interpolated linearly in the loss between its measured points);
+* gamma: race and sex protected together with gamma_race swept 0 to 1 by
+  0.25 and gamma_sex = 1 - gamma_race (Sec. 6.3), ASR of both at round 1;
+* attributes: M = 1 (race) and M = 2 (race and sex, gamma 1 each) protected
+  attributes, ASR of both at round 1;
+* zoo: zoo sizes 5, 10, 15 and 20 (Fig. 8) and fgsm: the FGSM variants of
+  Appendix E against Algorithm 1 (Fig. 9), both at round 1;
+* participation: the learning loss per round with 20% to 100% of the clients
+  sampled each round (Fig. 7), RECUP-FL on.
+
+Small scale (the default): 1,000 clients, 100 sampled per round, the
+adversaries trained on 1,000 shadow samples; each RECUP-FL zoo (20 models)
+is retrained at every round's broadcast model for 20 epochs instead of the
+paper's 80 (--zoo-epochs). RECUP-FL's fixed budget for the zoo, fgsm,
+gamma and participation tables is --epsilon (default 1e-3). Every run lives
+in OUT/runs/<name>/ and is not recomputed when its metrics are complete.
+
+  python experiments/recupfl_tables.py                       # all tables, Adult
+  python experiments/recupfl_tables.py --tables tradeoff --levels 3
+  python experiments/recupfl_tables.py --dataset mnist5k_parity
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse
+import math
+
+import numpy as np
+
+from tff_privacy import io, runner, runtime
+from tff_privacy.attacks.attribute import ADVERSARIES
+
+TABLES = ("tradeoff", "gamma", "attributes", "zoo", "fgsm", "participation")
+ROUNDS = (1, 3, 5)
+# clip bound B of the DP baselines: Sec. 5.5 sets B in [20, 22] on Adult and
+# AudioMNIST, a bound that does not bind; sigma (Gaussian std) and b (Laplace
+# scale) are then the noise itself: noise_multiplier = sigma / B
+CLIP = 20.0
+# each defence's parameter and range (Sec. 5.3 and 5.5), log-spaced for the
+# noise levels and budgets, evenly for the shares
+DATASETS = {
+    "adult": {"model": "mlp", "model_kwargs": {"hidden": [50]},
+              "learning_rate": 0.01, "attribute": "race", "second": "sex",
+              "ranges": {"recupfl": (1e-5, 0.1), "ldp_gaussian": (1e-5, 0.1),
+                         "ldp_laplace": (1e-5, 0.1), "sparsification": (0.15, 0.8),
+                         "soteria": (0.2, 0.9)}},
+    # no paper setting: the bundled digits (task digit >= 5, attribute
+    # parity) with LFW's ranges, the closest image data set of the paper
+    "mnist5k_parity": {"model": "cnn", "model_kwargs": {},
+                       "learning_rate": 0.01, "attribute": "parity", "second": None,
+                       "ranges": {"recupfl": (5e-5, 0.5), "ldp_gaussian": (5e-5, 0.5),
+                                  "ldp_laplace": (2e-5, 0.2),
+                                  "sparsification": (0.8, 0.99),
+                                  "soteria": (0.8, 0.95)}},
+}
+LABELS = {"none": "no defence", "recupfl": "RECUP-FL", "ldp_gaussian": "DP Gaussian",
+          "ldp_laplace": "DP Laplace", "sparsification": "sparsification",
+          "soteria": "Soteria"}
+RECUPFL_DEFAULTS = {"zoo_size": 20, "fgsm": "recupfl"}  # and protect: the attribute
+
+
+def levels(defense: str, low: float, high: float, count: int) -> list[float]:
+  """`count` levels from `low` to `high`: log-spaced for noise and budgets,
+  evenly spaced for the shares of sparsification and Soteria."""
+  if count == 1:
+    return [high]
+  if defense in ("sparsification", "soteria"):
+    return [float(v) for v in np.round(np.linspace(low, high, count), 4)]
+  return [float(f"{v:.3g}") for v in np.geomspace(low, high, count)]
+
+
+def defense_kwargs(defense: str, level: float, args) -> dict:
+  if defense == "recupfl":
+    return {"protect": args.attribute, "perturbation_budget": level,
+            "zoo_epochs": args.zoo_epochs}
+  if defense in ("ldp_gaussian", "ldp_laplace"):
+    return {"clip": CLIP, "noise_multiplier": level / CLIP}
+  return {"p": level}
+
+
+class Experiment:
+  def __init__(self, args):
+    self.args = args
+    spec = DATASETS[args.dataset]
+    self.common = dict(
+        method="fedsgd", dataset=args.dataset, model=spec["model"],
+        model_kwargs=spec["model_kwargs"], partition="one_per_client",
+        clients=args.clients, batch_size=1, seed=args.seed,
+        method_kwargs={"server_learning_rate": spec["learning_rate"]},
+        attribute_adversaries=tuple(args.adversaries),
+        attribute_shadow_samples=args.shadow_samples)
+
+  def run(self, name: str, rounds: int, capture: tuple[int, ...],
+          attributes: tuple[str, ...], defense=None, kwargs=None,
+          clients_per_round=None) -> list[dict]:
+    """The metrics of run `name`, trained unless already complete."""
+    out = os.path.join(self.args.out, "runs", name)
+    path = os.path.join(out, "metrics.json")
+    if os.path.exists(path) and len(io.read_json(path)) == rounds:
+      return io.read_json(path)
+    print(f"{name}: {defense or 'no defence'} {kwargs or ''}", flush=True)
+    config = runner.RunConfig(
+        out=out, rounds=rounds, capture_rounds=capture, infer_attributes=attributes,
+        clients_per_round=clients_per_round or self.args.clients_per_round,
+        defense=defense, defense_kwargs=kwargs or {}, **self.common)
+    return runner.run(config, progress=not self.args.quiet)
+
+  def point(self, defense: str, level, rounds=ROUNDS, attributes=None,
+            **recupfl) -> list[dict]:
+    """Rows (one per captured round and adversary) of one defence setting."""
+    attributes = attributes or (self.args.attribute,)
+    kwargs = None if defense == "none" else {
+        **defense_kwargs(defense, level, self.args), **recupfl}
+    named = {k: v for k, v in sorted(recupfl.items())
+             if RECUPFL_DEFAULTS.get(k, self.args.attribute) != v}
+    name = "_".join([defense] + ([f"{level:g}"] if level is not None else [])
+                    + [f"{k}{v}" for k, v in named.items()] + [f"r{max(rounds)}"])
+    name = name.replace("=", "").replace(",", "+")
+    history = self.run(name, max(rounds), tuple(rounds), tuple(attributes),
+                       None if defense == "none" else defense, kwargs)
+    rows = []
+    for entry in history:
+      if entry["round"] not in rounds:
+        continue
+      for a in attributes:
+        for adversary in self.args.adversaries:
+          rows.append({
+              "defense": defense, "level": level, "round": entry["round"],
+              "attribute": a, "adversary": adversary,
+              "learning_loss": entry["test_loss"],
+              "asr": entry[f"asr/{a}/{adversary}"],
+              "balanced_asr": entry[f"balanced_asr/{a}/{adversary}"],
+              "chance": entry[f"asr/{a}/chance"],
+              "balanced_chance": entry[f"balanced_asr/{a}/chance"],
+              **{k: v for k, v in recupfl.items()}})
+    return rows
+
+
+def interpolate_at(loss: float, rows: list[dict], key: str) -> float:
+  """The curve of `rows` (learning loss, ASR `key`) read at `loss`, linear
+  between its two nearest measured losses; NaN outside their range."""
+  points = sorted((r["learning_loss"], r[key]) for r in rows)
+  xs, ys = [p[0] for p in points], [p[1] for p in points]
+  if not xs[0] <= loss <= xs[-1]:
+    return math.nan
+  return float(np.interp(loss, xs, ys))
+
+
+def tradeoff(exp: Experiment) -> tuple[list[dict], str]:
+  args, ranges = exp.args, DATASETS[exp.args.dataset]["ranges"]
+  rows = exp.point("none", None)
+  for defense, (low, high) in ranges.items():
+    for level in levels(defense, low, high, args.levels):
+      rows += exp.point(defense, level)
+  _plot_tradeoff(rows, args)
+  return rows, _equal_loss_table(rows, args)
+
+
+def _equal_loss_table(rows: list[dict], args) -> str:
+  """RECUP-FL's ASR beside DP Gaussian's read at the same learning loss, at
+  each RECUP-FL point of round 1."""
+  lines = ["### RECUP-FL vs DP Gaussian at equal learning loss (round 1, "
+           f"{args.attribute})", "",
+           "| adversary | epsilon | learning loss | RECUP-FL ASR | DP Gaussian ASR "
+           "| RECUP-FL balanced | DP Gaussian balanced |", "|---|---|---|---|---|---|---|"]
+  for adversary in args.adversaries:
+    pick = [r for r in rows if r["round"] == 1 and r["adversary"] == adversary]
+    ours = [r for r in pick if r["defense"] == "recupfl"]
+    gauss = [r for r in pick if r["defense"] == "ldp_gaussian"]
+    for r in sorted(ours, key=lambda r: r["level"]):
+      other = {k: interpolate_at(r["learning_loss"], gauss, k)
+               for k in ("asr", "balanced_asr")}
+      lines.append(f"| {adversary} | {r['level']:g} | {r['learning_loss']:.6f} | "
+                   f"{r['asr']:.3f} | {_fmt(other['asr'])} | {r['balanced_asr']:.3f} | "
+                   f"{_fmt(other['balanced_asr'])} |")
+  lines += ["", "'-': DP Gaussian's measured losses do not reach that loss."]
+  return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float) -> str:
+  return "-" if math.isnan(value) else f"{value:.3f}"
+
+
+def _plot_tradeoff(rows: list[dict], args) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+  from matplotlib.ticker import MaxNLocator
+  for key in ("asr", "balanced_asr"):
+    fig, axes = plt.subplots(len(ROUNDS), len(args.adversaries), squeeze=False,
+                             figsize=(3.4 * len(args.adversaries), 3 * len(ROUNDS)))
+    for i, round_num in enumerate(ROUNDS):
+      for j, adversary in enumerate(args.adversaries):
+        ax = axes[i][j]
+        pick = [r for r in rows if r["round"] == round_num
+                and r["adversary"] == adversary]
+        for defense in LABELS:
+          curve = sorted((r["learning_loss"], r[key]) for r in pick
+                         if r["defense"] == defense)
+          if curve:
+            ax.plot(*zip(*curve), "o" if defense == "none" else "o-",
+                    label=LABELS[defense], markersize=4)
+        if pick:
+          ax.axhline(pick[0][key.replace("asr", "chance")], color="grey",
+                     linestyle=":", linewidth=1)
+        ax.set_title(f"round {round_num}, {adversary}", fontsize=9)
+        ax.set_xlabel("learning loss", fontsize=8)
+        ax.set_ylabel(key.replace("_", " ").upper() if key == "asr"
+                      else "balanced ASR", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.ticklabel_format(axis="x", useOffset=False)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{args.dataset}: learning loss vs {key.replace('_', ' ')} "
+                 f"({args.attribute}; dotted: chance)")
+    fig.tight_layout()
+    path = os.path.join(args.out, f"tradeoff_{key}.png")
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+    plt.close(fig)
+
+
+def round_one(exp: Experiment, variants: list[tuple[str, dict]],
+              attributes=None) -> list[dict]:
+  rows = []
+  for label, recupfl in variants:
+    for r in exp.point("recupfl", exp.args.epsilon, rounds=(1,),
+                       attributes=attributes, **recupfl):
+      rows.append({"setting": label, **r})
+  return rows
+
+
+def participation(exp: Experiment) -> list[dict]:
+  rows = []
+  for ratio in (0.2, 0.4, 0.6, 0.8, 1.0):
+    per_round = max(1, round(ratio * exp.args.participation_clients))
+    name = f"participation_{ratio:g}"
+    common = dict(exp.common, clients=exp.args.participation_clients)
+    out = os.path.join(exp.args.out, "runs", name)
+    history = (io.read_json(os.path.join(out, "metrics.json"))
+               if os.path.exists(os.path.join(out, "metrics.json")) else [])
+    if len(history) != exp.args.participation_rounds:
+      print(f"{name}: RECUP-FL, {per_round} clients per round", flush=True)
+      history = runner.run(runner.RunConfig(
+          out=out, rounds=exp.args.participation_rounds, clients_per_round=per_round,
+          defense="recupfl", defense_kwargs=defense_kwargs(
+              "recupfl", exp.args.epsilon, exp.args), **common),
+          progress=not exp.args.quiet)
+    rows += [{"ratio": ratio, "round": e["round"], "learning_loss": e["test_loss"]}
+             for e in history]
+  _plot_participation(rows, exp.args)
+  return rows
+
+
+def _plot_participation(rows, args) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  for ratio in sorted({r["ratio"] for r in rows}):
+    curve = [(r["round"], r["learning_loss"]) for r in rows if r["ratio"] == ratio]
+    ax.plot(*zip(*curve), "o-", markersize=3, label=f"{ratio:.0%} of clients")
+  ax.set_xlabel("round")
+  ax.set_ylabel("learning loss")
+  ax.set_title(f"RECUP-FL (epsilon {args.epsilon:g}) on {args.dataset}")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  path = os.path.join(args.out, "participation.png")
+  fig.savefig(path + ".tmp.png", dpi=110)
+  os.replace(path + ".tmp.png", path)
+  plt.close(fig)
+
+
+def markdown(title: str, rows: list[dict], columns: list[str]) -> str:
+  lines = [f"### {title}", "", "| " + " | ".join(columns) + " |",
+           "|" + "---|" * len(columns)]
+  for r in rows:
+    lines.append("| " + " | ".join(_cell(r.get(c)) for c in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _cell(value) -> str:
+  if isinstance(value, float):
+    return f"{value:.6g}"
+  return "-" if value is None else str(value)
+
+
+def save(out: str, stem: str, rows: list[dict], text: str) -> None:
+  columns = list(dict.fromkeys(k for r in rows for k in r))
+  io.write_csv(os.path.join(out, f"{stem}.csv"), rows, columns)
+  io.write_text(os.path.join(out, f"{stem}.md"), text)
+  print(text, flush=True)
+
+
+ASR_COLUMNS = ["setting", "attribute", "adversary", "learning_loss", "asr",
+               "balanced_asr", "chance", "balanced_chance"]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dataset", default="adult", choices=sorted(DATASETS))
+  parser.add_argument("--tables", default=",".join(TABLES),
+                      help=f"comma-separated, from {', '.join(TABLES)}")
+  parser.add_argument("--levels", type=int, default=5,
+                      help="settings per defence in the trade-off curves")
+  parser.add_argument("--clients", type=int, default=1000)
+  parser.add_argument("--clients-per-round", type=int, default=100,
+                      help="the victims attacked per captured round")
+  parser.add_argument("--adversaries", default=",".join(ADVERSARIES))
+  parser.add_argument("--shadow-samples", type=int, default=1000,
+                      help="test samples the adversaries train on")
+  parser.add_argument("--zoo-epochs", type=int, default=20,
+                      help="epochs of each defender model (paper: 80)")
+  parser.add_argument("--epsilon", type=float, default=1e-3,
+                      help="RECUP-FL's budget outside the trade-off curves")
+  parser.add_argument("--participation-clients", type=int, default=200)
+  parser.add_argument("--participation-rounds", type=int, default=10)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", help="default: results/recupfl_<dataset>")
+  parser.add_argument("--quiet", action="store_true")
+  args = parser.parse_args()
+  tables = [t for t in args.tables.split(",") if t]
+  unknown = sorted(set(tables) - set(TABLES))
+  if unknown:
+    parser.error(f"--tables {unknown} unknown; choose from {', '.join(TABLES)}")
+  args.adversaries = [a for a in args.adversaries.split(",") if a]
+  if not args.adversaries or set(args.adversaries) - set(ADVERSARIES):
+    parser.error(f"--adversaries takes names from {', '.join(ADVERSARIES)}")
+  for name in ("levels", "clients", "clients_per_round", "shadow_samples",
+               "zoo_epochs", "participation_clients", "participation_rounds"):
+    if getattr(args, name) < 1:
+      parser.error(f"--{name.replace('_', '-')} must be >= 1")
+  if not args.epsilon > 0:
+    parser.error("--epsilon must be > 0")
+  spec = DATASETS[args.dataset]
+  args.attribute, second = spec["attribute"], spec["second"]
+  args.out = args.out or os.path.join("results", f"recupfl_{args.dataset}")
+  runtime.start()
+  exp = Experiment(args)
+  if "tradeoff" in tables:
+    rows, equal = tradeoff(exp)
+    text = markdown(f"Learning loss and ASR ({args.attribute}) per defence "
+                    "setting, rounds 1, 3, 5", rows,
+                    ["defense", "level", "round", "adversary", "learning_loss",
+                     "asr", "balanced_asr", "chance", "balanced_chance"])
+    save(args.out, "tradeoff", rows, text + "\n" + equal)
+  both = (args.attribute, second) if second else (args.attribute,)
+  if "gamma" in tables and second:
+    settings = [(f"gamma_{args.attribute}={g:g}",
+                 {"protect": f"{args.attribute}={g:g},{second}={1 - g:g}"})
+                for g in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    rows = round_one(exp, settings, both)
+    save(args.out, "gamma", rows, markdown(
+        f"Two attributes with gamma_{second} = 1 - gamma_{args.attribute}, "
+        f"epsilon {args.epsilon:g}, round 1", rows, ASR_COLUMNS))
+  if "attributes" in tables and second:
+    rows = round_one(exp, [("M=1", {}), ("M=2", {"protect": f"{args.attribute},{second}"})],
+                     both)
+    save(args.out, "attributes", rows, markdown(
+        f"Protected attributes M, epsilon {args.epsilon:g}, round 1", rows,
+        ASR_COLUMNS))
+  if "zoo" in tables:
+    rows = round_one(exp, [(f"zoo_size={n}", {"zoo_size": n}) for n in (5, 10, 15, 20)])
+    save(args.out, "zoo", rows, markdown(
+        f"Zoo size, epsilon {args.epsilon:g}, round 1", rows, ASR_COLUMNS))
+  if "fgsm" in tables:
+    from tff_privacy.defenses.recupfl import VARIANTS
+    rows = round_one(exp, [(f"fgsm={v}", {"fgsm": v}) for v in VARIANTS])
+    save(args.out, "fgsm", rows, markdown(
+        f"FGSM variants, epsilon {args.epsilon:g}, round 1", rows, ASR_COLUMNS))
+  if "participation" in tables:
+    rows = participation(exp)
+    last = [r for r in rows if r["round"] == args.participation_rounds]
+    save(args.out, "participation", rows, markdown(
+        f"Learning loss after {args.participation_rounds} rounds by participation",
+        last, ["ratio", "round", "learning_loss"]))
+  runtime.stop()
+
+
+if __name__ == "__main__":
+  main()
