@@ -27,7 +27,11 @@ Tables (CSV and Markdown in OUT; PNG figures):
 * zoo: zoo sizes 5, 10, 15 and 20 (Fig. 8) and fgsm: the FGSM variants of
   Appendix E against Algorithm 1 (Fig. 9), both at round 1;
 * participation: the learning loss per round with 20% to 100% of the clients
-  sampled each round (Fig. 7), RECUP-FL on.
+  sampled each round (Fig. 7), RECUP-FL on;
+* reconstruction: Inverting Gradients on round-1 uploads of the bundled
+  digits (whatever --dataset is; RECUP-FL protects parity) under every
+  setting of the trade-off, its MSE read at RECUP-FL's learning loss
+  (Fig. 6; reconstruction.png shows each baseline at its nearest loss).
 
 Small scale (the default): 1,000 clients, 100 sampled per round, the
 adversaries trained on 1,000 shadow samples; each RECUP-FL zoo (20 models)
@@ -52,10 +56,13 @@ import math
 
 import numpy as np
 
-from tff_privacy import io, runner, runtime
+from tff_privacy import evaluate, io, runner, runtime
+from tff_privacy.updates import UpdateStore
+from tff_privacy.metrics import report
 from tff_privacy.attacks.attribute import ADVERSARIES
 
-TABLES = ("tradeoff", "gamma", "attributes", "zoo", "fgsm", "participation")
+TABLES = ("tradeoff", "gamma", "attributes", "zoo", "fgsm", "participation",
+          "reconstruction")
 ROUNDS = (1, 3, 5)
 # clip bound B of the DP baselines: Sec. 5.5 sets B in [20, 22] on Adult and
 # AudioMNIST, a bound that does not bind; sigma (Gaussian std) and b (Laplace
@@ -94,9 +101,9 @@ def levels(defense: str, low: float, high: float, count: int) -> list[float]:
   return [float(f"{v:.3g}") for v in np.geomspace(low, high, count)]
 
 
-def defense_kwargs(defense: str, level: float, args) -> dict:
+def defense_kwargs(defense: str, level: float, args, attribute: str) -> dict:
   if defense == "recupfl":
-    return {"protect": args.attribute, "perturbation_budget": level,
+    return {"protect": attribute, "perturbation_budget": level,
             "zoo_epochs": args.zoo_epochs}
   if defense in ("ldp_gaussian", "ldp_laplace"):
     return {"clip": CLIP, "noise_multiplier": level / CLIP}
@@ -104,11 +111,13 @@ def defense_kwargs(defense: str, level: float, args) -> dict:
 
 
 class Experiment:
-  def __init__(self, args):
-    self.args = args
-    spec = DATASETS[args.dataset]
+  """Runs on one data set, each in its own folder under `runs`."""
+
+  def __init__(self, args, dataset: str, runs: str):
+    self.args, self.runs = args, runs
+    spec = DATASETS[dataset]
     self.common = dict(
-        method="fedsgd", dataset=args.dataset, model=spec["model"],
+        method="fedsgd", dataset=dataset, model=spec["model"],
         model_kwargs=spec["model_kwargs"], partition="one_per_client",
         clients=args.clients, batch_size=1, seed=args.seed,
         method_kwargs={"server_learning_rate": spec["learning_rate"]},
@@ -119,7 +128,7 @@ class Experiment:
           attributes: tuple[str, ...], defense=None, kwargs=None,
           clients_per_round=None) -> list[dict]:
     """The metrics of run `name`, trained unless already complete."""
-    out = os.path.join(self.args.out, "runs", name)
+    out = os.path.join(self.runs, name)
     path = os.path.join(out, "metrics.json")
     if os.path.exists(path) and len(io.read_json(path)) == rounds:
       return io.read_json(path)
@@ -135,7 +144,7 @@ class Experiment:
     """Rows (one per captured round and adversary) of one defence setting."""
     attributes = attributes or (self.args.attribute,)
     kwargs = None if defense == "none" else {
-        **defense_kwargs(defense, level, self.args), **recupfl}
+        **defense_kwargs(defense, level, self.args, self.args.attribute), **recupfl}
     named = {k: v for k, v in sorted(recupfl.items())
              if RECUPFL_DEFAULTS.get(k, self.args.attribute) != v}
     name = "_".join([defense] + ([f"{level:g}"] if level is not None else [])
@@ -239,10 +248,107 @@ def _plot_tradeoff(rows: list[dict], args) -> None:
     fig.suptitle(f"{args.dataset}: learning loss vs {key.replace('_', ' ')} "
                  f"({args.attribute}; dotted: chance)")
     fig.tight_layout()
-    path = os.path.join(args.out, f"tradeoff_{key}.png")
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
-    plt.close(fig)
+    _save_figure(fig, os.path.join(args.out, f"tradeoff_{key}.png"))
+
+
+IMAGE_DATASET = "mnist5k_parity"
+
+
+def reconstruction(exp: Experiment) -> tuple[list[dict], str]:
+  """Inverting Gradients on round-1 image uploads under each defence (Fig. 6).
+
+  One captured FedSGD round on the bundled digits per defence setting (the
+  trade-off's levels); IG attacks the first --ig-victims uploads. The MSE is
+  between each victim's image and its reconstruction (higher: less leakage).
+  """
+  args = exp.args
+  images = Experiment(args, IMAGE_DATASET, os.path.join(args.out, "reconstruction"))
+  attribute = DATASETS[IMAGE_DATASET]["attribute"]
+  settings = [("none", None)] + [
+      (defense, level) for defense, (low, high)
+      in DATASETS[IMAGE_DATASET]["ranges"].items()
+      for level in levels(defense, low, high, args.levels)]
+  if ("recupfl", args.epsilon) not in settings:
+    settings.append(("recupfl", args.epsilon))
+  rows = [_attacked_point(images, defense, level, attribute)
+          for defense, level in settings]
+  _reconstruction_grid(rows, args)
+  return rows, _equal_loss_reconstruction(rows, args)
+
+
+def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dict:
+  """Learning loss and IG scores of one defence setting, cached in row.json."""
+  args = exp.args
+  name = "_".join([defense] + ([f"{level:g}"] if level is not None else []))
+  folder = os.path.join(args.out, "reconstruction", name)
+  path = os.path.join(folder, "row.json")
+  if os.path.exists(path):
+    return io.read_json(path)
+  kwargs = (None if defense == "none"
+            else defense_kwargs(defense, level, args, attribute))
+  history = exp.run(name, 1, (1,), (), None if defense == "none" else defense,
+                    kwargs)
+  updates = os.path.join(folder, "updates")
+  victims = UpdateStore(updates).clients(1)[:args.ig_victims]
+  result = evaluate.attack_round(updates, 1, os.path.join(folder, "ig"), "ig",
+                                 clients=victims,
+                                 attack_kwargs={"iterations": args.ig_iterations},
+                                 seed=args.seed)
+  row = {"defense": defense, "level": level,
+         "learning_loss": history[0]["test_loss"],
+         **{k: result["mean"][k] for k in ("mse", "ssim", "psnr")},
+         "victims": len(victims), "ig_seconds": result["seconds"]}
+  io.write_json(path, row)
+  return row
+
+
+def _equal_loss_reconstruction(rows: list[dict], args) -> str:
+  """Each baseline's IG MSE read at RECUP-FL's learning loss (--epsilon)."""
+  ours = next(r for r in rows if r["defense"] == "recupfl"
+              and r["level"] == args.epsilon)
+  lines = [f"### IG reconstruction MSE at RECUP-FL's learning loss "
+           f"({IMAGE_DATASET}, round 1, RECUP-FL epsilon {args.epsilon:g}: "
+           f"loss {ours['learning_loss']:.6f}, MSE {ours['mse']:.4f})", "",
+           "| defence | IG MSE at equal loss | nearest level | its loss | its MSE |",
+           "|---|---|---|---|---|"]
+  for defense in DATASETS[IMAGE_DATASET]["ranges"]:
+    if defense == "recupfl":
+      continue
+    curve = [r for r in rows if r["defense"] == defense]
+    near = min(curve, key=lambda r: abs(r["learning_loss"] - ours["learning_loss"]))
+    lines.append(f"| {LABELS[defense]} | "
+                 f"{_fmt(interpolate_at(ours['learning_loss'], curve, 'mse'))} | "
+                 f"{near['level']:g} | {near['learning_loss']:.6f} | "
+                 f"{near['mse']:.4f} |")
+  lines += ["", "'-': the defence's measured losses do not reach RECUP-FL's loss."]
+  return "\n".join(lines) + "\n"
+
+
+def _reconstruction_grid(rows: list[dict], args) -> None:
+  """Originals, then the reconstructions under no defence, RECUP-FL at
+  --epsilon and each baseline at the level whose loss is nearest RECUP-FL's."""
+  ours = next(r for r in rows if r["defense"] == "recupfl"
+              and r["level"] == args.epsilon)
+  shown = [("no defence", next(r for r in rows if r["defense"] == "none")),
+           (f"RECUP-FL {args.epsilon:g}", ours)]
+  for defense in DATASETS[IMAGE_DATASET]["ranges"]:
+    if defense != "recupfl":
+      near = min((r for r in rows if r["defense"] == defense),
+                 key=lambda r: abs(r["learning_loss"] - ours["learning_loss"]))
+      shown.append((f"{LABELS[defense]} {near['level']:g}", near))
+  images = {}
+  for label, row in shown:
+    name = "_".join([row["defense"]] + ([f"{row['level']:g}"]
+                                        if row["level"] is not None else []))
+    with np.load(os.path.join(args.out, "reconstruction", name, "ig",
+                              "reconstructions.npz")) as f:
+      images.setdefault("original", list(f["original"]))
+      images[label] = list(f["reconstructed"])
+  manifest = io.read_json(os.path.join(args.out, "reconstruction", "none", "updates",
+                                       "manifest.json"))
+  report.save_grid(images, os.path.join(args.out, "reconstruction.png"),
+                   manifest["run"]["value_range"],
+                   title="IG, round 1")
 
 
 def round_one(exp: Experiment, variants: list[tuple[str, dict]],
@@ -269,7 +375,7 @@ def participation(exp: Experiment) -> list[dict]:
       history = runner.run(runner.RunConfig(
           out=out, rounds=exp.args.participation_rounds, clients_per_round=per_round,
           defense="recupfl", defense_kwargs=defense_kwargs(
-              "recupfl", exp.args.epsilon, exp.args), **common),
+              "recupfl", exp.args.epsilon, exp.args, exp.args.attribute), **common),
           progress=not exp.args.quiet)
     rows += [{"ratio": ratio, "round": e["round"], "learning_loss": e["test_loss"]}
              for e in history]
@@ -290,9 +396,13 @@ def _plot_participation(rows, args) -> None:
   ax.set_title(f"RECUP-FL (epsilon {args.epsilon:g}) on {args.dataset}")
   ax.legend(fontsize=8)
   fig.tight_layout()
-  path = os.path.join(args.out, "participation.png")
-  fig.savefig(path + ".tmp.png", dpi=110)
-  os.replace(path + ".tmp.png", path)
+  _save_figure(fig, os.path.join(args.out, "participation.png"))
+
+
+def _save_figure(fig, path: str) -> None:
+  from matplotlib import pyplot as plt
+  with io.atomic_path(path) as tmp:
+    fig.savefig(tmp, format="png", dpi=110)
   plt.close(fig)
 
 
@@ -340,6 +450,9 @@ def main() -> None:
                       help="RECUP-FL's budget outside the trade-off curves")
   parser.add_argument("--participation-clients", type=int, default=200)
   parser.add_argument("--participation-rounds", type=int, default=10)
+  parser.add_argument("--ig-victims", type=int, default=2,
+                      help="uploads Inverting Gradients attacks per setting")
+  parser.add_argument("--ig-iterations", type=int, default=1000)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", help="default: results/recupfl_<dataset>")
   parser.add_argument("--quiet", action="store_true")
@@ -352,7 +465,8 @@ def main() -> None:
   if not args.adversaries or set(args.adversaries) - set(ADVERSARIES):
     parser.error(f"--adversaries takes names from {', '.join(ADVERSARIES)}")
   for name in ("levels", "clients", "clients_per_round", "shadow_samples",
-               "zoo_epochs", "participation_clients", "participation_rounds"):
+               "zoo_epochs", "participation_clients", "participation_rounds",
+               "ig_victims", "ig_iterations"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1")
   if not args.epsilon > 0:
@@ -360,8 +474,10 @@ def main() -> None:
   spec = DATASETS[args.dataset]
   args.attribute, second = spec["attribute"], spec["second"]
   args.out = args.out or os.path.join("results", f"recupfl_{args.dataset}")
+  import tensorflow as tf
+  tf.get_logger().setLevel("ERROR")  # IG's per-record graphs warn of retracing
   runtime.start()
-  exp = Experiment(args)
+  exp = Experiment(args, args.dataset, os.path.join(args.out, "runs"))
   if "tradeoff" in tables:
     rows, equal = tradeoff(exp)
     text = markdown(f"Learning loss and ASR ({args.attribute}) per defence "
@@ -399,6 +515,12 @@ def main() -> None:
     save(args.out, "participation", rows, markdown(
         f"Learning loss after {args.participation_rounds} rounds by participation",
         last, ["ratio", "round", "learning_loss"]))
+  if "reconstruction" in tables:
+    rows, text = reconstruction(exp)
+    save(args.out, "reconstruction", rows, markdown(
+        f"IG on round-1 uploads of {IMAGE_DATASET}", rows,
+        ["defense", "level", "learning_loss", "mse", "ssim", "psnr", "victims"])
+        + "\n" + text)
   runtime.stop()
 
 

@@ -1,0 +1,125 @@
+"""experiments/recupfl_tables.py: defence levels, the equal-loss reading of
+the curves, and the rows it builds from a run's metrics.json."""
+
+import argparse
+import importlib.util
+import math
+import os
+
+import numpy as np
+import pytest
+
+from tff_privacy import io
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "recupfl_tables.py")
+
+
+@pytest.fixture(scope="module")
+def tables():
+  spec = importlib.util.spec_from_file_location("recupfl_tables", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_levels_are_log_spaced_for_noise_and_even_for_shares(tables):
+  assert tables.levels("ldp_gaussian", 1e-5, 0.1, 5) == [1e-5, 1e-4, 1e-3, 1e-2, 0.1]
+  assert tables.levels("recupfl", 1e-4, 1e-2, 3) == [1e-4, 1e-3, 1e-2]
+  assert tables.levels("sparsification", 0.2, 0.8, 4) == [0.2, 0.4, 0.6, 0.8]
+  assert tables.levels("soteria", 0.2, 0.9, 1) == [0.9]
+
+
+def test_interpolate_at_reads_the_curve_linearly_between_its_losses(tables):
+  rows = [{"learning_loss": 0.3, "asr": 0.2}, {"learning_loss": 0.1, "asr": 0.6},
+          {"learning_loss": 0.2, "asr": 0.5}]
+  # between (0.2, 0.5) and (0.3, 0.2): a quarter of the way
+  assert tables.interpolate_at(0.225, rows, "asr") == pytest.approx(0.425)
+  assert tables.interpolate_at(0.1, rows, "asr") == pytest.approx(0.6)
+  assert math.isnan(tables.interpolate_at(0.31, rows, "asr"))
+  assert math.isnan(tables.interpolate_at(0.05, rows, "asr"))
+
+
+def _args(tmp_path, **overrides):
+  values = dict(dataset="adult", attribute="race", adversaries=["stru_nn", "rf"],
+                zoo_epochs=3, clients=10, clients_per_round=5, seed=0,
+                shadow_samples=20, out=str(tmp_path), quiet=True, epsilon=1e-3)
+  values.update(overrides)
+  return argparse.Namespace(**values)
+
+
+def _history(rounds, losses, asr):
+  history = []
+  for r, loss in zip(range(1, rounds + 1), losses):
+    entry = {"round": r, "test_loss": loss, "asr/race/chance": 0.8,
+             "balanced_asr/race/chance": 0.2}
+    for adversary, value in asr.items():
+      entry[f"asr/race/{adversary}"] = value + r / 100
+      entry[f"balanced_asr/race/{adversary}"] = value / 2
+    history.append(entry)
+  return history
+
+
+def test_point_reads_a_finished_run_without_training(tables, tmp_path):
+  args = _args(tmp_path)
+  exp = tables.Experiment(args, "adult", os.path.join(args.out, "runs"))
+  name = "recupfl_0.01_zoo_size5_r5"
+  io.write_json(os.path.join(args.out, "runs", name, "metrics.json"),
+                _history(5, [0.5, 0.4, 0.3, 0.2, 0.1], {"stru_nn": 0.7, "rf": 0.9}))
+  rows = exp.point("recupfl", 0.01, zoo_size=5)
+  assert [(r["round"], r["adversary"]) for r in rows] == [
+      (1, "stru_nn"), (1, "rf"), (3, "stru_nn"), (3, "rf"), (5, "stru_nn"), (5, "rf")]
+  assert [r["learning_loss"] for r in rows[::2]] == [0.5, 0.3, 0.1]
+  assert rows[3]["asr"] == pytest.approx(0.93)
+  assert rows[3]["balanced_asr"] == pytest.approx(0.45)
+  assert {r["zoo_size"] for r in rows} == {5}
+  assert rows[0]["chance"] == 0.8
+
+
+def test_point_names_runs_by_their_non_default_settings(tables, tmp_path):
+  args = _args(tmp_path)
+  exp = tables.Experiment(args, "adult", os.path.join(args.out, "runs"))
+  for name in ("none_r5", "ldp_gaussian_0.001_r5", "recupfl_0.001_protectrace+sex_r1"):
+    rounds = int(name[-1])
+    io.write_json(os.path.join(args.out, "runs", name, "metrics.json"),
+                  _history(rounds, [0.5] * rounds, {"stru_nn": 0.7, "rf": 0.9}))
+  # each call finds its run on disk; a wrong name would start training
+  assert len(exp.point("none", None)) == 6
+  assert len(exp.point("ldp_gaussian", 1e-3)) == 6
+  assert len(exp.point("recupfl", 1e-3, rounds=(1,), zoo_size=20,
+                       protect="race,sex")) == 2
+
+
+def test_equal_loss_table_reads_dp_gaussian_at_recupfl_losses(tables, tmp_path):
+  args = _args(tmp_path, adversaries=["rf"])
+  rows = [
+      {"defense": "recupfl", "level": 0.01, "round": 1, "adversary": "rf",
+       "learning_loss": 0.25, "asr": 0.4, "balanced_asr": 0.3},
+      {"defense": "recupfl", "level": 0.1, "round": 1, "adversary": "rf",
+       "learning_loss": 0.5, "asr": 0.2, "balanced_asr": 0.2},
+      {"defense": "ldp_gaussian", "level": 0.01, "round": 1, "adversary": "rf",
+       "learning_loss": 0.2, "asr": 0.9, "balanced_asr": 0.8},
+      {"defense": "ldp_gaussian", "level": 0.1, "round": 1, "adversary": "rf",
+       "learning_loss": 0.4, "asr": 0.5, "balanced_asr": 0.4},
+      {"defense": "ldp_gaussian", "level": 0.1, "round": 3, "adversary": "rf",
+       "learning_loss": 0.25, "asr": 0.0, "balanced_asr": 0.0}]
+  table = tables._equal_loss_table(rows, args)
+  lines = [line for line in table.splitlines() if line.startswith("| rf")]
+  # at 0.25: a quarter of the way from (0.2, 0.9) to (0.4, 0.5), round 3 ignored
+  assert lines[0] == "| rf | 0.01 | 0.250000 | 0.400 | 0.800 | 0.300 | 0.700 |"
+  assert lines[1] == "| rf | 0.1 | 0.500000 | 0.200 | - | 0.200 | - |"
+
+
+def test_equal_loss_reconstruction_picks_each_baseline_at_recupfl_loss(tables,
+                                                                       tmp_path):
+  args = _args(tmp_path)
+  rows = [{"defense": "recupfl", "level": 1e-3, "learning_loss": 0.3, "mse": 0.2}]
+  for defense in ("ldp_gaussian", "ldp_laplace", "sparsification", "soteria"):
+    rows += [{"defense": defense, "level": 0.5, "learning_loss": 0.2, "mse": 0.1},
+             {"defense": defense, "level": 0.9, "learning_loss": 0.6, "mse": 0.5}]
+  table = tables._equal_loss_reconstruction(rows, args)
+  gaussian = next(line for line in table.splitlines()
+                  if line.startswith("| DP Gaussian"))
+  # MSE at loss 0.3: a quarter of the way from 0.1 to 0.5; nearest level 0.5
+  assert gaussian == f"| DP Gaussian | {np.interp(0.3, [0.2, 0.6], [0.1, 0.5]):.3f} " \
+                     "| 0.5 | 0.200000 | 0.1000 |"
