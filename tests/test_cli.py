@@ -322,6 +322,60 @@ def test_attack_command_writes_scores_and_figure(capsys, tmp_path):
   assert "estimated time" not in stdout and "it/s" not in err
 
 
+def test_sharded_attack_merges_into_the_unsharded_result(capsys, tmp_path):
+  run = tmp_path / "run"
+  code, _, err = _main(capsys, "train", "--out", str(run), "--method", "fedsgd",
+                       "--dataset", "digits", "--model", "lenet", "--clients", "5",
+                       "--partition", "one_per_client", "--batch-size", "1",
+                       "--rounds", "1", "--capture-rounds", "1", "--quiet")
+  assert code == 0, err
+  attack = ["attack", "--updates", str(run / "updates"), "--round", "1",
+            "--attack", "ig", "--iterations", "20", "--seed", "3", "--quiet"]
+  assert _main(capsys, *attack, "--out", str(tmp_path / "whole"))[0] == 0
+  for i in (0, 1):
+    code, _, err = _main(capsys, *attack, "--shard", f"{i}/2",
+                         "--out", str(tmp_path / f"shard{i}"))
+    assert code == 0, err
+  with open(tmp_path / "shard1" / "attack.json") as f:
+    assert json.load(f)["clients"] == [1, 3]
+  code, stdout, err = _main(capsys, "merge-attacks", str(tmp_path / "shard1"),
+                            str(tmp_path / "shard0"), "--out", str(tmp_path / "merged"))
+  assert code == 0, err
+  assert "records=5" in stdout
+  with open(tmp_path / "whole" / "attack.json") as f:
+    whole = json.load(f)
+  with open(tmp_path / "merged" / "attack.json") as f:
+    merged = json.load(f)
+  assert merged["clients"] == [0, 1, 2, 3, 4]
+  for result in (whole, merged):
+    del result["seconds"]
+  assert merged == whole
+  with np.load(tmp_path / "whole" / "reconstructions.npz") as a, \
+       np.load(tmp_path / "merged" / "reconstructions.npz") as b:
+    for key in ("original", "reconstructed"):
+      np.testing.assert_array_equal(a[key], b[key])
+  assert (tmp_path / "merged" / "reconstructions.png").exists()
+  # a missing shard, an unsharded result, another seed, a bad --shard
+  for shards, message in (
+      (["shard0"], "needs shards 0..1 once each; got 0"),
+      (["shard0", "whole"], "is not a shard"),
+      (["shard0", "shard0"], "needs shards 0..1 once each; got 0, 0")):
+    code, _, err = _main(capsys, "merge-attacks",
+                         *[str(tmp_path / s) for s in shards],
+                         "--out", str(tmp_path / "bad"))
+    assert code == 2 and message in err, err
+  attack[attack.index("3")] = "4"
+  assert _main(capsys, *attack, "--shard", "1/2", "--out", str(tmp_path / "other"))[0] == 0
+  code, _, err = _main(capsys, "merge-attacks", str(tmp_path / "shard0"),
+                       str(tmp_path / "other"), "--out", str(tmp_path / "bad"))
+  assert code == 2 and "its 'seed' differs" in err
+  code, _, err = _main(capsys, *attack, "--shard", "2/2", "--out", str(tmp_path / "x"))
+  assert code == 2 and "--shard: takes i/N with 0 <= i < N" in err
+  code, _, err = _main(capsys, *attack, "--shard", "6/7", "--out", str(tmp_path / "x"))
+  assert code == 2 and "shard=6/7 has no records: the round has 5" in err
+  assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.slow
 def test_readme_tour_runs_and_leaks(tmp_path):
   """The README's tour as a user types it: FedSGD on mnist5k with 4-image

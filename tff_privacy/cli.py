@@ -268,8 +268,23 @@ def _attack_parser(sub) -> None:
                  "boxes 'x_min,y_min,x_max,y_max[;...]' (pixels, maxima "
                  "exclusive), or 'run': each client's own region in the FedRE "
                  "run the updates come from")
+  p.add_argument("--shard", type=_shard, help="i/N: attack only every N-th "
+                 "record from the i-th (0-based), for splitting a campaign "
+                 "over N machines; join the results with merge-attacks")
   p.add_argument("--out", required=True)
   _attack_flags().add_to(p)
+
+
+def _shard(text: str) -> tuple[int, int]:
+  index, _, count = text.partition("/")
+  try:
+    index, count = int(index), int(count)
+  except ValueError:
+    index = count = -1
+  if count < 1 or not 0 <= index < count:
+    raise argparse.ArgumentTypeError(
+        f"takes i/N with 0 <= i < N, e.g. 0/4, got {text!r}")
+  return index, count
 
 
 def _region(text: str):
@@ -291,18 +306,35 @@ def _attack(args) -> int:
   result = evaluate.attack_round(args.updates, args.round, args.out, args.attack,
                                  clients, kwargs, args.device, args.seed,
                                  args.ground_truth, args.lpips_weights,
-                                 progress=not args.quiet, region=args.region)
+                                 progress=not args.quiet, region=args.region,
+                                 shard=args.shard)
+  _print_attack(result, args.out)
+  return 0
+
+
+def _print_attack(result: dict, out: str) -> None:
   m = result["mean"]
-  print(f"attack={args.attack} records={len(result['clients'])} "
+  print(f"attack={result['attack']} records={len(result['clients'])} "
         f"samples={len(result['samples'])} mse={m['mse']:.4f} "
         f"psnr={m['psnr']:.2f} ssim={m['ssim']:.4f} "
         f"label_accuracy={m['label_accuracy']:.2f} seconds={result['seconds']:.1f}")
-  if args.region:
-    print(f"region={'run' if args.region == 'run' else 'boxes'} "
-          f"region_mse={m['region_mse']:.4f} region_psnr={m['region_psnr']:.2f} "
+  if result["region"] is not None:
+    print(f"region_mse={m['region_mse']:.4f} region_psnr={m['region_psnr']:.2f} "
           f"region_ssim={m['region_ssim']:.4f}")
   print(f"lpips: {m['lpips']:.4f}" if "lpips" in m else f"lpips: {result['lpips']}")
-  print(f"results in {args.out}: {', '.join(result['files'])}")
+  print(f"results in {out}: {', '.join(result['files'])}")
+
+
+def _merge_parser(sub) -> None:
+  p = sub.add_parser("merge-attacks", help="join the shards of an attack "
+                     "campaign (attack --shard i/N) into one result")
+  p.add_argument("shards", nargs="+", help="the shards' --out folders")
+  p.add_argument("--out", required=True)
+
+
+def _merge(args) -> int:
+  from tff_privacy import evaluate
+  _print_attack(evaluate.merge_attacks(args.shards, args.out), args.out)
   return 0
 
 
@@ -390,6 +422,7 @@ def _parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
   _train_parser(sub)
   _attack_parser(sub)
+  _merge_parser(sub)
   _infer_parser(sub)
   _demo_parser(sub)
   return parser
@@ -404,8 +437,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   from tff_privacy import runtime
   runtime.install()
   try:
-    return {"train": _train, "attack": _attack, "infer-attributes": _infer,
-            "demo": _demo}[args.command](args)
+    return {"train": _train, "attack": _attack, "merge-attacks": _merge,
+            "infer-attributes": _infer, "demo": _demo}[args.command](args)
   except (ValueError, OSError) as e:
     if os.environ.get(DEBUG_VARIABLE):
       raise

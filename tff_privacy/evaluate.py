@@ -34,8 +34,14 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
                  ground_truth: Optional[str] = None,
                  lpips_weights: Optional[str] = None,
                  progress: bool = False,
-                 region: Any = None) -> dict[str, Any]:
+                 region: Any = None,
+                 shard: Optional[tuple[int, int]] = None) -> dict[str, Any]:
   """Runs `attack` on the captured `clients` (default all) of `round_num`.
+
+  With `shard` (i, n), only every n-th of those clients from the i-th on
+  (0-based) is attacked, so that n machines can split a campaign;
+  `merge_attacks` joins the n results into the unsharded one (each record's
+  search is seeded by (seed, round, client), not by its place in the list).
 
   With `region`, FedRE's privacy-sensitive region as boxes [x_min, y_min,
   x_max, y_max] (maxima exclusive; one box or a list), a [H, W] mask, or
@@ -57,6 +63,9 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
     raise ValueError(f"out={out!r} is a file; give a folder")
   store = UpdateStore(updates)
   clients = list(clients) if clients is not None else store.clients(round_num)
+  campaign = list(clients)
+  if shard is not None:
+    clients = shard_of(campaign, *shard)
   records = [store.read(round_num, c) for c in clients]
   inversion = attacks.build(attack, **(attack_kwargs or {}))
   inversion.check_records(records)
@@ -96,7 +105,8 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "params": {k: v for k, v in vars(inversion).items()
                        if not k.startswith("_")},
             "updates": os.path.abspath(updates), "round": round_num,
-            "clients": clients, "device": device or "default",
+            "clients": clients, "device": device or "default", "seed": seed,
+            "value_range": list(value_range),
             "region": ({str(c): _boxes(r) for c, r in zip(clients, regions)}
                        if regions[0] is not None else None),
             "label_knowledge": _label_knowledge(inversion, records[0]),
@@ -104,6 +114,8 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "upload_kind": records[0].upload_kind,
             "mean": means, "samples": rows, "lpips": lpips_note,
             "files": list(FILES)}
+  if shard is not None:
+    result["shard"] = {"index": shard[0], "count": shard[1], "campaign": campaign}
   io.write_json(os.path.join(out, "attack.json"), result)
   io.write_npz(os.path.join(out, "reconstructions.npz"),
                {"original": np.stack([p[0] for p in pairs]),
@@ -111,6 +123,91 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   report.save_figure(pairs, os.path.join(out, "reconstructions.png"), value_range,
                      title=f"{attack} on {result['method']} round {round_num}")
   return result
+
+
+def shard_of(clients: Sequence[int], index: int, count: int) -> list[int]:
+  """Shard `index` of `count` (0-based): every count-th client from the
+  index-th on.
+
+  Raises:
+    ValueError: index not in [0, count), or the shard would be empty.
+  """
+  if count < 1 or not 0 <= index < count:
+    raise ValueError(f"shard={index}/{count}: takes i/N with 0 <= i < N")
+  if index >= len(clients):
+    raise ValueError(f"shard={index}/{count} has no records: the round has "
+                     f"{len(clients)} to attack; use at most {len(clients)} shards")
+  return list(clients)[index::count]
+
+
+# what every shard of one campaign must share
+_CAMPAIGN_KEYS = ("attack", "params", "updates", "round", "device", "seed",
+                  "method", "upload_kind", "label_knowledge", "lpips")
+
+
+def merge_attacks(folders: Sequence[str], out: str) -> dict[str, Any]:
+  """Joins the shards of one attack campaign (`attack_round(shard=...)`)
+  into the result the unsharded attack writes: attack.json with the samples
+  in the campaign's client order and their means, reconstructions.npz and
+  the figure. `seconds` is the sum of the shards'.
+
+  Raises:
+    ValueError: a folder has no attack.json or is not a shard; the shards
+      differ in any setting (attack, its parameters, updates, round, seed,
+      clients, ...); a shard is missing or given twice.
+  """
+  shards = []
+  for folder in folders:
+    path = os.path.join(folder, "attack.json")
+    if not os.path.isfile(path):
+      raise ValueError(f"{folder!r} has no attack.json")
+    result = io.read_json(path)
+    if "shard" not in result:
+      raise ValueError(f"{path} is not a shard (attacked without --shard)")
+    shards.append((folder, result))
+  first = shards[0][1]
+  for folder, result in shards[1:]:
+    for key in _CAMPAIGN_KEYS:
+      if result.get(key) != first.get(key):
+        raise ValueError(f"{folder!r} is a shard of another campaign: its "
+                         f"{key!r} differs from {shards[0][0]!r}'s")
+    if (result["shard"]["count"], result["shard"]["campaign"]) != (
+        first["shard"]["count"], first["shard"]["campaign"]):
+      raise ValueError(f"{folder!r} splits another campaign (shard count or "
+                       f"clients differ from {shards[0][0]!r}'s)")
+  count = first["shard"]["count"]
+  indices = sorted(r["shard"]["index"] for _, r in shards)
+  if indices != list(range(count)):
+    raise ValueError(f"merging needs shards 0..{count - 1} once each; got "
+                     f"{', '.join(str(i) for i in indices)}")
+  campaign = first["shard"]["campaign"]
+  order = {c: i for i, c in enumerate(campaign)}
+  rows, regions = [], {}
+  for folder, result in shards:
+    with np.load(os.path.join(folder, "reconstructions.npz")) as f:
+      for row, a, b in zip(result["samples"], f["original"], f["reconstructed"]):
+        rows.append((order[row["client"]], row["sample"], row, a, b))
+    regions.update(result["region"] or {})
+  rows.sort(key=lambda t: t[:2])
+  samples = [t[2] for t in rows]
+  means = report.mean_scores(samples)
+  if samples and "lpips" in samples[0]:
+    means["lpips"] = float(np.mean([r["lpips"] for r in samples]))
+  merged = {key: first[key] for key in first if key not in ("shard",)}
+  merged.update(clients=campaign, mean=means, samples=samples,
+                seconds=sum(r["seconds"] for _, r in shards),
+                region=({str(c): regions[str(c)] for c in campaign}
+                        if first["region"] is not None else None))
+  io.write_json(os.path.join(out, "attack.json"), merged)
+  pairs = [(t[3], t[4]) for t in rows]
+  io.write_npz(os.path.join(out, "reconstructions.npz"),
+               {"original": np.stack([p[0] for p in pairs]),
+                "reconstructed": np.stack([p[1] for p in pairs])})
+  report.save_figure(pairs, os.path.join(out, "reconstructions.png"),
+                     merged["value_range"],
+                     title=f"{merged['attack']} on {merged['method']} round "
+                           f"{merged['round']}")
+  return merged
 
 
 def infer_attributes_round(updates: str, round_num: int, attribute: str,
