@@ -175,6 +175,33 @@ def test_records_of_different_models_in_one_call(digits):
     assert metrics.image_scores(x[i:i + 1], together[i].x, (0, 1))[0]["ssim"] > 0.8
 
 
+def test_grouped_search_equals_one_record_at_a_time(digits):
+  """group_size vectorises the searches of records that share a compiled
+  function: five records of different models and batch sizes give the same
+  reconstructions (signed steps: bit for bit; plain Adam: to rounding over a
+  few steps) and the same order as one at a time."""
+  x, y = digits
+  records = [_record(x[i:i + 1], y[i:i + 1], seed=i) for i in range(3)]
+  records.insert(1, _record(x[5:7], y[5:7], seed=5))  # another batch size
+  records.append(_record(x[9:10], y[9:10], seed=9))
+  records = [dataclasses.replace(r, client_index=i) for i, r in enumerate(records)]
+  grouped = attacks.InvertingGradients(iterations=60, group_size=3, restarts=2)
+  assert grouped.groups(grouped.targets(records)) == [[0, 2, 3], [4], [1]]
+  together = grouped(records, seed=7)
+  for signed, steps, atol in ((True, 60, 0.0), (False, 5, 1e-5)):
+    if not signed:
+      together = attacks.InvertingGradients(iterations=steps, group_size=4,
+                                            signed=False)(records, seed=7)
+    alone = attacks.InvertingGradients(iterations=steps, signed=signed,
+                                       restarts=2 if signed else 1)
+    for record, got in zip(records, together):
+      want = alone([record], seed=7)[0]
+      assert got.client_index == record.client_index
+      np.testing.assert_allclose(got.x, want.x, atol=atol, rtol=0)
+      np.testing.assert_array_equal(got.labels, want.labels)
+      assert got.objective == pytest.approx(want.objective, abs=1e-6)
+
+
 def test_compiled_functions_are_shared_only_within_one_value_range(digits):
   x, y = digits
   a = attacks.Target.from_record(_record(x[:1], y[:1], seed=0))

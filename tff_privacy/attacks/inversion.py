@@ -334,13 +334,30 @@ class GradientInversion(abc.ABC):
     check_device(device)
     targets = self.targets(records, labels)
     total = len(targets) * self.restarts * self.iterations
-    out = []
+    out = [None] * len(targets)
     with tqdm.tqdm(total=total, disable=not progress, unit="it",
                    desc=self.name) as bar:
-      for target in targets:
+      for group in self.groups(targets):
         with tf.device(device):
-          out.append(self.reconstruct(target, seed, bar.update))
+          if len(group) == 1:
+            done = [self.reconstruct(targets[group[0]], seed, bar.update)]
+          else:
+            done = self.reconstruct_group([targets[i] for i in group], seed,
+                                          bar.update)
+        for i, reconstruction in zip(group, done):
+          out[i] = reconstruction
     return out
+
+  def groups(self, targets: Sequence[Target]) -> list[list[int]]:
+    """Indices of the targets attacked together: up to `group_size` (an
+    attack's parameter where it supports groups; else 1) that share a
+    compiled function (`Target.cache_key`), in the order given."""
+    size = getattr(self, "group_size", 1)
+    by_key: dict[str, list[int]] = {}
+    for i, target in enumerate(targets):
+      by_key.setdefault(target.cache_key(), []).append(i)
+    return [members[k:k + size] for members in by_key.values()
+            for k in range(0, len(members), size)]
 
   def rng(self, target: Target, seed: int, restart: int = 0) -> np.random.Generator:
     return np.random.default_rng(
@@ -373,7 +390,44 @@ class GradientInversion(abc.ABC):
       x, labels, objective = self._finish(target, state)
       if best is None or objective < best[2]:
         best = (x, labels, objective)
-    x, labels, objective = best
+    return self._reconstruction(target, *best)
+
+  def reconstruct_group(self, targets: Sequence[Target], seed: int,
+                        on_steps: Callable[[int], Any] = lambda n: None
+                        ) -> list[Reconstruction]:
+    """`reconstruct` for several targets sharing a compiled function, their
+    searches advanced together by one vectorised computation
+    (`_advance_group`). Each target's start is seeded as when it is
+    attacked alone."""
+    best: list = [None] * len(targets)
+    for restart in range(self.restarts):
+      state = self._stack([self._start(t, self.rng(t, seed, restart))
+                           for t in targets])
+      done = 0
+      while done < self.iterations:
+        steps = min(self.CHUNK, self.iterations - done)
+        state = self._advance_group(targets, state, done, steps)
+        done += steps
+        on_steps(steps * len(targets))
+      for i, target in enumerate(targets):
+        found = self._finish(target, {k: v[i] for k, v in state.items()})
+        if best[i] is None or found[2] < best[i][2]:
+          best[i] = found
+    return [self._reconstruction(t, *b) for t, b in zip(targets, best)]
+
+  @staticmethod
+  def _stack(states: Sequence[dict]) -> dict:
+    """One state of the group: tensors stacked on a new leading axis, other
+    entries (numpy labels) kept as a list."""
+    return {k: (tf.stack([s[k] for s in states]) if tf.is_tensor(states[0][k])
+                else [s[k] for s in states]) for k in states[0]}
+
+  def _advance_group(self, targets: Sequence[Target], state: dict, done: int,
+                     steps: int) -> dict:
+    raise NotImplementedError(f"attack {self.name!r} attacks one record at a time")
+
+  @staticmethod
+  def _reconstruction(target: Target, x, labels, objective) -> Reconstruction:
     lo, hi = target.value_range
     return Reconstruction(target.record.round_num, target.record.client_index,
                           np.clip(x, lo, hi), np.asarray(labels, np.int32),
@@ -534,9 +588,14 @@ class InvertingGradients(GradientInversion):
       Param("boxed", bool, True, "clip inputs to the data range after each step",
             cli=False),
       Param("lr_decay", bool, True, "divide lr by 10 at 3/8, 5/8, 7/8", cli=False),
+      Param("group_size", int, 1, "records searched together in one vectorised "
+            "computation (those sharing model, protocol and batch size); each "
+            "search is the one-at-a-time search up to float rounding", minimum=1),
       _INIT, _LABEL_KNOWLEDGE, _MAX_EXAMPLES)
 
-  def _build(self, target: Target):
+  def _build(self, target: Target, grouped: bool = False):
+    """A chunk of iterations; `grouped`: of a group's searches at once, each
+    argument stacked on a leading record axis (`tf.vectorized_map`)."""
     lo, hi = target.value_range
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
 
@@ -551,22 +610,33 @@ class InvertingGradients(GradientInversion):
       better = loss < best_loss
       return tf.where(better, x, best_x), tf.where(better, loss, best_loss)
 
+    def step(t, x, m, v, best_x, best_loss, y_soft, upload, broadcast):
+      loss, grad = objective(x, y_soft, upload, broadcast)
+      best_x, best_loss = keep_best(x, loss, best_x, best_loss)
+      g = tf.sign(grad) if self.signed else grad
+      lr = self.lr
+      if self.lr_decay:
+        passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
+        lr = self.lr * tf.pow(0.1, passed)
+      x, m, v = adam_step(x, g, m, v, tf.cast(t + 1, tf.float32), lr)
+      if self.boxed:
+        x = tf.clip_by_value(x, lo, hi)
+      return x, m, v, best_x, best_loss
+
+    def last(x, best_x, best_loss, y_soft, upload, broadcast):
+      loss, _ = objective(x, y_soft, upload, broadcast)  # the latest iterate
+      return keep_best(x, loss, best_x, best_loss)
+
+    if grouped:
+      step_one, last_one = step, last
+      step = lambda t, *a: tf.vectorized_map(lambda e: step_one(t, *e), a)
+      last = lambda *a: tf.vectorized_map(lambda e: last_one(*e), a)
+
     def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload, broadcast):
       for i in tf.range(steps):
-        t = done + i
-        loss, grad = objective(x, y_soft, upload, broadcast)
-        best_x, best_loss = keep_best(x, loss, best_x, best_loss)
-        g = tf.sign(grad) if self.signed else grad
-        step = tf.cast(t + 1, tf.float32)
-        lr = self.lr
-        if self.lr_decay:
-          passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
-          lr = self.lr * tf.pow(0.1, passed)
-        x, m, v = adam_step(x, g, m, v, step, lr)
-        if self.boxed:
-          x = tf.clip_by_value(x, lo, hi)
-      loss, _ = objective(x, y_soft, upload, broadcast)  # the latest iterate
-      best_x, best_loss = keep_best(x, loss, best_x, best_loss)
+        x, m, v, best_x, best_loss = step(done + i, x, m, v, best_x, best_loss,
+                                          y_soft, upload, broadcast)
+      best_x, best_loss = last(x, best_x, best_loss, y_soft, upload, broadcast)
       return x, m, v, best_x, best_loss
     return advance
 
@@ -584,6 +654,16 @@ class InvertingGradients(GradientInversion):
                      tf.constant(steps), state["y_soft"], target.upload,
                      target.broadcast)
     return {**state, **dict(zip(keys, values))}, False
+
+  def _advance_group(self, targets, state, done, steps):
+    advance = self.function(targets[0], "adam_group",
+                            lambda t: self._build(t, grouped=True))
+    keys = ("x", "m", "v", "best_x", "best_loss")
+    stacked = [[tf.stack(ws) for ws in zip(*tensors)] for tensors in (
+        [t.upload for t in targets], [t.broadcast for t in targets])]
+    values = advance(*(state[k] for k in keys), tf.constant(done),
+                     tf.constant(steps), state["y_soft"], *stacked)
+    return {**state, **dict(zip(keys, values))}
 
   def _finish(self, target, state):
     return (state["best_x"].numpy(), state["labels"],
