@@ -1,6 +1,7 @@
 """Attribute inference on captured uploads: the ground truth's attributes,
 the adversary's shadow data and the attack success rates in metrics.json."""
 
+import dataclasses
 import json
 import os
 
@@ -101,6 +102,77 @@ def test_the_command_writes_the_same_rates(adult_run, tmp_path):
   entry = json.load(open(os.path.join(adult_run.out, "metrics.json")))[0]
   assert result["asr"]["rf"] == entry["asr/sex/rf"]
   assert result["victims"] == 40 and result["classes"] == ["Female", "Male"]
+
+
+def _sparsified(arrays, p):
+  """Keeps the ceil((1 - p) d) entries of largest magnitude, zeroes the rest."""
+  flat = np.concatenate([a.ravel() for a in arrays])
+  keep = int(np.ceil((1 - p) * flat.size))
+  out = np.zeros_like(flat)
+  top = np.argsort(-np.abs(flat), kind="stable")[:keep]
+  out[top] = flat[top]
+  return out
+
+
+def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_path):
+  config = _config(tmp_path, defense="sparsification", defense_kwargs={"p": 0.9},
+                   infer_attributes=("sex",), adaptive_adversaries=True)
+  runner.run(config, progress=False)
+  entry = json.load(open(os.path.join(config.out, "metrics.json")))[0]
+  fed = runner.Run(config).fed
+  source = fed.source
+  records = UpdateStore(os.path.join(config.out, "updates")).records(1)
+  model = records[0].model_spec.keras()
+  model.set_weights(records[0].broadcast)
+  victims = np.stack([_plain_pooled(r.upload) for r in records])
+  truth = np.array([source.attributes.train["sex"][fed.client_indices[r.client_index][0]]
+                    for r in records])
+  test = source.attributes.test["sex"]
+  shadow = attribute.shadow_indices(test, 60)
+  features = {"clean": [], "adaptive": []}
+  for i in shadow:
+    with tf.GradientTape() as tape:
+      p = tf.sigmoid(model(source.x_test[i:i + 1])[:, 0])
+      loss = tf.reduce_mean(tf.square(p - source.y_test[i]))
+    grads = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    features["clean"].append(_plain_pooled(grads))
+    features["adaptive"].append(_plain_pooled([_sparsified(grads, 0.9)]))
+  for kind, prefix in (("clean", ""), ("adaptive", "adaptive_")):
+    forest = RandomForestClassifier(n_estimators=120, random_state=3)
+    guessed = forest.fit(np.stack(features[kind]), test[shadow]).predict(victims)
+    assert entry[f"{prefix}asr/sex/rf"] == pytest.approx(np.mean(guessed == truth),
+                                                         abs=1 / 40)
+  assert not np.array_equal(features["clean"], features["adaptive"])
+
+
+def test_adaptive_gaussian_shadow_uploads_are_clipped_and_noised_per_upload(adult_run):
+  record = UpdateStore(os.path.join(adult_run.out, "updates")).records(1)[0]
+  record = dataclasses.replace(record, metadata={
+      **record.metadata, "defense": {"name": "ldp_gaussian", "clip": 1e-3,
+                                     "noise_multiplier": 0.0}})
+  upload = [tf.constant(u) for u in record.upload]
+  norm = np.sqrt(sum(np.sum(u ** 2) for u in record.upload))
+  clipped = evaluate.adaptive_defense(record)(upload, 0, None, None)
+  for got, u in zip(clipped, record.upload):
+    np.testing.assert_allclose(got, u * 1e-3 / norm, rtol=1e-5)
+  record.metadata["defense"]["noise_multiplier"] = 1.0
+  defend = evaluate.adaptive_defense(record, seed=5)
+  first, second = (np.concatenate([np.ravel(t) for t in defend(upload, i, None, None)])
+                   for i in (0, 1))
+  assert not np.allclose(first, second)  # a seed per shadow upload
+  assert np.std(first) == pytest.approx(1e-3, rel=0.2)  # N(0, (z C)^2) dominates
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({}, "defense=None cannot be re-applied"),
+    ({"defense": "recupfl", "defense_kwargs": {"protect": "race"}},
+     "defense='recupfl' cannot be re-applied"),
+    ({"defense": "sparsification", "defense_kwargs": {"p": 0.5},
+      "infer_attributes": (), "capture_rounds": ()},
+     "adaptive_adversaries is a kind of infer_attributes")])
+def test_adaptive_adversaries_need_a_defence_they_can_rebuild(tmp_path, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    runner.Run(_config(tmp_path, adaptive_adversaries=True, **kwargs))
 
 
 @pytest.mark.parametrize("kwargs,match", [

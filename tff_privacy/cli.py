@@ -353,6 +353,9 @@ def _infer_parser(sub) -> None:
                  help="test samples the adversaries train on")
   p.add_argument("--data-dir", help="the data set's folder, if the run read one "
                  "(default: the run's own)")
+  p.add_argument("--adaptive", action="store_true", help="adaptive "
+                 "adversaries: their shadow uploads go through the run's "
+                 "client defence with its parameters")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", required=True)
 
@@ -362,8 +365,9 @@ def _infer(args) -> int:
   result = evaluate.infer_attributes_round(
       args.updates, args.round, args.attribute, args.out, args.adversaries,
       args.shadow_samples, seed=args.seed, ground_truth=args.ground_truth,
-      data_dir=args.data_dir)
+      data_dir=args.data_dir, adaptive=args.adaptive)
   print(f"attribute={args.attribute} round={args.round} victims={result['victims']} "
+        f"adversaries={'adaptive' if args.adaptive else 'clean shadow'} "
         f"chance={result['chance']:.3f} balanced_chance={result['balanced_chance']:.3f}")
   for name in args.adversaries:
     print(f"  {name}: asr={result['asr'][name]:.3f} "

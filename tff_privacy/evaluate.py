@@ -14,11 +14,13 @@ import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import tensorflow as tf
 
 from tff_privacy import attacks, io, psi
 from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.algorithms.fedre import run_regions
 from tff_privacy.data import sources
+from tff_privacy.defenses.updates import ClientView
 from tff_privacy.metrics import lpips, report
 from tff_privacy.metrics.image import region_boxes, ssim_parts
 from tff_privacy.updates import GroundTruthStore, UpdateStore
@@ -217,7 +219,8 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
                            pool_length: int = 1024, seed: int = 0,
                            ground_truth: Optional[str] = None,
                            data_dir: Optional[str] = None,
-                           source: Any = None) -> dict[str, Any]:
+                           source: Any = None,
+                           adaptive: bool = False) -> dict[str, Any]:
   """Infers `attribute` of every client captured in `round_num` from its
   upload (`tff_privacy.attacks.attribute.infer_round`) with each of
   `adversaries`, trained on uploads of `shadow_samples` test samples
@@ -226,7 +229,11 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   attribute (their samples' most frequent class) is read from the ground
   truth store. The data set is the run's (`source`, else loaded by the name
   in the store, with `data_dir` or the run's own). With `out`, writes
-  OUT/attribute_round_RRRR_<attribute>.json.
+  OUT/attribute_round_RRRR_<attribute>.json (…_adaptive.json if `adaptive`).
+
+  `adaptive`: the adversaries train on shadow uploads passed through the
+  run's client defence with its parameters (`adaptive_defense`), not on
+  clean ones.
 
   Returns `infer_round`'s result plus 'attribute', 'classes', 'round'.
 
@@ -261,13 +268,55 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   shadow = attribute_inference.shadow_indices(test, shadow_samples, balanced_shadow)
   result = attribute_inference.infer_round(
       records, victims, source.x_test[shadow], source.y_test[shadow], test[shadow],
-      adversaries, pool_length, seed)
-  result.update(attribute=attribute, round=round_num,
+      adversaries, pool_length, seed,
+      adaptive_defense(records[0], seed) if adaptive else None)
+  result.update(attribute=attribute, round=round_num, adaptive=adaptive,
                 classes=list(source.attributes.classes[attribute]))
   if out is not None:
     io.write_json(os.path.join(
-        out, f"attribute_round_{round_num:04d}_{attribute}.json"), result)
+        out, f"attribute_round_{round_num:04d}_{attribute}"
+        f"{'_adaptive' if adaptive else ''}.json"), result)
   return result
+
+
+def adaptive_defense(record, seed: int = 0):
+  """The client defence of `record`'s run, rebuilt from its metadata with
+  the same parameters, as `attacks.attribute.shadow_features`' `defend`:
+  each shadow upload gets its own noise seed (from `seed` and its index),
+  and a defence that reads the client's data (Soteria) sees the shadow
+  batch.
+
+  Raises:
+    ValueError: the run has no client defence, or one the adversary cannot
+      rebuild from parameters alone (RECUP-FL needs its round's defender
+      zoo and the client's protection settings; DP-FedAvg adds its noise on
+      the server, after the uploads).
+  """
+  from tff_privacy import defenses
+  meta = record.metadata.get("defense")
+  if not meta:
+    raise ValueError("adaptive adversaries re-apply the clients' defence to "
+                     f"their shadow uploads; method {record.metadata['method']!r} "
+                     "ran without one")
+  name = meta["name"]
+  cls = defenses.defense_class(name)
+  if getattr(cls, "needs_data", False) or cls is defenses.DPFedAvg:
+    raise ValueError(f"adaptive adversaries are not available against "
+                     f"defense={name!r}: it cannot be re-applied to a shadow "
+                     "upload from its parameters alone")
+  params = {k: v for k, v in meta.items() if k in cls.PARAMETERS}
+  defense = defenses.build(name, record.model_spec, **params)
+  weights = [tf.constant(w) for w in record.broadcast]
+
+  def defend(upload, index, x, y):
+    view = None
+    if defense.needs_client_view:
+      view = ClientView(weights, tf.data.Dataset.from_tensor_slices(
+          {"x": x, "y": y}).batch(len(y)))
+    # four entries: never a client's (run seed, round, client) seed
+    state = np.random.SeedSequence([seed, record.round_num, index, 1]).generate_state(2)
+    return defense.apply(list(upload), tf.constant(state.astype(np.int64)), view)
+  return defend
 
 
 def region_mask(region: Any, height: int, width: int) -> np.ndarray:

@@ -87,7 +87,11 @@ RUN_PARAMETERS = params.Params(
                  "(1: the plain mean)", minimum=0, exclusive_minimum=True),
     params.Param("attribute_shadow_samples", int, 1000, "test samples the "
                  "attribute-inference adversaries train on (infer_attributes)",
-                 minimum=2))
+                 minimum=2),
+    params.Param("adaptive_adversaries", bool, False, "infer_attributes "
+                 "also by adaptive adversaries, whose shadow uploads go "
+                 "through the run's client defence with its parameters "
+                 "(metrics adaptive_asr/...)"))
 
 
 def _run_default(name: str):
@@ -128,6 +132,7 @@ class RunConfig:
   dp_delta: float = _run_default("dp_delta")
   positive_weight: float = _run_default("positive_weight")
   attribute_shadow_samples: int = _run_default("attribute_shadow_samples")
+  adaptive_adversaries: bool = _run_default("adaptive_adversaries")
 
   def __post_init__(self):
     checked = RUN_PARAMETERS.check(
@@ -355,6 +360,8 @@ class Run:
       raise ValueError(f"infer_attributes {missing}: data set {config.dataset!r} "
                        f"has sensitive attributes "
                        f"{sorted(attributes.classes) if attributes else 'none'}")
+    if config.adaptive_adversaries:
+      _check_adaptive(config)
     if config.capture_rounds and self.algorithm.upload_kind == "none":
       raise ValueError(f"capture_rounds: method {config.method!r} uploads "
                        "nothing; leave --capture-rounds out")
@@ -681,21 +688,36 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
        **_attribute_classes(r.fed.source)})
 
 
+def _check_adaptive(config: RunConfig) -> None:
+  if not config.infer_attributes:
+    raise ValueError("adaptive_adversaries is a kind of infer_attributes: "
+                     "give the attributes too")
+  if config.defense is None or config.defense == defenses.DPFedAvg.name or getattr(
+      defenses.defense_class(config.defense), "needs_data", False):
+    raise ValueError(f"adaptive_adversaries re-apply the run's client defence "
+                     f"to their shadow uploads; defense={config.defense!r} "
+                     "cannot be re-applied from its parameters alone")
+
+
 def _attribute_inference(r: Run, round_num: int) -> dict[str, float]:
   """metrics.json's attack success rates of the round's captured uploads:
   'asr/<attribute>/<adversary>', 'balanced_asr/<attribute>/<adversary>'
-  and their chance rates ('.../chance')."""
+  and their chance rates ('.../chance'); with `adaptive_adversaries`, the
+  same rates of the adaptive adversaries prefixed 'adaptive_'."""
   entry = {}
-  for a in r.config.infer_attributes:
-    result = evaluate.infer_attributes_round(
-        os.path.join(r.config.out, "updates"), round_num, a,
-        adversaries=r.config.attribute_adversaries,
-        shadow_samples=r.config.attribute_shadow_samples, seed=r.config.seed,
-        source=r.fed.source)
-    for kind in ("asr", "balanced_asr"):
-      entry.update({f"{kind}/{a}/{n}": v for n, v in result[kind].items()})
-    entry[f"asr/{a}/chance"] = result["chance"]
-    entry[f"balanced_asr/{a}/chance"] = result["balanced_chance"]
+  for adaptive in (False, True)[:1 + r.config.adaptive_adversaries]:
+    prefix = "adaptive_" if adaptive else ""
+    for a in r.config.infer_attributes:
+      result = evaluate.infer_attributes_round(
+          os.path.join(r.config.out, "updates"), round_num, a,
+          adversaries=r.config.attribute_adversaries,
+          shadow_samples=r.config.attribute_shadow_samples, seed=r.config.seed,
+          source=r.fed.source, adaptive=adaptive)
+      for kind in ("asr", "balanced_asr"):
+        entry.update({f"{prefix}{kind}/{a}/{n}": v for n, v in result[kind].items()})
+      if not adaptive:
+        entry[f"asr/{a}/chance"] = result["chance"]
+        entry[f"balanced_asr/{a}/chance"] = result["balanced_chance"]
   return entry
 
 

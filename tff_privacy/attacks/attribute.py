@@ -52,10 +52,13 @@ def pooled(upload: Sequence[np.ndarray], length: int = 1024) -> np.ndarray:
 
 def shadow_features(spec, broadcast, x: np.ndarray, y: np.ndarray,
                     upload_kind: str, protocol: dict, samples_per_upload: int = 1,
-                    length: int = 1024) -> np.ndarray:
+                    length: int = 1024, defend=None) -> np.ndarray:
   """Pooled uploads of consecutive groups of `samples_per_upload` samples
   by the model of `spec` (a `tff_privacy.models.ModelSpec`, whose task's
-  loss the clients train on) at weights `broadcast`."""
+  loss the clients train on) at weights `broadcast`. With `defend`, a
+  function (upload tensors, group index, x, y) -> upload tensors, each
+  upload goes through it before pooling (an adaptive adversary's copy of
+  the clients' defence)."""
   weights = [tf.constant(w) for w in broadcast]
   model, task = spec.keras(), spec.task_object
   compute = tf.function(lambda xb, yb: functional.simulate_upload(
@@ -65,6 +68,8 @@ def shadow_features(spec, broadcast, x: np.ndarray, y: np.ndarray,
   for start in range(0, len(y) - samples_per_upload + 1, samples_per_upload):
     end = start + samples_per_upload
     upload = compute(tf.constant(x[start:end]), tf.constant(y[start:end]))
+    if defend is not None:
+      upload = defend(upload, len(rows), x[start:end], y[start:end])
     rows.append(pooled([u.numpy() for u in upload], length))
   return np.stack(rows)
 
@@ -149,7 +154,7 @@ def balanced_rate(guessed: np.ndarray, truth: np.ndarray) -> float:
 def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
                 shadow_y: np.ndarray, shadow_attributes: np.ndarray,
                 adversaries: Sequence[str] = ADVERSARIES, length: int = 1024,
-                seed: int = 0) -> dict:
+                seed: int = 0, defend=None) -> dict:
   """Attribute inference on one round's captured uploads.
 
   The adversary (an honest-but-curious server) computes one shadow upload
@@ -157,8 +162,11 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
   records' protocol, groups as large as the victims' uploads (the median
   `num_examples`), labels each with its group's most frequent attribute
   class, trains every adversary on them and predicts each victim's
-  attribute from its max-pooled upload. The shadow uploads are clean: the
-  adversary does not know the defence.
+  attribute from its max-pooled upload. The shadow uploads are clean (the
+  paper's adversary, who does not know the defence) unless `defend` is
+  given: an adaptive adversary, who knows the defence and its parameters,
+  passes each shadow upload through its own copy (`shadow_features`), so
+  that it trains on uploads distributed as the victims' are.
 
   Args:
     records: `tff_privacy.updates.UpdateRecord`s of one round, one broadcast.
@@ -168,6 +176,7 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
     adversaries: names from `ADVERSARIES`.
     length: max-pooled length of an upload.
     seed: seeds the adversaries.
+    defend: see `shadow_features`; None for clean shadow uploads.
 
   Returns:
     {'asr': {adversary: accuracy}, 'balanced_asr': {adversary: balanced
@@ -195,7 +204,8 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
                      f"uploads of {group} samples")
   features = shadow_features(first.model_spec, first.broadcast, shadow_x, shadow_y,
                              first.upload_kind, first.metadata["protocol"],
-                             samples_per_upload=group, length=length)
+                             samples_per_upload=group, length=length,
+                             defend=defend)
   labels = np.array([np.bincount(shadow_attributes[i:i + group]).argmax()
                      for i in range(0, len(features) * group, group)])
   victims = np.stack([pooled(r.upload, length) for r in records])
