@@ -31,7 +31,11 @@ Tables (CSV and Markdown in OUT; PNG figures):
 * reconstruction: Inverting Gradients on round-1 uploads of the bundled
   digits (whatever --dataset is; RECUP-FL protects parity) under every
   setting of the trade-off, its MSE read at RECUP-FL's learning loss
-  (Fig. 6; reconstruction.png shows each baseline at its nearest loss).
+  (Fig. 6; reconstruction.png shows each baseline at its nearest loss);
+* adaptive: round 1 of DP Gaussian, DP Laplace, sparsification and Soteria
+  at the trade-off's levels, ASR of the paper's adversaries beside that of
+  adaptive ones, trained on shadow uploads passed through the same defence
+  (not in the paper: clean-shadow adversaries misread noisy uploads).
 
 Small scale (the default): 1,000 clients, 100 sampled per round, the
 adversaries trained on 1,000 shadow samples; each RECUP-FL zoo (20 models)
@@ -62,7 +66,7 @@ from tff_privacy.metrics import report
 from tff_privacy.attacks.attribute import ADVERSARIES
 
 TABLES = ("tradeoff", "gamma", "attributes", "zoo", "fgsm", "participation",
-          "reconstruction")
+          "reconstruction", "adaptive")
 ROUNDS = (1, 3, 5)
 # clip bound B of the DP baselines: Sec. 5.5 sets B in [20, 22] on Adult and
 # AudioMNIST, a bound that does not bind; sigma (Gaussian std) and b (Laplace
@@ -126,7 +130,7 @@ class Experiment:
 
   def run(self, name: str, rounds: int, capture: tuple[int, ...],
           attributes: tuple[str, ...], defense=None, kwargs=None,
-          clients_per_round=None) -> list[dict]:
+          clients_per_round=None, adaptive: bool = False) -> list[dict]:
     """The metrics of run `name`, trained unless already complete."""
     out = os.path.join(self.runs, name)
     path = os.path.join(out, "metrics.json")
@@ -136,22 +140,26 @@ class Experiment:
     config = runner.RunConfig(
         out=out, rounds=rounds, capture_rounds=capture, infer_attributes=attributes,
         clients_per_round=clients_per_round or self.args.clients_per_round,
-        defense=defense, defense_kwargs=kwargs or {}, **self.common)
+        defense=defense, defense_kwargs=kwargs or {}, adaptive_adversaries=adaptive,
+        **self.common)
     return runner.run(config, progress=not self.args.quiet)
 
   def point(self, defense: str, level, rounds=ROUNDS, attributes=None,
-            **recupfl) -> list[dict]:
-    """Rows (one per captured round and adversary) of one defence setting."""
+            adaptive: bool = False, **recupfl) -> list[dict]:
+    """Rows (one per captured round and adversary) of one defence setting;
+    `adaptive`: with the adaptive adversaries' rates too."""
     attributes = attributes or (self.args.attribute,)
     kwargs = None if defense == "none" else {
         **defense_kwargs(defense, level, self.args, self.args.attribute), **recupfl}
     named = {k: v for k, v in sorted(recupfl.items())
              if RECUPFL_DEFAULTS.get(k, self.args.attribute) != v}
     name = "_".join([defense] + ([f"{level:g}"] if level is not None else [])
-                    + [f"{k}{v}" for k, v in named.items()] + [f"r{max(rounds)}"])
+                    + [f"{k}{v}" for k, v in named.items()]
+                    + (["adaptive"] if adaptive else []) + [f"r{max(rounds)}"])
     name = name.replace("=", "").replace(",", "+")
     history = self.run(name, max(rounds), tuple(rounds), tuple(attributes),
-                       None if defense == "none" else defense, kwargs)
+                       None if defense == "none" else defense, kwargs,
+                       adaptive=adaptive)
     rows = []
     for entry in history:
       if entry["round"] not in rounds:
@@ -166,6 +174,10 @@ class Experiment:
               "balanced_asr": entry[f"balanced_asr/{a}/{adversary}"],
               "chance": entry[f"asr/{a}/chance"],
               "balanced_chance": entry[f"balanced_asr/{a}/chance"],
+              **({"adaptive_asr": entry[f"adaptive_asr/{a}/{adversary}"],
+                  "adaptive_balanced_asr":
+                      entry[f"adaptive_balanced_asr/{a}/{adversary}"]}
+                 if adaptive else {}),
               **{k: v for k, v in recupfl.items()}})
     return rows
 
@@ -249,6 +261,19 @@ def _plot_tradeoff(rows: list[dict], args) -> None:
                  f"({args.attribute}; dotted: chance)")
     fig.tight_layout()
     _save_figure(fig, os.path.join(args.out, f"tradeoff_{key}.png"))
+
+
+def adaptive(exp: Experiment) -> list[dict]:
+  """Round 1 of each noise and sparsification baseline over its trade-off
+  levels, attacked by the paper's adversaries (clean shadow uploads) and by
+  adaptive ones (shadow uploads through the same defence)."""
+  rows = []
+  for defense, (low, high) in DATASETS[exp.args.dataset]["ranges"].items():
+    if defense == "recupfl":
+      continue  # its zoo and client settings cannot be re-applied
+    for level in levels(defense, low, high, exp.args.levels):
+      rows += exp.point(defense, level, rounds=(1,), adaptive=True)
+  return rows
 
 
 IMAGE_DATASET = "mnist5k_parity"
@@ -515,6 +540,12 @@ def main() -> None:
     save(args.out, "participation", rows, markdown(
         f"Learning loss after {args.participation_rounds} rounds by participation",
         last, ["ratio", "round", "learning_loss"]))
+  if "adaptive" in tables:
+    rows = adaptive(exp)
+    save(args.out, "adaptive", rows, markdown(
+        f"Clean-shadow vs adaptive adversaries ({args.attribute}), round 1", rows,
+        ["defense", "level", "adversary", "learning_loss", "asr", "adaptive_asr",
+         "balanced_asr", "adaptive_balanced_asr", "chance", "balanced_chance"]))
   if "reconstruction" in tables:
     rows, text = reconstruction(exp)
     save(args.out, "reconstruction", rows, markdown(
