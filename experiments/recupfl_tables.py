@@ -307,7 +307,9 @@ def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dic
   name = "_".join([defense] + ([f"{level:g}"] if level is not None else []))
   folder = os.path.join(args.out, "reconstruction", name)
   path = os.path.join(folder, "row.json")
-  if os.path.exists(path):
+  attack = {"ig_iterations": args.ig_iterations, "ig_victims": args.ig_victims,
+            "seed": args.seed}
+  if os.path.exists(path) and io.read_json(path).get("attack") == attack:
     return io.read_json(path)
   kwargs = (None if defense == "none"
             else defense_kwargs(defense, level, args, attribute))
@@ -322,7 +324,8 @@ def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dic
   row = {"defense": defense, "level": level,
          "learning_loss": history[0]["test_loss"],
          **{k: result["mean"][k] for k in ("mse", "ssim", "psnr")},
-         "victims": len(victims), "ig_seconds": result["seconds"]}
+         "victims": len(victims), "victim_clients": victims,
+         "ig_seconds": result["seconds"], "attack": attack}
   io.write_json(path, row)
   return row
 
@@ -361,6 +364,10 @@ def _reconstruction_grid(rows: list[dict], args) -> None:
       near = min((r for r in rows if r["defense"] == defense),
                  key=lambda r: abs(r["learning_loss"] - ours["learning_loss"]))
       shown.append((f"{LABELS[defense]} {near['level']:g}", near))
+  victims = {str(row["victim_clients"]) for _, row in shown}
+  if len(victims) != 1:
+    raise ValueError("reconstruction.png shows one column per victim: the "
+                     f"settings attacked different clients ({sorted(victims)})")
   images = {}
   for label, row in shown:
     name = "_".join([row["defense"]] + ([f"{row['level']:g}"]
@@ -456,6 +463,28 @@ ASR_COLUMNS = ["setting", "attribute", "adversary", "learning_loss", "asr",
                "balanced_asr", "chance", "balanced_chance"]
 
 
+# the arguments every run under --out was made with
+RUN_SETTINGS = ("dataset", "clients", "clients_per_round", "adversaries",
+                "shadow_samples", "zoo_epochs", "seed", "participation_clients")
+
+
+def check_settings(args) -> None:
+  """Refuses an --out whose runs were made with other run settings (they
+  are read back, not retrained); records the settings on first use."""
+  path = os.path.join(args.out, "settings.json")
+  settings = {k: getattr(args, k) for k in RUN_SETTINGS}
+  if os.path.exists(path):
+    stored = io.read_json(path)
+    changed = [k for k in RUN_SETTINGS if stored.get(k) != settings[k]]
+    if changed:
+      raise SystemExit(
+          f"--out {args.out}: its runs were made with "
+          + ", ".join(f"{k}={stored.get(k)!r}" for k in changed)
+          + "; give the same settings or another --out")
+  else:
+    io.write_json(path, settings)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dataset", default="adult", choices=sorted(DATASETS))
@@ -499,6 +528,7 @@ def main() -> None:
   spec = DATASETS[args.dataset]
   args.attribute, second = spec["attribute"], spec["second"]
   args.out = args.out or os.path.join("results", f"recupfl_{args.dataset}")
+  check_settings(args)
   import tensorflow as tf
   tf.get_logger().setLevel("ERROR")  # IG's per-record graphs warn of retracing
   runtime.start()

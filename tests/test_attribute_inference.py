@@ -142,7 +142,13 @@ def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_pa
     guessed = forest.fit(np.stack(features[kind]), test[shadow]).predict(victims)
     assert entry[f"{prefix}asr/sex/rf"] == pytest.approx(np.mean(guessed == truth),
                                                          abs=1 / 40)
-  assert not np.array_equal(features["clean"], features["adaptive"])
+  # the adaptive adversary's shadow uploads themselves, whatever the rates
+  got = attribute.shadow_features(
+      records[0].model_spec, records[0].broadcast, source.x_test[shadow],
+      source.y_test[shadow], records[0].upload_kind, records[0].metadata["protocol"],
+      defend=evaluate.adaptive_defense(records[0]))
+  np.testing.assert_allclose(got, np.stack(features["adaptive"]), rtol=1e-5, atol=1e-7)
+  assert not np.allclose(got, np.stack(features["clean"]))
 
 
 def test_adaptive_gaussian_shadow_uploads_are_clipped_and_noised_per_upload(adult_run):
@@ -163,8 +169,19 @@ def test_adaptive_gaussian_shadow_uploads_are_clipped_and_noised_per_upload(adul
   assert np.std(first) == pytest.approx(1e-3, rel=0.2)  # N(0, (z C)^2) dominates
 
 
+@pytest.mark.parametrize("name", ["fedre", "dp_fedavg", "recupfl"])
+def test_adaptive_defense_refuses_defences_it_cannot_rebuild(adult_run, name):
+  record = UpdateStore(os.path.join(adult_run.out, "updates")).records(1)[0]
+  record = dataclasses.replace(record, metadata={**record.metadata,
+                                                 "defense": {"name": name}})
+  with pytest.raises(ValueError, match=f"not available against '{name}'"):
+    evaluate.adaptive_defense(record)
+
+
 @pytest.mark.parametrize("kwargs,match", [
-    ({}, "defense=None cannot be re-applied"),
+    ({}, r"give a client defence \(--defense\)"),
+    ({"defense": "dp_fedavg", "defense_kwargs": {"clip": 1.0, "noise_multiplier": 1.0}},
+     "defense=.dp_fedavg. cannot be re-applied"),
     ({"defense": "recupfl", "defense_kwargs": {"protect": "race"}},
      "defense='recupfl' cannot be re-applied"),
     ({"defense": "sparsification", "defense_kwargs": {"p": 0.5},
@@ -172,7 +189,7 @@ def test_adaptive_gaussian_shadow_uploads_are_clipped_and_noised_per_upload(adul
      "adaptive_adversaries is a kind of infer_attributes")])
 def test_adaptive_adversaries_need_a_defence_they_can_rebuild(tmp_path, kwargs, match):
   with pytest.raises(ValueError, match=match):
-    runner.Run(_config(tmp_path, adaptive_adversaries=True, **kwargs))
+    _config(tmp_path, adaptive_adversaries=True, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -371,8 +372,26 @@ def test_sharded_attack_merges_into_the_unsharded_result(capsys, tmp_path):
   assert code == 2 and "its 'seed' differs" in err
   code, _, err = _main(capsys, *attack, "--shard", "2/2", "--out", str(tmp_path / "x"))
   assert code == 2 and "--shard: takes i/N with 0 <= i < N" in err
-  code, _, err = _main(capsys, *attack, "--shard", "6/7", "--out", str(tmp_path / "x"))
-  assert code == 2 and "shard=6/7 has no records: the round has 5" in err
+  for text in ("6/7", "0/7"):
+    code, _, err = _main(capsys, *attack, "--shard", text, "--out", str(tmp_path / "x"))
+    assert code == 2 and f"shard={text}: the round has 5 records to attack; " \
+        "use at most 5 shards" in err, err
+  # a shard scored in a region joins no shard scored without one
+  attack[attack.index("4")] = "3"
+  code, _, err = _main(capsys, *attack, "--shard", "1/2", "--region", "0,0,8,8",
+                       "--out", str(tmp_path / "region"))
+  assert code == 0, err
+  code, _, err = _main(capsys, "merge-attacks", str(tmp_path / "shard0"),
+                       str(tmp_path / "region"), "--out", str(tmp_path / "bad"))
+  assert code == 2 and "its 'region_setting' differs" in err, err
+  # a shard whose npz lost a pair
+  shutil.copytree(tmp_path / "shard1", tmp_path / "cut")
+  with np.load(tmp_path / "cut" / "reconstructions.npz") as f:
+    pairs = {k: f[k][:-1] for k in f.files}
+  np.savez(tmp_path / "cut" / "reconstructions.npz", **pairs)
+  code, _, err = _main(capsys, "merge-attacks", str(tmp_path / "shard0"),
+                       str(tmp_path / "cut"), "--out", str(tmp_path / "bad"))
+  assert code == 2 and "does not hold one pair per sample" in err, err
   assert not (tmp_path / "bad").exists()
 
 

@@ -6,7 +6,6 @@ import importlib.util
 import math
 import os
 
-import numpy as np
 import pytest
 
 from tff_privacy import io
@@ -121,5 +120,50 @@ def test_equal_loss_reconstruction_picks_each_baseline_at_recupfl_loss(tables,
   gaussian = next(line for line in table.splitlines()
                   if line.startswith("| DP Gaussian"))
   # MSE at loss 0.3: a quarter of the way from 0.1 to 0.5; nearest level 0.5
-  assert gaussian == f"| DP Gaussian | {np.interp(0.3, [0.2, 0.6], [0.1, 0.5]):.3f} " \
-                     "| 0.5 | 0.200000 | 0.1000 |"
+  assert gaussian == "| DP Gaussian | 0.200 | 0.5 | 0.200000 | 0.1000 |"
+
+
+def test_an_out_folder_keeps_the_settings_its_runs_were_made_with(tables, tmp_path):
+  args = _args(tmp_path, participation_clients=20)
+  tables.check_settings(args)
+  tables.check_settings(args)  # the same settings: fine
+  with pytest.raises(SystemExit, match="its runs were made with clients=10; "
+                     "give the same settings or another --out"):
+    tables.check_settings(_args(tmp_path, participation_clients=20, clients=30))
+
+
+def test_a_cached_reconstruction_row_is_redone_for_other_attack_settings(
+    tables, tmp_path, monkeypatch):
+  args = _args(tmp_path, ig_iterations=10, ig_victims=1)
+  exp = tables.Experiment(args, "mnist5k_parity", os.path.join(args.out, "reconstruction"))
+  attack = {"ig_iterations": 10, "ig_victims": 1, "seed": 0}
+  cached = {"defense": "none", "level": None, "learning_loss": 0.5, "mse": 0.1,
+            "attack": attack}
+  io.write_json(os.path.join(args.out, "reconstruction", "none", "row.json"), cached)
+  assert tables._attacked_point(exp, "none", None, "parity") == cached
+  # another iteration count: the run is read back and attacked anew
+  io.write_json(os.path.join(args.out, "reconstruction", "none", "metrics.json"),
+                [{"round": 1, "test_loss": 0.4}])
+  args.ig_iterations = 20
+  calls = []
+  monkeypatch.setattr(tables.UpdateStore, "__init__", lambda self, path: None)
+  monkeypatch.setattr(tables.UpdateStore, "clients", lambda self, r: [4, 7])
+  monkeypatch.setattr(tables.evaluate, "attack_round", lambda *a, **k: calls.append(
+      k) or {"mean": {"mse": 0.3, "ssim": 0.2, "psnr": 9.0}, "seconds": 1.0})
+  row = tables._attacked_point(exp, "none", None, "parity")
+  assert calls == [{"clients": [4], "attack_kwargs": {"iterations": 20}, "seed": 0}]
+  assert (row["learning_loss"], row["mse"], row["victim_clients"]) == (0.4, 0.3, [4])
+  assert row["attack"] == {**attack, "ig_iterations": 20}
+  assert io.read_json(os.path.join(args.out, "reconstruction", "none",
+                                   "row.json")) == row
+
+
+def test_the_reconstruction_grid_refuses_settings_with_other_victims(tables, tmp_path):
+  args = _args(tmp_path)
+  rows = [{"defense": d, "level": 1e-3, "learning_loss": 0.3, "victim_clients": [0, 1]}
+          for d in ("recupfl", "ldp_gaussian", "ldp_laplace", "sparsification",
+                    "soteria")]
+  rows.append({"defense": "none", "level": None, "learning_loss": 0.2,
+               "victim_clients": [0, 2]})
+  with pytest.raises(ValueError, match=r"attacked different clients"):
+    tables._reconstruction_grid(rows, args)

@@ -66,6 +66,8 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   store = UpdateStore(updates)
   clients = list(clients) if clients is not None else store.clients(round_num)
   campaign = list(clients)
+  if len(set(campaign)) != len(campaign):
+    raise ValueError(f"clients={campaign}: each client at most once")
   if shard is not None:
     clients = shard_of(campaign, *shard)
   records = [store.read(round_num, c) for c in clients]
@@ -73,8 +75,9 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   inversion.check_records(records)
   attacks.inversion.check_device(device)
   # everything the scoring reads is checked before a long attack
-  truth = GroundTruthStore(ground_truth or os.path.join(
+  ground_truth = os.path.abspath(ground_truth or os.path.join(
       os.path.dirname(os.path.abspath(updates)), "ground_truth"))
+  truth = GroundTruthStore(ground_truth)
   labels = [truth.read(round_num, c)[1] for c in clients]
   weights = lpips.load_weights(lpips_weights) if lpips_weights else None
   shape = records[0].model_spec.input_shape[:2]
@@ -106,11 +109,13 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
   result = {"attack": attack,
             "params": {k: v for k, v in vars(inversion).items()
                        if not k.startswith("_")},
-            "updates": os.path.abspath(updates), "round": round_num,
+            "updates": os.path.abspath(updates), "ground_truth": ground_truth,
+            "round": round_num,
             "clients": clients, "device": device or "default", "seed": seed,
             "value_range": list(value_range),
             "region": ({str(c): _boxes(r) for c, r in zip(clients, regions)}
                        if regions[0] is not None else None),
+            "region_setting": _region_setting(region, regions),
             "label_knowledge": _label_knowledge(inversion, records[0]),
             "seconds": seconds, "method": records[0].metadata["method"],
             "upload_kind": records[0].upload_kind,
@@ -118,13 +123,29 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "files": list(FILES)}
   if shard is not None:
     result["shard"] = {"index": shard[0], "count": shard[1], "campaign": campaign}
-  io.write_json(os.path.join(out, "attack.json"), result)
+  _write_attack(out, result, pairs)
+  return result
+
+
+def _write_attack(out: str, result: dict[str, Any], pairs) -> None:
+  """The npz and the figure, then attack.json: a folder with attack.json
+  holds a complete result."""
   io.write_npz(os.path.join(out, "reconstructions.npz"),
                {"original": np.stack([p[0] for p in pairs]),
                 "reconstructed": np.stack([p[1] for p in pairs])})
-  report.save_figure(pairs, os.path.join(out, "reconstructions.png"), value_range,
-                     title=f"{attack} on {result['method']} round {round_num}")
-  return result
+  report.save_figure(pairs, os.path.join(out, "reconstructions.png"),
+                     result["value_range"],
+                     title=f"{result['attack']} on {result['method']} round "
+                           f"{result['round']}")
+  io.write_json(os.path.join(out, "attack.json"), result)
+
+
+def _region_setting(region: Any, regions: list) -> Any:
+  """What the region argument was, for comparing shards: None, 'run' or
+  the boxes every client was scored in."""
+  if region is None or (isinstance(region, str) and region == "run"):
+    return region
+  return _boxes(regions[0])
 
 
 def shard_of(clients: Sequence[int], index: int, count: int) -> list[int]:
@@ -132,19 +153,23 @@ def shard_of(clients: Sequence[int], index: int, count: int) -> list[int]:
   index-th on.
 
   Raises:
-    ValueError: index not in [0, count), or the shard would be empty.
+    ValueError: index not in [0, count), or more shards than clients (some
+      shard would be empty).
   """
   if count < 1 or not 0 <= index < count:
     raise ValueError(f"shard={index}/{count}: takes i/N with 0 <= i < N")
-  if index >= len(clients):
-    raise ValueError(f"shard={index}/{count} has no records: the round has "
-                     f"{len(clients)} to attack; use at most {len(clients)} shards")
+  if not clients:
+    raise ValueError(f"shard={index}/{count}: the round has no records to attack")
+  if count > len(clients):
+    raise ValueError(f"shard={index}/{count}: the round has {len(clients)} "
+                     f"records to attack; use at most {len(clients)} shards")
   return list(clients)[index::count]
 
 
 # what every shard of one campaign must share
-_CAMPAIGN_KEYS = ("attack", "params", "updates", "round", "device", "seed",
-                  "method", "upload_kind", "label_knowledge", "lpips")
+_CAMPAIGN_KEYS = ("attack", "params", "updates", "ground_truth", "round", "device",
+                  "seed", "region_setting", "method", "upload_kind",
+                  "label_knowledge", "lpips")
 
 
 def merge_attacks(folders: Sequence[str], out: str) -> dict[str, Any]:
@@ -187,6 +212,9 @@ def merge_attacks(folders: Sequence[str], out: str) -> dict[str, Any]:
   rows, regions = [], {}
   for folder, result in shards:
     with np.load(os.path.join(folder, "reconstructions.npz")) as f:
+      if not len(result["samples"]) == len(f["original"]) == len(f["reconstructed"]):
+        raise ValueError(f"{folder!r}: reconstructions.npz does not hold one "
+                         "pair per sample of attack.json")
       for row, a, b in zip(result["samples"], f["original"], f["reconstructed"]):
         rows.append((order[row["client"]], row["sample"], row, a, b))
     regions.update(result["region"] or {})
@@ -200,15 +228,7 @@ def merge_attacks(folders: Sequence[str], out: str) -> dict[str, Any]:
                 seconds=sum(r["seconds"] for _, r in shards),
                 region=({str(c): regions[str(c)] for c in campaign}
                         if first["region"] is not None else None))
-  io.write_json(os.path.join(out, "attack.json"), merged)
-  pairs = [(t[3], t[4]) for t in rows]
-  io.write_npz(os.path.join(out, "reconstructions.npz"),
-               {"original": np.stack([p[0] for p in pairs]),
-                "reconstructed": np.stack([p[1] for p in pairs])})
-  report.save_figure(pairs, os.path.join(out, "reconstructions.png"),
-                     merged["value_range"],
-                     title=f"{merged['attack']} on {merged['method']} round "
-                           f"{merged['round']}")
+  _write_attack(out, merged, [(t[3], t[4]) for t in rows])
   return merged
 
 
@@ -299,13 +319,15 @@ def adaptive_defense(record, seed: int = 0):
                      f"their shadow uploads; method {record.metadata['method']!r} "
                      "ran without one")
   name = meta["name"]
-  cls = defenses.defense_class(name)
-  if getattr(cls, "needs_data", False) or cls is defenses.DPFedAvg:
-    raise ValueError(f"adaptive adversaries are not available against "
-                     f"defense={name!r}: it cannot be re-applied to a shadow "
-                     "upload from its parameters alone")
+  refused = (f"adaptive adversaries are not available against {name!r}: it "
+             "cannot be re-applied to a shadow upload from its parameters alone")
+  cls = defenses.CLIENT_DEFENSES.get(name)
+  if cls is None or getattr(cls, "needs_data", False):
+    raise ValueError(refused)
   params = {k: v for k, v in meta.items() if k in cls.PARAMETERS}
   defense = defenses.build(name, record.model_spec, **params)
+  if defense.client_input_types:
+    raise ValueError(refused)
   weights = [tf.constant(w) for w in record.broadcast]
 
   def defend(upload, index, x, y):

@@ -167,6 +167,8 @@ class RunConfig:
     elif self.defense_kwargs:
       raise ValueError(f"defense_kwargs {sorted(self.defense_kwargs)} given "
                        "without a defense")
+    if self.adaptive_adversaries:
+      _check_adaptive(self)
 
   def _check_capture_rounds(self) -> None:
     rounds = self.capture_rounds
@@ -360,8 +362,6 @@ class Run:
       raise ValueError(f"infer_attributes {missing}: data set {config.dataset!r} "
                        f"has sensitive attributes "
                        f"{sorted(attributes.classes) if attributes else 'none'}")
-    if config.adaptive_adversaries:
-      _check_adaptive(config)
     if config.capture_rounds and self.algorithm.upload_kind == "none":
       raise ValueError(f"capture_rounds: method {config.method!r} uploads "
                        "nothing; leave --capture-rounds out")
@@ -692,7 +692,10 @@ def _check_adaptive(config: RunConfig) -> None:
   if not config.infer_attributes:
     raise ValueError("adaptive_adversaries is a kind of infer_attributes: "
                      "give the attributes too")
-  if config.defense is None or config.defense == defenses.DPFedAvg.name or getattr(
+  if config.defense is None:
+    raise ValueError("adaptive_adversaries re-apply the clients' defence to "
+                     "their shadow uploads: give a client defence (--defense)")
+  if config.defense == defenses.DPFedAvg.name or getattr(
       defenses.defense_class(config.defense), "needs_data", False):
     raise ValueError(f"adaptive_adversaries re-apply the run's client defence "
                      f"to their shadow uploads; defense={config.defense!r} "
