@@ -169,6 +169,19 @@ def _train_parser(sub) -> None:
                  help="attribute-inference adversaries, default all of "
                  "stru_nn,unknown_nn,svm,rf")
   p.add_argument("--quiet", action="store_true", help="no progress bar")
+  workers = p.add_argument_group("workers (the results do not depend on them)")
+  workers.add_argument("--workers", type=_positive_int, default=1,
+                       help="TFF workers started on this machine; each round's "
+                       "clients are split between them (default 1)")
+  workers.add_argument("--worker-addresses", type=parse_names,
+                       help="host:port,... of TFF workers already running "
+                       "('tff-privacy worker --port P'), instead of --workers")
+  workers.add_argument("--allow-remote-workers", action="store_true",
+                       help="accept worker addresses off this machine: a worker "
+                       "serves plaintext, unauthenticated gRPC on every "
+                       "interface, so anyone who reaches its port can run "
+                       "computations on it and read the data sent to it; use "
+                       "SSH tunnels or a private network")
   _method_flags().add_to(p)
   _defense_flags().add_to(p)
 
@@ -227,7 +240,10 @@ def _config_from_args(args):
 def _train(args) -> int:
   from tff_privacy import runner, runtime
   config = _config_from_args(args)
-  runtime.start()
+  if args.worker_addresses and args.workers != 1:
+    raise ValueError("--workers and --worker-addresses: give one of them")
+  runtime.start(workers=args.workers, addresses=args.worker_addresses or (),
+                allow_remote=args.allow_remote_workers)
   history = runner.run(config, progress=not args.quiet)
   last = history[-1] if history else {}
   privacy = (f" epsilon={last['epsilon']:.4g} delta={last['delta']:g}"
@@ -411,6 +427,30 @@ def _demo(args) -> int:
   return 0
 
 
+def _positive_int(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
+  return int(text)
+
+
+def _worker_parser(sub) -> None:
+  p = sub.add_parser("worker", help="serve TFF's worker on this machine for "
+                     "'train --worker-addresses' elsewhere")
+  p.add_argument("--port", type=_positive_int, required=True)
+  p.add_argument("--max-concurrent-computation-calls", type=int, default=-1)
+
+
+def _worker(args) -> int:
+  from tff_privacy import runtime
+  print(f"TFF worker on port {args.port}: plaintext, unauthenticated gRPC on "
+        "every interface; reach it through an SSH tunnel or a private network",
+        file=sys.stderr, flush=True)
+  path = runtime.worker_binary_path()
+  os.execv(path, [path, f"--port={args.port}",
+                  f"--max_concurrent_computation_calls="
+                  f"{args.max_concurrent_computation_calls}"])
+
+
 def _client_index(text: str) -> int:
   try:
     return int(text)
@@ -429,6 +469,7 @@ def _parser() -> argparse.ArgumentParser:
   _merge_parser(sub)
   _infer_parser(sub)
   _demo_parser(sub)
+  _worker_parser(sub)
   return parser
 
 
@@ -442,8 +483,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   runtime.install()
   try:
     return {"train": _train, "attack": _attack, "merge-attacks": _merge,
-            "infer-attributes": _infer, "demo": _demo}[args.command](args)
-  except (ValueError, OSError) as e:
+            "infer-attributes": _infer, "demo": _demo,
+            "worker": _worker}[args.command](args)
+  except (ValueError, OSError, runtime.WorkerError) as e:
     if os.environ.get(DEBUG_VARIABLE):
       raise
     print(f"tff-privacy {args.command}: error: {_one_line(e)}", file=sys.stderr)

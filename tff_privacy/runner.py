@@ -43,7 +43,7 @@ import tensorflow_federated as tff
 import tqdm
 
 from tff_privacy import (algorithms, data, defenses, evaluate, io, models,
-                         params, pretrained)
+                         params, pretrained, runtime)
 from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.dp import accounting
 from tff_privacy.models.lpm import LPM_MODELS
@@ -573,11 +573,13 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   method's processes have been built from the config without error."""
   _check_config(config)
   r = Run(config)
-  r.process(capture=False)
+  what = f"method {config.method!r}" + (
+      f" with defense {config.defense!r}" if config.defense else "")
+  runtime.check_mergeable(r.process(capture=False).next, what)
   if config.capture_rounds:
     # Built before any eager Keras model: tracing a TFF computation that builds
     # Keras layers invalidates Keras models made earlier in eager mode.
-    r.process(capture=True)
+    runtime.check_mergeable(r.process(capture=True).next, what + " and capture")
   os.makedirs(config.out, exist_ok=True)
   io.write_json(os.path.join(config.out, "config.json"), config.to_json())
   manager = tff.program.FileProgramStateManager(

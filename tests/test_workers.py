@@ -1,0 +1,167 @@
+"""Training on several TFF workers (`runtime.start(workers=N)`, `train
+--workers`): the same numbers as one worker, the clients' results in
+client order, methods TFF cannot split refused by name, a dead worker named,
+and the run resumed."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import psutil
+import pytest
+import tensorflow_federated as tff
+
+from conftest import worker_children
+from tff_privacy import runner, runtime
+from tff_privacy.updates import UpdateStore
+
+FEDAVG = dict(method="fedavg", dataset="digits", model="mlp",
+              model_kwargs={"hidden": [16]}, clients=5, rounds=2, batch_size=8,
+              seed=3, capture_rounds=(1,))
+# private client states that go in and come back every round
+HYPERFL = dict(method="hyperfl", dataset="digits", model="mlp",
+               model_kwargs={"hidden": [16]}, clients=4, rounds=2, batch_size=10,
+               partition="label_groups", samples_per_client=24, seed=0,
+               method_kwargs={"embedding_dim": 8, "hidden_dim": 16})
+
+
+@pytest.fixture
+def workers():
+  """Starts `n` local workers; the test session's lazy single worker after."""
+  def start(n):
+    runtime.stop()
+    runtime.start(workers=n)
+    assert runtime.worker_count() == n and len(worker_children()) == n
+  yield start
+  runtime.stop()
+
+
+def _close(history, other):
+  """Equal keys and equal numbers, up to the rounding of sums taken in
+  another order (each worker sums its share of the clients first)."""
+  assert [sorted(m) for m in history] == [sorted(m) for m in other]
+  for m, o in zip(history, other):
+    for key in m:
+      if key != "seconds":
+        assert o[key] == pytest.approx(m[key], rel=1e-6, abs=1e-9), key
+
+
+@pytest.mark.parametrize("fields", [FEDAVG, HYPERFL], ids=["fedavg", "hyperfl"])
+def test_two_workers_give_the_numbers_of_one(workers, tmp_path, fields):
+  histories = {}
+  for n in (1, 2):
+    workers(n)
+    histories[n] = runner.run(runner.RunConfig(out=str(tmp_path / str(n)), **fields),
+                              progress=False)
+  _close(histories[1], histories[2])
+  if fields is FEDAVG:  # round 1: each upload computed whole on one worker
+    one, two = (UpdateStore(str(tmp_path / n / "updates")).records(1) for n in "12")
+    assert [r.client_index for r in two] == [r.client_index for r in one]
+    for a, b in zip(one, two):
+      for x, y in zip(a.upload, b.upload):
+        np.testing.assert_array_equal(x, y)
+  else:  # the private states came back to their own clients
+    with np.load(tmp_path / "1" / "personal_models.npz") as a, \
+         np.load(tmp_path / "2" / "personal_models.npz") as b:
+      assert sorted(a.files) == sorted(b.files)
+      for key in a.files:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_computation_with_dependent_aggregations_is_refused_by_name(workers):
+  @tff.tensorflow.computation(np.float32, np.float32)
+  def centred(x, mean):
+    return x - mean
+
+  @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+  def variance_like(x):
+    mean = tff.federated_broadcast(tff.federated_mean(x))
+    return tff.federated_mean(tff.federated_map(centred, (x, mean)))
+
+  runtime.check_mergeable(variance_like, "this")  # one worker: nothing to split
+  workers(2)
+  with pytest.raises(ValueError, match=r"^this cannot run on 2 workers: TFF's "
+                     r"mergeable form .* one logical aggregation \(TFF: Detected "
+                     r"one aggregate dependent on another\.?\); use --workers 1$"):
+    runtime.check_mergeable(variance_like, "this")
+
+
+@pytest.mark.parametrize("address,match", [
+    ("localhost", "'localhost' is not host:port"),
+    ("localhost:0", "'localhost:0' is not host:port"),
+    ("10.1.2.3:8000", "'10.1.2.3:8000' is not on this machine; .* pass "
+     "--allow-remote-workers")])
+def test_worker_addresses_are_loopback_unless_allowed(address, match):
+  with pytest.raises(ValueError, match=match):
+    runtime.check_addresses([address])
+  if "not on this machine" in match:
+    runtime.check_addresses([address], allow_remote=True)
+
+
+def test_workers_started_elsewhere_train_like_local_ones(workers, tmp_path):
+  """Two `tff-privacy worker` processes, reached by their addresses."""
+  ports = [runtime.portpicker.pick_unused_port() for _ in "ab"]
+  servers = [subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker",
+                               "--port", str(p)], stderr=subprocess.PIPE, text=True)
+             for p in ports]
+  try:
+    assert "plaintext, unauthenticated gRPC" in servers[0].stderr.readline()
+    runtime.stop()
+    runtime.start(addresses=[f"localhost:{p}" for p in ports])
+    remote = runner.run(runner.RunConfig(out=str(tmp_path / "remote"), **FEDAVG),
+                        progress=False)
+  finally:
+    runtime.stop()
+    for s in servers:
+      s.terminate()
+      s.wait(timeout=30)
+  workers(1)
+  local = runner.run(runner.RunConfig(out=str(tmp_path / "local"), **FEDAVG),
+                     progress=False)
+  _close(local, remote)
+
+
+def _train(out, *flags):
+  return [sys.executable, "-m", "tff_privacy.cli", "train", "--out", str(out),
+          "--method", "fedavg", "--dataset", "digits", "--model", "mlp",
+          "--model-kwargs", '{"hidden": [16]}', "--clients", "6",
+          "--batch-size", "8", "--seed", "3", "--quiet", *flags]
+
+
+def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path):
+  """One of two workers is SIGKILLed after round 2's checkpoint: the run
+  stops with a message naming the worker's port and leaves no worker
+  behind; the same command then resumes from the last finished round."""
+  script = textwrap.dedent(f"""
+      import os, signal, sys, threading, time
+      from tff_privacy import cli, runtime
+      def kill_after_round_two():
+        while not os.path.exists({str(tmp_path / "run" / "checkpoints" / "program_state_2")!r}):
+          time.sleep(0.05)
+        first, second = runtime._workers
+        print("pids", first.process.pid, second.process.pid, flush=True)
+        os.kill(second.process.pid, signal.SIGKILL)
+        print("killed port", second.port, flush=True)
+      threading.Thread(target=kill_after_round_two, daemon=True).start()
+      sys.exit(cli.main(sys.argv[1:]))
+  """)
+  command = _train(tmp_path / "run", "--rounds", "8", "--workers", "2")
+  killed = subprocess.run([sys.executable, "-c", script, *command[3:]],
+                          capture_output=True, text=True, timeout=600)
+  assert "killed port" in killed.stdout, killed.stderr[-2000:]
+  port = killed.stdout.split("killed port ")[1].split()[0]
+  assert killed.returncode == 1, killed.stderr[-2000:]
+  assert (f"error: the TFF worker_binary on port {port} was killed by SIGKILL"
+          in killed.stderr)
+  for pid in killed.stdout.split("pids ")[1].split()[:2]:
+    assert not psutil.pid_exists(int(pid)) or psutil.Process(
+        int(pid)).status() == psutil.STATUS_ZOMBIE
+  before = json.load(open(tmp_path / "run" / "metrics.json"))
+  assert 2 <= len(before) < 8
+  resumed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  after = json.load(open(tmp_path / "run" / "metrics.json"))
+  assert [m["round"] for m in after] == list(range(1, 9))
+  assert after[:len(before)] == before  # nothing lost or redone
