@@ -271,13 +271,30 @@ class OrderedMergeableContext(context_base.SyncContext):
           form.merge, structure.Struct.unnamed(merged, partial))
     result_type = form.after_merge.type_signature.result
     if type_analysis.contains_only(result_type, _same_for_every_share):
-      contexts, shares = contexts[:1], shares[:1]  # one answer serves all
+      # one answer serves all shares, so it depends on none of their client
+      # values: leave those out instead of sending them again
+      contexts = contexts[:1]
+      shares = [None if shares[0] is None else _without_client_values(
+          shares[0], form.up_to_merge.type_signature.parameter)]
     results = await asyncio.gather(*(
         c.invoke(form.after_merge, merged if share is None
                  else structure.Struct.unnamed(share, merged))
         for c, share in zip(contexts, shares)))
     return mergeable_comp_execution_context._repackage_partitioned_values(  # pylint: disable=protected-access
         list(results), result_type)
+
+
+def _without_client_values(value, type_spec):
+  """`value` with every CLIENTS-placed, not all-equal part emptied."""
+  if isinstance(type_spec, computation_types.StructType):
+    return structure.Struct([
+        (name, _without_client_values(v, t)) for (_, v), (name, t) in zip(
+            structure.iter_elements(structure.from_container(value)),
+            structure.iter_elements(type_spec))])
+  if (isinstance(type_spec, computation_types.FederatedType)
+      and type_spec.placement is placements.CLIENTS and not type_spec.all_equal):
+    return []
+  return value
 
 
 def _same_for_every_share(type_spec) -> bool:
