@@ -8,7 +8,7 @@ The targets are FedSGD uploads of bundled MNIST digits under the small ReLU
 CNN (computed here, as a client would).
 
   python benchmarks/attack_speed.py [--iterations 500] [--eager-iterations 50]
-      [--records 8] [--model cnn]
+      [--records 8] [--record-iterations 200] [--model cnn]
 """
 
 from __future__ import annotations

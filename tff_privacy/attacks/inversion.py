@@ -312,7 +312,8 @@ class GradientInversion(abc.ABC):
   def estimate_seconds(self, records: Sequence[UpdateRecord],
                        device: Optional[str] = None) -> float:
     """Rough wall time of `__call__(records)`: a few timed iterations on the
-    first record (after compiling), scaled to every record's iterations."""
+    first record (after compiling), scaled to every record's iterations;
+    searched one record at a time, so an upper bound with `group_size` > 1."""
     target = self.targets(records[:1])[0]
     steps = min(10, self.iterations)
     with tf.device(device):
