@@ -53,6 +53,17 @@ def lenet(input_shape, num_classes, seed: int = 0, activation: str = "sigmoid",
   return tf.keras.Sequential(layers, name="lenet")
 
 
+def _dense_head(inits, dense: int, num_classes: int) -> list:
+  """Flatten, fc1 (`dense` units, ReLU) and fc2 (the logits)."""
+  k1, b1 = next(inits)
+  k2, b2 = next(inits)
+  return [L.Flatten(),
+          L.Dense(dense, activation="relu", kernel_initializer=k1,
+                  bias_initializer=b1, name="fc1"),
+          L.Dense(num_classes, kernel_initializer=k2, bias_initializer=b2,
+                  name="fc2")]
+
+
 def cnn(input_shape, num_classes, seed: int = 0, filters: int = 16,
         dense: int = 64, weight_init: str = "default") -> tf.keras.Model:
   """A small ReLU CNN: conv(3x3)-maxpool twice, then dense-ReLU and dense."""
@@ -63,13 +74,7 @@ def cnn(input_shape, num_classes, seed: int = 0, filters: int = 16,
     layers += [L.Conv2D(f, 3, padding="same", activation="relu",
                         kernel_initializer=k, bias_initializer=b, name=f"conv{i}"),
                L.MaxPool2D(2)]
-  k1, b1 = next(inits)
-  k2, b2 = next(inits)
-  layers += [L.Flatten(),
-             L.Dense(dense, activation="relu", kernel_initializer=k1,
-                     bias_initializer=b1, name="fc1"),
-             L.Dense(num_classes, kernel_initializer=k2, bias_initializer=b2,
-                     name="fc2")]
+  layers += _dense_head(inits, dense, num_classes)
   return tf.keras.Sequential(layers, name="cnn")
 
 
@@ -143,13 +148,7 @@ def _conv_pool_net(name, input_shape, num_classes, seed, filters, stride, dense,
     layers += [L.Conv2D(f, 3, strides=stride, padding="same", kernel_initializer=k,
                         bias_initializer=b, name=f"conv{i}"),
                L.MaxPool2D(2, padding="same"), L.ReLU(name=f"act{i}")]
-  k1, b1 = next(inits)
-  k2, b2 = next(inits)
-  layers += [L.Flatten(),
-             L.Dense(dense, activation="relu", kernel_initializer=k1,
-                     bias_initializer=b1, name="fc1"),
-             L.Dense(num_classes, kernel_initializer=k2, bias_initializer=b2,
-                     name="fc2")]
+  layers += _dense_head(inits, dense, num_classes)
   return tf.keras.Sequential(layers, name=name)
 
 
