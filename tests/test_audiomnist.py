@@ -48,6 +48,14 @@ def test_the_published_layout_loads_with_digits_and_attributes(data_dir):
   assert sorted(genders.tolist()) == sorted(gender[spk] for _, _, spk in found)
 
 
+def test_max_per_speaker_reads_each_speakers_first_files(data_dir):
+  source = sources.load_source("audiomnist", data_dir,
+                               {"max_per_speaker": 4, "test_fraction": 0.5})
+  # sorted names: 0_SS_0, 0_SS_1, 1_SS_0, 1_SS_1 for each of 3 speakers
+  y = np.concatenate([source.y_train, source.y_test])
+  assert sorted(y.tolist()) == [0] * 6 + [1] * 6 and len(source.y_test) == 6
+
+
 def test_a_tone_peaks_in_its_frequency_column(data_dir):
   image = audiomnist.spectrogram(f"{data_dir}/01/4_01_0.wav")  # 3,000 Hz
   bin_ = 3000 / audiomnist.RATE * 456  # of 229 frequencies

@@ -125,6 +125,9 @@ def _train_argv(out, *extra):
      "dp_sgd_fedavg, fedavg, fedre, local_only, pfedhn, pfedhn_pc, ppsgd"),
     (["--method", "fedsgd", "--method-kwargs", '{"local_epochs": 2}'],
      "method 'fedsgd' takes no local_epochs; its parameters: server_learning_rate"),
+    (["--data-kwargs", '{"max_images": 3}'],
+     "data_kwargs of dataset 'digits' takes no max_images; its parameters: "
+     "test_fraction"),
     (["--model-kwargs", '{"hiden": [8]}'],
      "model_kwargs: model 'mlp' takes no hiden; its arguments: hidden, activation"),
 ])
@@ -238,6 +241,15 @@ def test_config_file_and_flags_merge(tmp_path):
                             "fedsgd"])
   run = cli._config_from_args(args)
   assert run.defense_kwargs == {"p": 0.9} and run.method_kwargs == {}
+  # and likewise the data set's options
+  config.write_text(json.dumps({"out": str(tmp_path / "run"), "dataset": "audiomnist",
+                                "data_kwargs": {"max_per_speaker": 5}}))
+  args = parser.parse_args(["train", "--config", str(config), "--data-kwargs",
+                            '{"test_fraction": 0.3}'])
+  assert cli._config_from_args(args).data_kwargs == {"max_per_speaker": 5,
+                                                     "test_fraction": 0.3}
+  args = parser.parse_args(["train", "--config", str(config), "--dataset", "digits"])
+  assert cli._config_from_args(args).data_kwargs == {}
 
 
 def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(

@@ -40,6 +40,16 @@ def test_unknown_dataset_names_choices():
     data.load_source("nope")
 
 
+def test_test_fraction_reaches_the_stratified_split():
+  from sklearn.datasets import load_digits
+  per_class = np.bincount(load_digits().target)
+  fed = data.load("digits", 4, data_kwargs={"test_fraction": 0.5})
+  np.testing.assert_array_equal(np.bincount(fed.test[1]),
+                                np.round(per_class * 0.5).astype(int))
+  with pytest.raises(ValueError, match=r"test_fraction must lie in \(0, 1\)"):
+    data.load_source("digits", data_kwargs={"test_fraction": 1})
+
+
 def test_tfds_loader_reads_through_tensorflow_datasets():
   with tfds.testing.mock_data(num_examples=12):
     src = data.load_source("fashion_mnist")

@@ -78,6 +78,13 @@ def test_lfw_source_splits_and_keeps_attributes_aligned(lfw_dir):
       assert gender[int(round(image.mean() * 255 / 10)) * 10] == g
 
 
+def test_lfw_max_images_reads_the_first_annotated_images(lfw_dir):
+  source = sources.load_source("lfw", str(lfw_dir), {"max_images": 2})
+  x = np.concatenate([source.x_train, source.x_test])
+  # the fixture's first two images found on disk have values 40 and 90
+  assert sorted(int(round(image.mean() * 255 / 10)) * 10 for image in x) == [40, 90]
+
+
 @pytest.mark.parametrize("edit,match", [
     (lambda d: (d / "lfw_attributes.txt").write_text("Ann\t1\t0.5\n"),
      "no header line"),

@@ -1,4 +1,5 @@
 import glob
+import json
 import os
 
 import dp_accounting
@@ -120,6 +121,18 @@ def test_other_config_in_same_folder_is_refused(fedsgd_run):
   assert config.to_json()["method_kwargs"] == {"server_learning_rate": 0.1}
 
 
+def test_data_options_at_their_defaults_leave_config_json_as_before(fedsgd_run):
+  config, _ = fedsgd_run
+  with open(os.path.join(config.out, "config.json")) as f:
+    assert "data_kwargs" not in json.load(f)  # runs from before the field resume
+  default = runner.RunConfig(**{**vars(config), "data_kwargs": {"test_fraction": 0.2}})
+  assert default.to_json() == config.to_json()
+  other = runner.RunConfig(**{**vars(config), "data_kwargs": {"test_fraction": 0.5}})
+  assert other.to_json()["data_kwargs"] == {"test_fraction": 0.5}
+  with pytest.raises(ValueError, match="differs in data_kwargs"):
+    runner.run(other, progress=False)
+
+
 def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=4,
                             method_kwargs={"local_epochs": 2}, capture_rounds=(1,),
@@ -166,6 +179,10 @@ def test_client_inputs_join_every_batch():
     (dict(method="fedprox"), "method='fedprox'"),
     (dict(dataset="imagenet"), "dataset='imagenet'"),
     (dict(batch_size=0), "batch_size must be >= 1"),
+    (dict(data_kwargs={"max_per_speaker": 3}),
+     "data_kwargs of dataset 'mnist5k' takes no max_per_speaker; its parameters: "
+     "test_fraction"),
+    (dict(dataset="docs", data_kwargs={"size": 8}), "size must be >= 32"),
 ])
 def test_bad_config_raises(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -145,8 +145,8 @@ def _train_parser(sub) -> None:
   from tff_privacy import runner  # deferred: imports TF
   p = sub.add_parser("train", help="train a federated method, capturing uploads")
   p.add_argument("--config", help="JSON file of RunConfig fields; flags override "
-                 "single fields and merge into model_kwargs, method_kwargs and "
-                 "defense_kwargs")
+                 "single fields and merge into model_kwargs, data_kwargs, "
+                 "method_kwargs and defense_kwargs")
   p.add_argument("--out", help="output folder (required here or in --config)")
   for param in runner.RUN_PARAMETERS:
     extra: dict[str, Any] = {"type": param.kind}
@@ -156,6 +156,9 @@ def _train_parser(sub) -> None:
                    metavar=param.flag.upper().replace("-", "_"), **extra)
   p.add_argument("--model-kwargs", type=json_object,
                  help='model builder arguments as JSON, e.g. \'{"weight_init": "default"}\'')
+  p.add_argument("--data-kwargs", type=json_object,
+                 help="the data set's options as JSON, e.g. "
+                 "'{\"max_per_speaker\": 50}'; " + _data_options_text())
   p.add_argument("--method-kwargs", type=json_object,
                  help="the method's parameters as JSON, e.g. "
                  "'{\"perturb_steps\": 10}' (the flags below override)")
@@ -186,6 +189,16 @@ def _train_parser(sub) -> None:
   _defense_flags().add_to(p)
 
 
+def _data_options_text() -> str:
+  from tff_privacy.data import sources
+  options = sources.DATA_PARAMETERS
+  fixed = sorted(name for name, params in options.items() if not params.names)
+  own = [f"{name}: {', '.join(n for n in params.names if n != 'test_fraction')}"
+         for name, params in sorted(options.items()) if len(params.names) > 1]
+  return (f"test_fraction (all but {', '.join(fixed)}, which keep tfds' "
+          f"splits); {'; '.join(own)}")
+
+
 def _read_config(path: str) -> dict[str, Any]:
   try:
     with open(path) as f:
@@ -209,11 +222,11 @@ def _config_from_args(args):
   if unknown:
     raise ValueError(f"--config {args.config}: unknown fields {', '.join(unknown)}; "
                      f"accepted: {', '.join(sorted(accepted))}")
-  for name in ("model_kwargs", "method_kwargs", "defense_kwargs"):
+  for name in ("model_kwargs", "data_kwargs", "method_kwargs", "defense_kwargs"):
     if not isinstance(fields.get(name, {}), dict):
       raise ValueError(f"--config {args.config}: {name} must be a JSON object")
-  for component, kwargs in (("model", "model_kwargs"), ("method", "method_kwargs"),
-                            ("defense", "defense_kwargs")):
+  for component, kwargs in (("model", "model_kwargs"), ("dataset", "data_kwargs"),
+                            ("method", "method_kwargs"), ("defense", "defense_kwargs")):
     # a flag naming another component drops the file's parameters of the old one
     before = fields.get(component, RUN_PARAMETERS[component].default)
     if getattr(args, component) not in (None, before):
@@ -227,6 +240,8 @@ def _config_from_args(args):
   defense = RUN_PARAMETERS["defense"].check(fields.get("defense"))
   fields["model_kwargs"] = {**fields.get("model_kwargs", {}),
                             **(args.model_kwargs or {})}
+  fields["data_kwargs"] = {**fields.get("data_kwargs", {}),
+                           **(args.data_kwargs or {})}
   fields["method_kwargs"] = {**fields.get("method_kwargs", {}),
                              **(args.method_kwargs or {}),
                              **_method_flags().given(args, method)}

