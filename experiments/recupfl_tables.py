@@ -74,8 +74,12 @@ ROUNDS = (1, 3, 5)
 CLIP = 20.0
 # each defence's parameter and range (Sec. 5.3 and 5.5), log-spaced for the
 # noise levels and budgets, evenly for the shares
+# soteria_layer: the dense layer Soteria defends. Its input must be a learned
+# representation (Soteria's setting): the MLP's first layer reads the raw
+# one-hot record, where Soteria's scores 1 / (x + 0.1) prune every non-zero
+# input row at all of Sec. 5.5's rates, i.e. the whole first-layer gradient.
 DATASETS = {
-    "adult": {"model": "mlp", "model_kwargs": {"hidden": [50]},
+    "adult": {"model": "mlp", "model_kwargs": {"hidden": [50]}, "soteria_layer": "fc2",
               "learning_rate": 0.01, "attribute": "race", "second": "sex",
               "ranges": {"recupfl": (1e-5, 0.1), "ldp_gaussian": (1e-5, 0.1),
                          "ldp_laplace": (1e-5, 0.1), "sparsification": (0.15, 0.8),
@@ -105,20 +109,22 @@ def levels(defense: str, low: float, high: float, count: int) -> list[float]:
   return [float(f"{v:.3g}") for v in np.geomspace(low, high, count)]
 
 
-def defense_kwargs(defense: str, level: float, args, attribute: str) -> dict:
+def defense_kwargs(defense: str, level: float, args, attribute: str,
+                   dataset: str) -> dict:
   if defense == "recupfl":
     return {"protect": attribute, "perturbation_budget": level,
             "zoo_epochs": args.zoo_epochs}
   if defense in ("ldp_gaussian", "ldp_laplace"):
     return {"clip": CLIP, "noise_multiplier": level / CLIP}
-  return {"p": level}
+  layer = DATASETS[dataset].get("soteria_layer")
+  return {"p": level, **({"layer": layer} if defense == "soteria" and layer else {})}
 
 
 class Experiment:
   """Runs on one data set, each in its own folder under `runs`."""
 
   def __init__(self, args, dataset: str, runs: str):
-    self.args, self.runs = args, runs
+    self.args, self.runs, self.dataset = args, runs, dataset
     spec = DATASETS[dataset]
     self.common = dict(
         method="fedsgd", dataset=dataset, model=spec["model"],
@@ -150,7 +156,8 @@ class Experiment:
     `adaptive`: with the adaptive adversaries' rates too."""
     attributes = attributes or (self.args.attribute,)
     kwargs = None if defense == "none" else {
-        **defense_kwargs(defense, level, self.args, self.args.attribute), **recupfl}
+        **defense_kwargs(defense, level, self.args, self.args.attribute,
+                         self.dataset), **recupfl}
     named = {k: v for k, v in sorted(recupfl.items())
              if RECUPFL_DEFAULTS.get(k, self.args.attribute) != v}
     name = "_".join([defense] + ([f"{level:g}"] if level is not None else [])
@@ -312,7 +319,7 @@ def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dic
   if os.path.exists(path) and io.read_json(path).get("attack") == attack:
     return io.read_json(path)
   kwargs = (None if defense == "none"
-            else defense_kwargs(defense, level, args, attribute))
+            else defense_kwargs(defense, level, args, attribute, IMAGE_DATASET))
   history = exp.run(name, 1, (1,), (), None if defense == "none" else defense,
                     kwargs)
   updates = os.path.join(folder, "updates")
@@ -407,7 +414,8 @@ def participation(exp: Experiment) -> list[dict]:
       history = runner.run(runner.RunConfig(
           out=out, rounds=exp.args.participation_rounds, clients_per_round=per_round,
           defense="recupfl", defense_kwargs=defense_kwargs(
-              "recupfl", exp.args.epsilon, exp.args, exp.args.attribute), **common),
+              "recupfl", exp.args.epsilon, exp.args, exp.args.attribute,
+              exp.dataset), **common),
           progress=not exp.args.quiet)
     rows += [{"ratio": ratio, "round": e["round"], "learning_loss": e["test_loss"]}
              for e in history]

@@ -29,6 +29,21 @@ def test_levels_are_log_spaced_for_noise_and_even_for_shares(tables):
   assert tables.levels("soteria", 0.2, 0.9, 1) == [0.9]
 
 
+def test_soteria_defends_a_learned_representation_on_adult(tables):
+  import tensorflow as tf
+  from tff_privacy.models import builders
+  kwargs = tables.defense_kwargs("soteria", 0.5, None, "race", "adult")
+  spec = tables.DATASETS["adult"]
+  with tf.Graph().as_default():
+    model = builders.mlp((103,), 1, hidden=tuple(spec["model_kwargs"]["hidden"]))
+    # the defended layer reads the 50 hidden units, not the 103 raw inputs
+    assert model.get_layer(kwargs["layer"]).input_shape == (None, 50)
+  assert kwargs == {"p": 0.5, "layer": "fc2"}
+  # the image CNN keeps Soteria's own default (its first dense layer)
+  assert tables.defense_kwargs("soteria", 0.9, None, "parity",
+                               "mnist5k_parity") == {"p": 0.9}
+
+
 def test_interpolate_at_reads_the_curve_linearly_between_its_losses(tables):
   rows = [{"learning_loss": 0.3, "asr": 0.2}, {"learning_loss": 0.1, "asr": 0.6},
           {"learning_loss": 0.2, "asr": 0.5}]
