@@ -427,10 +427,12 @@ def _plot_participation(rows, args) -> None:
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
+  from matplotlib.ticker import MaxNLocator
   fig, ax = plt.subplots(figsize=(5, 3.5))
   for ratio in sorted({r["ratio"] for r in rows}):
     curve = [(r["round"], r["learning_loss"]) for r in rows if r["ratio"] == ratio]
     ax.plot(*zip(*curve), "o-", markersize=3, label=f"{ratio:.0%} of clients")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_xlabel("round")
   ax.set_ylabel("learning loss")
   ax.set_title(f"RECUP-FL (epsilon {args.epsilon:g}) on {args.dataset}")
