@@ -250,6 +250,9 @@ def test_regions_without_pixels_are_refused(tmp_path):
     fedre.client_regions(str(path), 2, 8, 8)
 
 
+@pytest.mark.slow  # two minutes on 2 cores; the fast suite keeps the
+# segmentation task's runs (test_local_only_trains_the_segmentation_task,
+# test_tasks) and FedRE's client and server parts
 def test_fedre_trains_the_segmentation_task_on_documents(tmp_path):
   config = runner.RunConfig(
       out=str(tmp_path), method="fedre", dataset="docs", model="unet",

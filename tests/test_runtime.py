@@ -7,6 +7,7 @@ import textwrap
 
 import numpy as np
 import psutil
+import pytest
 import tensorflow_federated as tff
 
 from conftest import worker_children
@@ -48,6 +49,17 @@ def test_worker_dies_with_a_sigkilled_parent():
   assert not worker.is_running()
 
 
+def test_a_workers_end_is_described_by_port_and_signal():
+  assert runtime.describe_exit(-9, 4242).startswith(
+      "the TFF worker_binary on port 4242 was killed by SIGKILL (most often the "
+      "kernel's out-of-memory killer")
+  assert runtime.describe_exit(-15) == "the TFF worker_binary was killed by SIGTERM"
+  assert runtime.describe_exit(3, 7) == "the TFF worker_binary on port 7 exited with code 3"
+
+
+@pytest.mark.slow  # it can block for minutes when the kill lands inside a
+# call to TFF's C++ executor (the watcher's SIGINT waits for it); the
+# fast suite keeps test_worker_dies_with_a_sigkilled_parent
 def test_a_killed_worker_stops_the_program_instead_of_hanging():
   # TFF's remote executor retries a dead worker forever; the watcher must
   # interrupt the main thread and say why.

@@ -130,6 +130,9 @@ def _train(out, *flags):
           "--batch-size", "8", "--seed", "3", "--quiet", *flags]
 
 
+@pytest.mark.slow  # a worker killed while TFF's C++ executor waits on it can
+# block for minutes (see runtime's watcher); the fast suite checks the
+# message in test_runtime and the resume in test_runner
 def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path):
   """One of two workers is SIGKILLed after round 2's checkpoint: the run
   stops with a message naming the worker's port and leaves no worker
