@@ -21,12 +21,17 @@ demo: $(STAMP)
 	$(BIN)/tff-privacy demo --out $(DEMO_OUT)
 
 # The fast suite (CI); `test-all` adds the tests marked slow (long trainings
-# and attacks that check numbers at a realistic scale).
+# and attacks that check numbers at a realistic scale). Tests run in
+# TEST_WORKERS pytest-xdist processes: most of a test's time is one Python
+# thread tracing TFF computations, so two processes use both cores.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(PYTEST) tests
 
 # Every BUILD target, offline, with Debian's Bazel 4.2 and the .venv
 # interpreter (tools/bazel); installs bazel-bootstrap with apt when missing.
