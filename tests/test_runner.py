@@ -425,3 +425,27 @@ def test_fedavg_schedule_matches_the_attackers_simulation(tmp_path):
         tf.constant(x[order]), tf.one_hot(y[order], 10), 0.3, per_epoch * 2)
     for got, want in zip(record.upload, delta):
       np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
+
+
+@pytest.mark.parametrize("spec", [
+    models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": [6]}),
+    models.ModelSpec("unet", (8, 8, 3), 2, {"widths": (2, 3)}, "segmentation",
+                     {"positive_weight": 3.0})])
+def test_scores_by_group_equal_one_call_per_group(spec):
+  # the per-client evaluation of a global model runs in one pass; each
+  # group's metrics must be what scoring the group alone gives
+  rng = np.random.default_rng(0)
+  x = rng.random((23,) + spec.input_shape, dtype=np.float32)
+  y = rng.integers(0, spec.num_classes, (23,) + spec.task_object.label_shape(
+      spec.input_shape)).astype(np.int32)
+  groups = rng.integers(0, 3, 23)
+  groups[groups == 2] = 3  # group 2 is empty
+  evaluator = runner.Evaluator(spec)
+  weights = spec.keras(1).get_weights()
+  grouped = evaluator.scores_by_group(weights, x, y, groups, 5)
+  for g in range(5):
+    alone = evaluator.scores(weights, x[groups == g], y[groups == g])
+    assert grouped[g].keys() == alone.keys()
+    for name in alone:
+      np.testing.assert_allclose(grouped[g][name], alone[name], rtol=1e-5,
+                                 atol=1e-6, err_msg=f"group {g} {name}")

@@ -284,6 +284,10 @@ class Evaluator:
     self._sums = tf.function(self._sums_fn, input_signature=[
         weights, tf.TensorSpec((None,) + spec.input_shape, tf.float32),
         tf.TensorSpec((None,) + self.task.label_shape(spec.input_shape), tf.int32)])
+    self._group_sums = tf.function(self._group_sums_fn, input_signature=[
+        weights, tf.TensorSpec((None,) + spec.input_shape, tf.float32),
+        tf.TensorSpec((None,) + self.task.label_shape(spec.input_shape), tf.int32),
+        tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.int32)])
 
   def _sums_fn(self, weights, x, y):
     for v, w in zip(self._model.trainable_variables, weights):
@@ -293,11 +297,34 @@ class Evaluator:
       totals += tf.stack(self.task.sums(self._model(xb, training=False), yb))
     return totals
 
+  def _group_sums_fn(self, weights, x, y, groups, num_groups):
+    for v, w in zip(self._model.trainable_variables, weights):
+      v.assign(w)
+    totals = tf.zeros([num_groups, len(self.task.sum_names)])
+    for xb, yb, gb in tf.data.Dataset.from_tensor_slices((x, y, groups)).batch(_EVAL_BATCH):
+      per_sample = tf.vectorized_map(
+          lambda pair: tf.stack(self.task.sums(pair[0][None], pair[1][None])),
+          (self._model(xb, training=False), yb))
+      totals += tf.math.unsorted_segment_sum(per_sample, gb, num_groups)
+    return totals
+
   def scores(self, weights: Sequence[np.ndarray], x: np.ndarray,
              y: np.ndarray) -> dict[str, float]:
     """Every metric of the task on (x, y)."""
     sums = self._sums([tf.constant(w) for w in weights], x, y)
     return self.task.scores([float(v) for v in sums.numpy()], len(y))
+
+  def scores_by_group(self, weights: Sequence[np.ndarray], x: np.ndarray,
+                      y: np.ndarray, groups: np.ndarray,
+                      num_groups: int) -> list[dict[str, float]]:
+    """Every metric of the task on each group of (x, y) (`groups` holds each
+    sample's group in [0, num_groups)), one model, in one pass: the same as
+    `scores` on each group's samples, without a call per group."""
+    sums = self._group_sums([tf.constant(w) for w in weights], x, y,
+                            groups.astype(np.int32), num_groups).numpy()
+    counts = np.bincount(groups, minlength=num_groups)
+    return [self.task.scores([float(v) for v in sums[g]], int(counts[g]))
+            for g in range(num_groups)]
 
   def __call__(self, weights: Sequence[np.ndarray], x: np.ndarray,
                y: np.ndarray) -> tuple[float, float]:
@@ -445,6 +472,18 @@ class Run:
     return {c.index: private.sent(weights, state["clients"][c.index])
             for c in clients}
 
+  def _client_tests(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Every client's test split in one array (x, y), each sample's client,
+    and the number of clients; built once."""
+    if not hasattr(self, "_client_test_arrays"):
+      indices = self.fed.client_test_indices
+      flat = np.concatenate(indices).astype(np.int64)
+      groups = np.repeat(np.arange(len(indices)), [len(i) for i in indices])
+      source = self.fed.source
+      self._client_test_arrays = (source.x_test[flat], source.y_test[flat], groups,
+                                  len(indices))
+    return self._client_test_arrays
+
   def personal_weights(self, state) -> list[list[np.ndarray]]:
     """Every client's own model: for personalised methods from its private
     state, for the others the global model."""
@@ -462,8 +501,12 @@ class Run:
     if not self.personalized:
       entry.update({f"test_{k}": v for k, v in evaluator.scores(
           self.server_weights(state), *self.fed.test).items()})
-    per_client = [evaluator.scores(w, *self.fed.client_test_arrays(c))
-                  for c, w in enumerate(self.personal_weights(state))]
+    if self.personalized:
+      per_client = [evaluator.scores(w, *self.fed.client_test_arrays(c))
+                    for c, w in enumerate(self.personal_weights(state))]
+    else:
+      per_client = evaluator.scores_by_group(self.server_weights(state),
+                                             *self._client_tests())
     primary = evaluator.task.primary_metric
     for name in per_client[0]:
       values = np.array([s[name] for s in per_client])
