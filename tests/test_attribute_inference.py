@@ -220,3 +220,14 @@ def test_a_data_set_without_the_attribute_is_refused(tmp_path):
   with pytest.raises(ValueError, match="infer_attributes \\['race'\\]: data set "
                      "'digits' has sensitive attributes none"):
     runner.Run(config)
+
+
+def test_uploads_that_are_not_the_models_weights_are_refused():
+  from conftest import record_of
+  x = np.random.default_rng(0).random((2, 8, 8, 1), dtype=np.float32)
+  record = record_of(x, np.array([1, 2]))
+  record = dataclasses.replace(record, metadata={
+      **record.metadata, "method": "hyperfl", "upload_kind": "hypernetwork_weights"})
+  with pytest.raises(ValueError, match="'hyperfl' uploads hypernetwork_weights"):
+    attribute.infer_round([record], np.array([0]), x, np.array([1, 2]),
+                          np.array([0, 1]))

@@ -133,6 +133,17 @@ def test_data_options_at_their_defaults_leave_config_json_as_before(fedsgd_run):
     runner.run(other, progress=False)
 
 
+def test_evaluating_every_second_round_trains_the_same_model(fedsgd_run, tmp_path):
+  config, history = fedsgd_run
+  with open(os.path.join(config.out, "config.json")) as f:
+    assert "evaluate_every" not in json.load(f)  # runs from before it resume
+  sparse = runner.run(runner.RunConfig(**{**vars(config), "out": str(tmp_path),
+                                          "evaluate_every": 2}), progress=False)
+  assert ["test_accuracy" in m for m in sparse] == [False, True, True]  # 2, last
+  for every, some in zip(_without_timing(history), _without_timing(sparse)):
+    assert {k: v for k, v in every.items() if k in some} == some
+
+
 def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=4,
                             method_kwargs={"local_epochs": 2}, capture_rounds=(1,),

@@ -442,6 +442,53 @@ def _demo(args) -> int:
   return 0
 
 
+def _leaderboard_parser(sub) -> None:
+  p = sub.add_parser("leaderboard", help="train every method and defence on the "
+                     "same data and protocol, attack every run alike, and write "
+                     "OUT/report.md; a rerun resumes")
+  p.add_argument("--out", required=True)
+  p.add_argument("--scale", choices=("compact", "full"), default="compact",
+                 help="the built-in grid: compact (minutes on 2 cores) or full")
+  p.add_argument("--config", help="a JSON grid instead of the built-in one "
+                 "(see tff_privacy.leaderboard.grid)")
+  p.add_argument("--quiet", action="store_true")
+
+
+def _leaderboard(args) -> int:
+  from tff_privacy import leaderboard, runtime
+  grid = (leaderboard.grid.load(args.config) if args.config else
+          leaderboard.grid.parse(leaderboard.defaults.grid(args.scale),
+                                 f"--scale {args.scale}"))
+  runtime.start()
+  results = leaderboard.board.run(grid, args.out, progress=not args.quiet)
+  return _print_report(grid, results, args.out, ["tff-privacy", *sys.argv[1:]])
+
+
+def _report_parser(sub) -> None:
+  p = sub.add_parser("report", help="rebuild a leaderboard's report.md, CSV, "
+                     "JSON and figures from its finished rows")
+  p.add_argument("out", help="the leaderboard's folder")
+
+
+def _report(args) -> int:
+  from tff_privacy import leaderboard
+  grid, results = leaderboard.board.read(args.out)
+  if not results:
+    raise ValueError(f"{args.out}: no finished rows yet")
+  return _print_report(grid, results, args.out, None)
+
+
+def _print_report(grid, results, out, command) -> int:
+  from tff_privacy import leaderboard
+  path = leaderboard.report.write(grid, results, out, command)
+  rows = leaderboard.report.table_rows(grid, results)
+  print("\n".join(leaderboard.report.section(
+      "At each entry's default strength", [r for r in rows if r["default"]])))
+  print(f"report: {path} (figures: "
+        f"{', '.join(leaderboard.report.FIGURES)}; leaderboard.csv, leaderboard.json)")
+  return 0
+
+
 def _positive_int(text: str) -> int:
   if not text.isdigit() or int(text) < 1:
     raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
@@ -484,6 +531,8 @@ def _parser() -> argparse.ArgumentParser:
   _merge_parser(sub)
   _infer_parser(sub)
   _demo_parser(sub)
+  _leaderboard_parser(sub)
+  _report_parser(sub)
   _worker_parser(sub)
   return parser
 
@@ -499,6 +548,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     return {"train": _train, "attack": _attack, "merge-attacks": _merge,
             "infer-attributes": _infer, "demo": _demo,
+            "leaderboard": _leaderboard, "report": _report,
             "worker": _worker}[args.command](args)
   except (ValueError, OSError, runtime.WorkerError) as e:
     if os.environ.get(DEBUG_VARIABLE):

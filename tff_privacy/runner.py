@@ -88,6 +88,9 @@ RUN_PARAMETERS = params.Params(
     params.Param("attribute_shadow_samples", int, 1000, "test samples the "
                  "attribute-inference adversaries train on (infer_attributes)",
                  minimum=2),
+    params.Param("evaluate_every", int, 1, "rounds between evaluations of the "
+                 "model(s) (test and per-client metrics); the last round is "
+                 "always evaluated", minimum=1),
     params.Param("adaptive_adversaries", bool, False, "infer_attributes "
                  "also by adaptive adversaries, whose shadow uploads go "
                  "through the run's client defence with its parameters "
@@ -136,6 +139,7 @@ class RunConfig:
   positive_weight: float = _run_default("positive_weight")
   attribute_shadow_samples: int = _run_default("attribute_shadow_samples")
   adaptive_adversaries: bool = _run_default("adaptive_adversaries")
+  evaluate_every: int = _run_default("evaluate_every")
 
   def __post_init__(self):
     checked = RUN_PARAMETERS.check(
@@ -223,6 +227,8 @@ class RunConfig:
       d.pop("data_kwargs")
     if self.defense is not None:
       d["defense_kwargs"] = defenses.resolve(self.defense, self.defense_kwargs)
+    if self.evaluate_every == 1:  # as runs from before the field existed
+      d.pop("evaluate_every")
     return io.canonical(d)
 
 
@@ -652,6 +658,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   bar = tqdm.tqdm(range(done + 1, config.rounds + 1), disable=not progress,
                   initial=done, total=config.rounds, desc=config.method,
                   unit="round")
+  shown = {}
   for round_num in bar:
     start = time.perf_counter()
     capture = round_num in config.capture_rounds
@@ -662,7 +669,10 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
                                      r.algorithm.protocol)
     sent = r.sent_models(state, clients) if capture else None
     state, metrics = r.step(state, clients, capture)
-    entry = {"round": round_num, **r.evaluate(evaluator, state)}
+    entry = {"round": round_num}
+    if round_num % config.evaluate_every == 0 or round_num == config.rounds:
+      entry.update(r.evaluate(evaluator, state))
+      shown = _shown_metrics(r.spec.task_object.primary_metric, entry)
     train = metrics["client_work"]["train"]
     entry["train_loss"] = float(train["loss"])
     entry["train_accuracy"] = float(train["sparse_categorical_accuracy"])
@@ -681,11 +691,16 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
           tf.summary.scalar(k, v)
     writer.flush()
     asyncio.run(manager.save(state, round_num))
-    primary = r.spec.task_object.primary_metric
-    bar.set_postfix({primary: f"{entry.get(f'test_{primary}', entry[f'personal_{primary}_mean']):.4f}",
-                     "loss": f"{entry['train_loss']:.4f}"})
+    bar.set_postfix({**shown, "loss": f"{entry['train_loss']:.4f}"})
   _write_final_models(r, state)
   return history
+
+
+def _shown_metrics(primary: str, entry: dict) -> dict[str, str]:
+  """The progress bar's view of an evaluated round: the primary metric of
+  the global model, else of the clients' own models."""
+  value = entry.get(f"test_{primary}", entry.get(f"personal_{primary}_mean"))
+  return {primary: f"{value:.4f}"}
 
 
 def server_step_measurements(metrics) -> dict:

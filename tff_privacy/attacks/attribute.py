@@ -184,10 +184,15 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
     classes present, 'victims', 'shadow_uploads', 'samples_per_upload'}.
 
   Raises:
-    ValueError: the records were sent different models, or their uploads
-      are not shaped like the model's weights.
+    ValueError: the records upload something other than a gradient or model
+      delta, were sent different models, or their uploads are not shaped
+      like the model's weights.
   """
   first = records[0]
+  if first.upload_kind not in ("gradient", "model_delta"):
+    raise ValueError(f"attribute inference simulates uploads of the model's "
+                     f"weights (a gradient or model delta); method "
+                     f"{first.metadata['method']!r} uploads {first.upload_kind}")
   shapes = [w.shape for w in first.broadcast]
   for r in records:
     if [u.shape for u in r.upload] != shapes:

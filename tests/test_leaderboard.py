@@ -1,0 +1,153 @@
+"""The leaderboard: grids refused in one line, swept strengths routed to the
+defence or the method, the Pareto front and the utility-matched rows by
+hand, and a tiny leaderboard run end to end, resumed, and reported."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from tff_privacy import cli, leaderboard, models
+from tff_privacy.leaderboard import board, grid, report
+
+TINY = {
+    "protocol": {"dataset": "mnist5k_parity", "model": "mlp",
+                 "model_kwargs": {"hidden": [8]}, "clients": 40,
+                 "clients_per_round": 8, "rounds": 2, "batch_size": 2, "seed": 1},
+    "attacks": {"inversion": ["ig"], "iterations": 4, "victims": 2,
+                "attribute": "parity", "adversaries": ["svm", "rf"],
+                "shadow_samples": 20},
+    "reference": "FedSGD",
+    "entries": [
+        {"name": "FedSGD", "method": "fedsgd"},
+        {"name": "LDP Gaussian", "method": "fedsgd", "defense": "ldp_gaussian",
+         "defense_kwargs": {"clip": 1.0}, "sweep": {"noise_multiplier": [0.01, 1.0]},
+         "default": 1.0},
+    ],
+}
+
+
+def _with(**changes):
+  data = json.loads(json.dumps(TINY))
+  data.update(changes)
+  return data
+
+
+@pytest.mark.parametrize("data, message", [
+    (_with(colour=1), "unknown keys ['colour']"),
+    (_with(entries=[]), "entries: a non-empty list"),
+    (_with(reference="FedAvg"), "reference: 'FedAvg' is not an entry's name"),
+    (_with(utility_target=1.5), "utility_target: a fraction"),
+    (_with(attacks={"inversion": ["nope"]}), "inversion: a list of attacks from"),
+    (_with(attacks={"victims": 0}), "victims: an integer >= 1"),
+    (_with(protocol={"rounds": 2, "colour": "red"}), "unknown keys ['colour']"),
+    (_with(entries=[{"name": "A", "method": "fedsgd", "sweep": {"p": [0.5]}}]),
+     "'p' is a parameter of neither the defence nor method 'fedsgd'"),
+    (_with(entries=[{"name": "A", "method": "fedsgd", "defense": "sparsification",
+                     "sweep": {"p": [0.5]}, "default": 0.9}]),
+     "default: 0.9 is not one of the strengths [0.5]"),
+    (_with(entries=[{"name": "A", "method": "fedsgd", "defense": "sparsification",
+                     "sweep": {"p": [1.5]}}]), "entries[0] (A): "),
+    (_with(entries=[{"name": "A", "method": "fedsgd"}] * 2), "names must differ"),
+    (_with(entries=[{"name": "A", "method": "fedzz"}]), "method='fedzz' is unknown"),
+])
+def test_a_wrong_grid_is_refused_in_one_line(data, message):
+  with pytest.raises(ValueError) as error:
+    grid.parse(data)
+  assert message in str(error.value)
+  assert "\n" not in str(error.value)
+
+
+def test_a_swept_parameter_goes_to_the_defence_else_to_the_method():
+  rows = grid.parse(_with(reference="G", entries=[
+      {"name": "G", "method": "fedsgd", "defense": "ldp_gaussian",
+       "defense_kwargs": {"clip": 2.0}, "sweep": {"noise_multiplier": [0.1, 1.0]},
+       "default": 1.0},
+      {"name": "F", "method": "fedre", "method_kwargs": {"regions": "1,1,5,5"},
+       "sweep": {"epsilon": [10.0]}, "protocol": {"rounds": 3}}])).rows()
+  assert [r.key for r in rows] == ["g__noise-multiplier-0.1",
+                                   "g__noise-multiplier-1", "f__epsilon-10"]
+  assert rows[0].defense_kwargs == {"clip": 2.0, "noise_multiplier": 0.1}
+  assert rows[0].method_kwargs == {}
+  assert [r.is_default for r in rows] == [False, True, False]
+  assert rows[2].method_kwargs == {"regions": "1,1,5,5", "epsilon": 10.0}
+  assert rows[2].protocol["rounds"] == 3 and rows[0].protocol["rounds"] == 2
+
+
+def test_the_pareto_front_by_hand():
+  # (utility, leakage): B dominates C; A and D trade off; E has no leakage
+  points = [(0.9, 0.5), (0.8, 0.2), (0.7, 0.3), (0.95, 0.9), (0.99, None),
+            (0.8, 0.2)]
+  assert report.pareto_front(points) == [True, True, False, True, False, True]
+
+
+def test_the_matched_row_is_the_strength_closest_to_the_target():
+  def row(entry, key, utility, parameter="p"):
+    return {"entry": entry, "key": key, "utility": utility,
+            "settings": {"parameter": parameter}}
+  results = [row("ref", "r", 0.9, None), row("a", "a1", 0.85), row("a", "a2", 0.5),
+             row("b", "b1", 0.2), row("b", "b2", 0.79)]
+  # target 0.9 x 0.9 = 0.81: |0.85 - 0.81| < |0.5 - 0.81|; |0.79 - 0.81| < 0.61
+  assert report.matched_keys(results, 0.81) == {"a1", "b2"}
+
+
+def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
+  out = str(tmp_path / "board")
+  tiny = grid.parse(TINY)
+  first = board.run(tiny, out, progress=False, log=lambda _: None)
+  assert [r["key"] for r in first] == [r.key for r in tiny.rows()]
+  path = report.write(tiny, first, out, ["tff-privacy", "leaderboard"])
+  text = open(path).read()
+  assert "| FedSGD [" in text or "| FedSGD |" in text
+  for figure in report.FIGURES:
+    assert os.path.getsize(os.path.join(out, figure)) > 1000, figure
+
+  spec = models.ModelSpec("mlp", (28, 28, 1), 2, {"hidden": [8]})
+  params = sum(int(np.prod(w.shape)) for w in spec.keras(0).get_weights())
+  for r in first:
+    assert r["upload_bytes"] == 4 * params
+    assert 0 <= r["utility"] <= 1
+    assert set(r["attribute"]["asr"]) == {"svm", "rf"}
+    assert r["inversion"]["ig"]["label_accuracy"] >= 0
+  assert first[0]["privacy"] is None
+  metrics = json.load(open(os.path.join(out, "rows", first[2]["key"], "train",
+                                        "metrics.json")))
+  assert first[2]["privacy"]["epsilon"] == metrics[-1]["epsilon"]
+
+  # a killed leaderboard: the last row's result and attack are gone
+  last = os.path.join(out, "rows", first[-1]["key"])
+  os.remove(os.path.join(last, board.ROW_FILE))
+  shutil.rmtree(os.path.join(last, "ig"))
+  logged = []
+  again = board.run(tiny, out, progress=False, log=logged.append)
+  assert sum("cached" in line for line in logged) == 2
+  for a, b in zip(first, again):
+    assert a["utility"] == b["utility"] and a["attribute"] == b["attribute"]
+    np.testing.assert_allclose(a["inversion"]["ig"]["ssim"],
+                               b["inversion"]["ig"]["ssim"], atol=1e-5)
+
+  # another protocol in the same folder is refused
+  with pytest.raises(ValueError, match="holds a leaderboard with other protocol"):
+    board.run(grid.parse(_with(protocol={**TINY["protocol"], "rounds": 3})), out,
+              progress=False, log=lambda _: None)
+
+
+def test_the_cli_refuses_a_bad_config_and_an_empty_folder(tmp_path, capsys):
+  bad = tmp_path / "grid.json"
+  bad.write_text("{not json")
+  assert cli.main(["leaderboard", "--out", str(tmp_path / "o"),
+                   "--config", str(bad)]) == 2
+  assert "not JSON" in capsys.readouterr().err
+  assert cli.main(["report", str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "no leaderboard here" in err and "\n" not in err
+  assert cli.main(["report", str(tmp_path)]) == 2  # its grid.json is broken
+  assert "grid.json: not JSON" in capsys.readouterr().err
+
+
+def test_the_built_in_grids_parse():
+  for scale in leaderboard.defaults.GRIDS:
+    rows = grid.parse(leaderboard.defaults.grid(scale)).rows()
+    assert len({r.key for r in rows}) == len(rows)

@@ -1,0 +1,183 @@
+"""Runs the leaderboard's rows: train, capture one round, attack it.
+
+Each row lives in OUT/rows/<key>/: `train/` (the run, which resumes),
+one folder per inversion attack, `attributes/`, and `row.json`, written
+last: a row with row.json is finished and is not run again while its
+settings are unchanged. An attack that cannot read a method's uploads is
+recorded with its one-line reason instead of a number.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from tff_privacy import evaluate, io, runner
+from tff_privacy.leaderboard.grid import Grid, Row
+from tff_privacy.updates import UpdateStore
+
+ROW_FILE = "row.json"
+
+
+def run(grid: Grid, out: str, progress: bool = True,
+        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+  """Every row of `grid` under `out`, finished rows reused; returns the
+  rows' results in grid order.
+
+  Raises:
+    ValueError: `out` holds a leaderboard of another protocol or attacks.
+  """
+  _claim(grid, out)
+  rows = grid.rows()
+  results = []
+  for i, row in enumerate(rows, start=1):
+    cached = _cached(row, out)
+    state = "cached" if cached else "running"
+    log(f"[{i}/{len(rows)}] {row.label}: {state}")
+    start = time.perf_counter()
+    results.append(cached or run_row(row, grid, out, progress))
+    if not cached:
+      log(f"[{i}/{len(rows)}] {row.label}: done in {time.perf_counter() - start:.0f} s")
+  return results
+
+
+def read(out: str) -> tuple[Grid, list[dict[str, Any]]]:
+  """The grid of the leaderboard in `out` and its finished rows."""
+  from tff_privacy.leaderboard import grid as grids
+  path = os.path.join(out, "grid.json")
+  if not os.path.exists(path):
+    raise ValueError(f"{out}: no leaderboard here (grid.json is missing); run "
+                     "'tff-privacy leaderboard --out DIR' first")
+  grid = grids.load(path)
+  results = [r for r in (_cached(row, out) for row in grid.rows()) if r]
+  return grid, results
+
+
+def _claim(grid: Grid, out: str) -> None:
+  """Writes OUT/grid.json, or checks that the one there has the same
+  protocol and attacks (entries may be added or removed)."""
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ValueError(f"out={out!r} is a file; give a folder")
+  path = os.path.join(out, "grid.json")
+  new = grid.to_json()
+  if os.path.exists(path):
+    old = io.read_json(path)
+    changed = [k for k in ("protocol", "attacks") if old.get(k) != new[k]]
+    if changed:
+      raise ValueError(f"{out} holds a leaderboard with other "
+                       f"{' and '.join(changed)}; choose another --out or delete it")
+  io.write_json(path, new)
+
+
+def _cached(row: Row, out: str) -> Optional[dict[str, Any]]:
+  path = os.path.join(out, "rows", row.key, ROW_FILE)
+  if not os.path.exists(path):
+    return None
+  result = io.read_json(path)
+  if result.get("settings") != row.settings():
+    return None
+  # the entry's name and default mark are presentation, not settings
+  result.update(entry=row.entry, label=row.label, is_default=row.is_default)
+  return result
+
+
+def run_row(row: Row, grid: Grid, out: str, progress: bool = True) -> dict[str, Any]:
+  """Trains `row`, attacks its captured round, writes and returns row.json."""
+  folder = os.path.join(out, "rows", row.key)
+  attacks = grid.attacks
+  capture = attacks["capture_round"]
+  config = runner.RunConfig(
+      out=os.path.join(folder, "train"), method=row.method,
+      method_kwargs=row.method_kwargs, defense=row.defense,
+      defense_kwargs=row.defense_kwargs, capture_rounds=(capture,),
+      **row.protocol)
+  history = runner.run(config, progress=progress)
+  updates = os.path.join(config.out, "updates")
+  victims = UpdateStore(updates).clients(capture)[:attacks["victims"]]
+  inversion = {name: _inversion(updates, capture, victims, name, attacks,
+                                os.path.join(folder, name), config.seed, progress)
+               for name in row.inversion}
+  attribute = (None if attacks["attribute"] is None else
+               _attribute(updates, capture, attacks, os.path.join(folder, "attributes"),
+                          config.seed))
+  result = {"entry": row.entry, "label": row.label, "key": row.key,
+            "is_default": row.is_default, "settings": row.settings(),
+            **utility(history), "privacy": privacy(history[-1]),
+            "seconds_per_round": seconds_per_round(history, capture),
+            "upload_bytes": upload_bytes(updates, capture),
+            "inversion": inversion, "attribute": attribute}
+  io.write_json(os.path.join(folder, ROW_FILE), result)
+  return result
+
+
+def utility(history: list[dict]) -> dict[str, Any]:
+  """The last round's utility: the global model's test accuracy and loss,
+  or, for a method without one, the clients' own models' mean."""
+  last = history[-1]
+  if "test_accuracy" in last:
+    return {"utility": last["test_accuracy"], "loss": last["test_loss"],
+            "utility_kind": "test accuracy"}
+  return {"utility": last["personal_accuracy_mean"],
+          "loss": last.get("personal_loss_mean"),
+          "utility_kind": "personalised accuracy"}
+
+
+def privacy(last: dict) -> Optional[dict[str, Any]]:
+  """(epsilon, delta) spent by the whole run and its neighbouring relation,
+  or None for a method without a formal guarantee."""
+  if "epsilon" not in last:
+    return None
+  return {"epsilon": last["epsilon"], "delta": last.get("delta"),
+          "relation": last.get("dp_relation")}
+
+
+def seconds_per_round(history: list[dict], capture: int) -> float:
+  """Mean wall time of a round, leaving out the first (tracing) and the
+  captured one (it also writes the uploads), unless nothing else is left."""
+  plain = [m["seconds"] for m in history if m["round"] not in (1, capture)]
+  return float(np.mean(plain or [m["seconds"] for m in history]))
+
+
+def upload_bytes(updates: str, round_num: int) -> int:
+  """Bytes one client uploads: its captured upload's tensors as stored
+  (dense float32; a sparse encoding would send fewer)."""
+  store = UpdateStore(updates)
+  record = store.read(round_num, store.clients(round_num)[0])
+  return int(sum(np.asarray(u).nbytes for u in record.upload))
+
+
+def _inversion(updates: str, round_num: int, victims: list[int], name: str,
+               attacks: dict, out: str, seed: int, progress: bool) -> dict[str, Any]:
+  path = os.path.join(out, "attack.json")
+  if not os.path.exists(path):
+    try:
+      evaluate.attack_round(updates, round_num, out, name, clients=victims,
+                            attack_kwargs={"iterations": attacks["iterations"]},
+                            seed=seed, progress=progress)
+    except ValueError as e:
+      return {"error": str(e).splitlines()[0]}
+  result = io.read_json(path)
+  return {"ssim": result["mean"]["ssim"], "psnr": result["mean"]["psnr"],
+          "mse": result["mean"]["mse"],
+          "label_accuracy": result["mean"]["label_accuracy"],
+          "seconds": result["seconds"], "value_range": result["value_range"],
+          # relative to the leaderboard's folder (OUT/rows/KEY/ATTACK)
+          "folder": os.path.relpath(out, os.path.dirname(os.path.dirname(
+              os.path.dirname(out))))}
+
+
+def _attribute(updates: str, round_num: int, attacks: dict, out: str,
+               seed: int) -> dict[str, Any]:
+  try:
+    result = evaluate.infer_attributes_round(
+        updates, round_num, attacks["attribute"], out=out,
+        adversaries=attacks["adversaries"], shadow_samples=attacks["shadow_samples"],
+        seed=seed)
+  except ValueError as e:
+    return {"error": str(e).splitlines()[0]}
+  return {"attribute": attacks["attribute"], "asr": result["asr"],
+          "balanced_asr": result["balanced_asr"], "chance": result["chance"],
+          "balanced_chance": result["balanced_chance"], "victims": result["victims"]}

@@ -1,0 +1,111 @@
+"""The two built-in grids: `compact` (bundled digits, `make demo`, minutes
+on 2 cores) and `full` (the same entries at more strengths, rounds,
+iterations and shadow samples, plus HyperFL's baselines).
+
+The data set is mnist5k_parity, the bundled MNIST digits with the task
+digit >= 5 and parity as the sensitive attribute, so that image
+reconstruction and attribute inference judge every row on the same
+uploads. FedSGD-style entries upload one batch's gradient; FedAvg-style
+ones a local epoch's delta over the client's samples, the leakage their
+own protocol exposes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+_REGION = "7,7,21,21"  # FedRE's privacy-sensitive region: the digit's centre
+
+_ENTRIES = [
+    {"name": "FedSGD", "method": "fedsgd", "method_kwargs": {"server_learning_rate": 0.1}},
+    {"name": "FedAvg", "method": "fedavg", "method_kwargs": {"client_learning_rate": 0.05}},
+    {"name": "FedEM", "method": "fedem", "method_kwargs": {"server_learning_rate": 0.1},
+     "sweep": {"rho_max": [8 / 255, 32 / 255]}, "default": 8 / 255},
+    {"name": "FedRE", "method": "fedre",
+     "method_kwargs": {"regions": _REGION, "psi_samples": 2, "psi_pixels": 8,
+                       "public_samples": 2, "client_learning_rate": 0.05},
+     "sweep": {"epsilon": [50.0, 10000.0]}, "default": 50.0},
+    {"name": "RECUP-FL", "method": "fedsgd", "method_kwargs": {"server_learning_rate": 0.1},
+     "defense": "recupfl",
+     "defense_kwargs": {"protect": "parity", "zoo_size": 5, "zoo_epochs": 5,
+                        "shadow_samples": 200, "zoo_refresh": 5},
+     "sweep": {"perturbation_budget": [0.001, 0.05]}, "default": 0.001},
+    # HyperFL trains 1 + 5 local epochs each round: at batch 1 that is 120
+    # steps per client, so it trains on batches of 10
+    {"name": "HyperFL", "method": "hyperfl", "attacks": ["ig_hyperfl", "tailored_hyperfl"],
+     "protocol": {"batch_size": 10}},
+    {"name": "LDP Gaussian", "method": "fedsgd", "method_kwargs": {"server_learning_rate": 0.1},
+     "defense": "ldp_gaussian", "defense_kwargs": {"clip": 1.0},
+     "sweep": {"noise_multiplier": [0.01, 0.1]}, "default": 0.1},
+    {"name": "LDP Laplace", "method": "fedsgd", "method_kwargs": {"server_learning_rate": 0.1},
+     "defense": "ldp_laplace", "defense_kwargs": {"clip": 1.0},
+     "sweep": {"noise_multiplier": [0.01, 0.1]}, "default": 0.1},
+    {"name": "DP clip", "method": "fedsgd", "method_kwargs": {"server_learning_rate": 0.1},
+     "defense": "dp_clip", "sweep": {"clip": [0.1, 1.0]}, "default": 1.0},
+    {"name": "Sparsification", "method": "fedsgd",
+     "method_kwargs": {"server_learning_rate": 0.1}, "defense": "sparsification",
+     "sweep": {"p": [0.9, 0.99]}, "default": 0.9},
+    {"name": "Soteria", "method": "fedsgd", "method_kwargs": {"server_learning_rate": 0.1},
+     "defense": "soteria", "sweep": {"p": [0.8, 0.95]}, "default": 0.8},
+    {"name": "LDP-Fed", "method": "fedsgd", "method_kwargs": {"server_learning_rate": 0.1},
+     "defense": "ldp_fed", "sweep": {"alpha": [1.0, 100.0]}, "default": 1.0},
+    {"name": "DP-FedAvg", "method": "fedavg", "method_kwargs": {"client_learning_rate": 0.05},
+     "defense": "dp_fedavg", "defense_kwargs": {"clip": 1.0},
+     "sweep": {"noise_multiplier": [0.1, 1.0]}, "default": 1.0},
+]
+
+COMPACT = {
+    "protocol": {"dataset": "mnist5k_parity", "model": "mlp",
+                 "model_kwargs": {"hidden": [64]}, "clients": 200,
+                 "clients_per_round": 10, "rounds": 10, "batch_size": 1, "seed": 0,
+                 "evaluate_every": 5},
+    "attacks": {"inversion": ["ig"], "iterations": 300, "victims": 4,
+                "attribute": "parity", "shadow_samples": 100},
+    "reference": "FedSGD",
+    "utility_target": 0.9,
+    "entries": _ENTRIES,
+}
+
+_FULL_SWEEPS = {
+    "FedEM": [4 / 255, 8 / 255, 16 / 255, 32 / 255],
+    "FedRE": [10.0, 50.0, 1000.0, 10000.0],
+    "RECUP-FL": [0.0001, 0.001, 0.01, 0.1],
+    "LDP Gaussian": [0.001, 0.01, 0.1, 1.0],
+    "LDP Laplace": [0.001, 0.01, 0.1, 1.0],
+    "DP clip": [0.01, 0.1, 1.0],
+    "Sparsification": [0.5, 0.9, 0.99],
+    "Soteria": [0.5, 0.8, 0.95],
+    "LDP-Fed": [1.0, 10.0, 100.0],
+    "DP-FedAvg": [0.1, 0.5, 1.0, 2.0],
+}
+
+
+def _full() -> dict:
+  grid = copy.deepcopy(COMPACT)
+  grid["protocol"].update(rounds=50, clients=500, clients_per_round=50)
+  grid["attacks"].update(inversion=["idlg", "ig"], iterations=1000, victims=8,
+                         shadow_samples=1000)
+  for entry in grid["entries"]:
+    if entry["name"] in _FULL_SWEEPS:
+      entry["sweep"] = {next(iter(entry["sweep"])): _FULL_SWEEPS[entry["name"]]}
+    if entry["name"] == "RECUP-FL":
+      entry["defense_kwargs"].update(zoo_size=20, zoo_epochs=20, shadow_samples=1000,
+                                     zoo_refresh=1)
+    if entry["name"] == "FedRE":
+      entry["method_kwargs"].update(psi_samples=10, psi_pixels=None, public_samples=10)
+  grid["entries"] += [
+      {"name": "pFedHN", "method": "pfedhn", "attacks": ["ig"]},
+      {"name": "DP-SGD FedAvg", "method": "dp_sgd_fedavg",
+       "sweep": {"noise_multiplier": [0.5, 1.0]}, "default": 1.0},
+  ]
+  return grid
+
+
+GRIDS = {"compact": COMPACT, "full": _full()}
+
+
+def grid(scale: str) -> dict:
+  """The built-in grid `scale` ('compact' or 'full'), as JSON data."""
+  if scale not in GRIDS:
+    raise ValueError(f"scale={scale!r}; choose one of {', '.join(GRIDS)}")
+  return copy.deepcopy(GRIDS[scale])

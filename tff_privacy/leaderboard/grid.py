@@ -1,0 +1,265 @@
+"""The leaderboard's grid: one protocol, one set of attacks, and the entries
+(a method, optionally a defence, and the strengths it is swept over).
+
+A grid is a JSON object; every key but `entries` has a default:
+
+  {"protocol": {"dataset": "mnist5k_parity", "model": "cnn", "rounds": 20, ...},
+   "attacks": {"inversion": ["ig"], "iterations": 200, "victims": 4,
+               "attribute": "parity", "shadow_samples": 200, ...},
+   "reference": "FedSGD",
+   "utility_target": 0.9,
+   "entries": [
+     {"name": "FedSGD", "method": "fedsgd"},
+     {"name": "DP Gaussian", "method": "fedsgd", "defense": "ldp_gaussian",
+      "defense_kwargs": {"clip": 1.0},
+      "sweep": {"noise_multiplier": [0.01, 0.1, 1.0]}, "default": 0.1}]}
+
+`protocol` holds the `RunConfig` fields every entry shares (an entry may
+override some under its own "protocol", e.g. a method that needs its own
+model); `sweep` names one parameter of the entry's defence or, failing that,
+of its method, and the strengths it takes; `default` is the strength the
+entry's paper uses. `utility_target` is a fraction of the `reference`
+entry's utility: each swept entry's utility-matched row is the strength
+whose utility is closest to it. An entry may name its own inversion attacks
+("attacks": ["tailored_hyperfl"]) where the common ones cannot read its
+uploads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Optional
+
+from tff_privacy import algorithms, defenses, io
+from tff_privacy.attacks import ATTACKS
+from tff_privacy.attacks import attribute as attribute_inference
+
+PROTOCOL_KEYS = ("dataset", "model", "model_kwargs", "clients", "clients_per_round",
+                 "rounds", "batch_size", "partition", "alpha", "samples_per_client",
+                 "seed", "data_kwargs", "data_dir", "evaluate_every")
+ATTACK_DEFAULTS = {"inversion": ["ig"], "iterations": 200, "victims": 4,
+                   "attribute": "parity", "adversaries": list(attribute_inference.ADVERSARIES),
+                   "shadow_samples": 200, "capture_round": 1}
+ENTRY_KEYS = ("name", "method", "method_kwargs", "defense", "defense_kwargs",
+              "sweep", "default", "protocol", "attacks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One training run of the leaderboard: an entry at one strength."""
+
+  entry: str
+  key: str  # folder name under OUT/rows, unique in the grid
+  method: str
+  method_kwargs: dict
+  defense: Optional[str]
+  defense_kwargs: dict
+  protocol: dict
+  inversion: tuple
+  parameter: Optional[str] = None  # the swept parameter
+  strength: Any = None
+  is_default: bool = True
+
+  @property
+  def label(self) -> str:
+    if self.parameter is None:
+      return self.entry
+    return f"{self.entry} ({self.parameter}={self.strength:g})"
+
+  def settings(self) -> dict:
+    """What makes the row's results; a cached row with other settings is
+    not reused."""
+    return io.canonical({k: v for k, v in dataclasses.asdict(self).items()
+                         if k not in ("entry", "key", "is_default")})
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  protocol: dict
+  attacks: dict
+  reference: str
+  utility_target: float
+  entries: tuple
+
+  def rows(self) -> list[Row]:
+    return [row for entry in self.entries for row in _expand(entry, self)]
+
+  def to_json(self) -> dict:
+    return io.canonical(dataclasses.asdict(self))
+
+
+def parse(data: Any, where: str = "grid") -> Grid:
+  """The grid of a JSON object (see the module docstring).
+
+  Raises:
+    ValueError: one line naming the key and what it accepts.
+  """
+  if not isinstance(data, dict):
+    raise ValueError(f"{where}: a grid is a JSON object, got {type(data).__name__}")
+  unknown = sorted(set(data) - {"protocol", "attacks", "reference",
+                                "utility_target", "entries"})
+  if unknown:
+    raise ValueError(f"{where}: unknown keys {unknown}; a grid has protocol, "
+                     "attacks, reference, utility_target and entries")
+  protocol = _protocol(data.get("protocol", {}), f"{where} protocol")
+  attacks = _attacks(data.get("attacks", {}), f"{where} attacks")
+  entries = data.get("entries")
+  if not isinstance(entries, list) or not entries:
+    raise ValueError(f"{where} entries: a non-empty list of entries")
+  entries = tuple(_entry(e, f"{where} entries[{i}]") for i, e in enumerate(entries))
+  names = [e["name"] for e in entries]
+  if len(set(names)) != len(names):
+    raise ValueError(f"{where} entries: names must differ, got {names}")
+  reference = data.get("reference", names[0])
+  if reference not in names:
+    raise ValueError(f"{where} reference: {reference!r} is not an entry's name; "
+                     f"choose one of {names}")
+  target = data.get("utility_target", 0.9)
+  if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
+    raise ValueError(f"{where} utility_target: a fraction of the reference's "
+                     f"utility in (0, 1], got {target!r}")
+  grid = Grid(protocol, attacks, reference, float(target), entries)
+  keys = [r.key for r in grid.rows()]
+  if len(set(keys)) != len(keys):
+    raise ValueError(f"{where} entries: two rows share a folder name "
+                     f"({sorted(k for k in keys if keys.count(k) > 1)[0]}); "
+                     "rename an entry")
+  return grid
+
+
+def load(path: str) -> Grid:
+  """The grid in JSON file `path`."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"config {path}: not JSON ({e})") from None
+  return parse(data, f"config {path}")
+
+
+def _protocol(protocol: Any, where: str) -> dict:
+  if not isinstance(protocol, dict):
+    raise ValueError(f"{where}: a JSON object of run settings")
+  unknown = sorted(set(protocol) - set(PROTOCOL_KEYS))
+  if unknown:
+    raise ValueError(f"{where}: unknown keys {unknown}; accepted: "
+                     f"{', '.join(PROTOCOL_KEYS)}")
+  return dict(protocol)
+
+
+def _attacks(attacks: Any, where: str) -> dict:
+  if not isinstance(attacks, dict):
+    raise ValueError(f"{where}: a JSON object")
+  unknown = sorted(set(attacks) - set(ATTACK_DEFAULTS))
+  if unknown:
+    raise ValueError(f"{where}: unknown keys {unknown}; accepted: "
+                     f"{', '.join(ATTACK_DEFAULTS)}")
+  merged = {**ATTACK_DEFAULTS, **attacks}
+  _check_inversion(merged["inversion"], f"{where} inversion")
+  for key in ("iterations", "victims", "shadow_samples", "capture_round"):
+    value = merged[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{where} {key}: an integer >= 1, got {value!r}")
+  wrong = sorted(set(merged["adversaries"]) - set(attribute_inference.ADVERSARIES))
+  if wrong or not merged["adversaries"]:
+    raise ValueError(f"{where} adversaries: choose from "
+                     f"{', '.join(attribute_inference.ADVERSARIES)}, got "
+                     f"{merged['adversaries']!r}")
+  if merged["attribute"] is not None and not isinstance(merged["attribute"], str):
+    raise ValueError(f"{where} attribute: a sensitive attribute's name or null")
+  return merged
+
+
+def _check_inversion(names: Any, where: str) -> None:
+  if not isinstance(names, list) or not names or any(n not in ATTACKS for n in names):
+    raise ValueError(f"{where}: a list of attacks from {sorted(ATTACKS)}, got {names!r}")
+
+
+def _entry(entry: Any, where: str) -> dict:
+  if not isinstance(entry, dict):
+    raise ValueError(f"{where}: a JSON object with name and method")
+  unknown = sorted(set(entry) - set(ENTRY_KEYS))
+  if unknown:
+    raise ValueError(f"{where}: unknown keys {unknown}; accepted: {', '.join(ENTRY_KEYS)}")
+  for key in ("name", "method"):
+    if not isinstance(entry.get(key), str) or not entry[key]:
+      raise ValueError(f"{where} {key}: a non-empty string")
+  where = f"{where} ({entry['name']})"
+  algorithms.method(entry["method"])
+  entry = {"method_kwargs": {}, "defense": None, "defense_kwargs": {},
+           "sweep": None, "default": None, "protocol": {}, "attacks": None, **entry}
+  if entry["defense"] is not None:
+    defenses.defense_class(entry["defense"])
+  _protocol(entry["protocol"], f"{where} protocol")
+  if entry["attacks"] is not None:
+    _check_inversion(entry["attacks"], f"{where} attacks")
+  sweep = entry["sweep"]
+  if sweep is not None:
+    if (not isinstance(sweep, dict) or len(sweep) != 1
+        or not isinstance(next(iter(sweep.values())), list)
+        or not next(iter(sweep.values()))):
+      raise ValueError(f"{where} sweep: one parameter and its list of "
+                       "strengths, e.g. {\"noise_multiplier\": [0.01, 0.1]}")
+    (name, values), = sweep.items()
+    _swept_kwargs(entry, name, where)
+    if entry["default"] is not None and entry["default"] not in values:
+      raise ValueError(f"{where} default: {entry['default']!r} is not one of "
+                       f"the strengths {values}")
+  for value in _strengths(entry):
+    _resolve(entry, value, where)
+  return entry
+
+
+def _swept_kwargs(entry: dict, name: str, where: str) -> str:
+  """'defense_kwargs' or 'method_kwargs': whose parameter `name` is."""
+  if entry["defense"] is not None and name in defenses.defense_class(
+      entry["defense"]).PARAMETERS.names:
+    return "defense_kwargs"
+  if name in algorithms.method(entry["method"]).parameters.names:
+    return "method_kwargs"
+  raise ValueError(f"{where} sweep: {name!r} is a parameter of neither the "
+                   f"defence nor method {entry['method']!r}")
+
+
+def _strengths(entry: dict) -> list:
+  return [None] if entry["sweep"] is None else next(iter(entry["sweep"].values()))
+
+
+def _resolve(entry: dict, strength: Any, where: str) -> tuple[dict, dict]:
+  """The entry's method and defence kwargs at `strength`, checked."""
+  kwargs = {"method_kwargs": dict(entry["method_kwargs"]),
+            "defense_kwargs": dict(entry["defense_kwargs"])}
+  if strength is not None:
+    name = next(iter(entry["sweep"]))
+    kwargs[_swept_kwargs(entry, name, where)][name] = strength
+  try:
+    algorithms.method(entry["method"]).resolve(kwargs["method_kwargs"])
+    if entry["defense"] is not None:
+      defenses.resolve(entry["defense"], kwargs["defense_kwargs"])
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
+  return kwargs["method_kwargs"], kwargs["defense_kwargs"]
+
+
+def _expand(entry: dict, grid: Grid) -> list[Row]:
+  rows = []
+  parameter = None if entry["sweep"] is None else next(iter(entry["sweep"]))
+  for strength in _strengths(entry):
+    method_kwargs, defense_kwargs = _resolve(entry, strength, entry["name"])
+    key = _slug(entry["name"]) + ("" if strength is None
+                                  else f"__{_slug(parameter)}-{strength:g}")
+    rows.append(Row(
+        entry=entry["name"], key=key, method=entry["method"],
+        method_kwargs=method_kwargs, defense=entry["defense"],
+        defense_kwargs=defense_kwargs,
+        protocol={**grid.protocol, **entry["protocol"]},
+        inversion=tuple(entry["attacks"] or grid.attacks["inversion"]),
+        parameter=parameter, strength=strength,
+        is_default=strength is None or strength == entry["default"]))
+  return rows
+
+
+def _slug(text: str) -> str:
+  return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")

@@ -1,0 +1,317 @@
+"""The leaderboard's report: OUT/report.md with its table, figures, CSV and
+JSON, rebuilt from the finished rows at any time (`tff-privacy report`).
+
+Leakage is the worst case over a row's inversion attacks: the attack with
+the highest SSIM. A row is on the Pareto front when no other row has at
+least its utility and at most its leakage, one of them strictly.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import subprocess
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from tff_privacy import io
+from tff_privacy.leaderboard.grid import Grid
+
+FIGURES = ("tradeoff.png", "reconstructions.png", "asr.png")
+PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
+            "tensorflow-privacy", "dp-accounting", "scikit-learn", "numpy")
+COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "pareto",
+           "utility", "utility_kind", "loss", "attack", "ssim", "psnr",
+           "label_accuracy", "asr_max", "epsilon", "delta", "relation",
+           "time_ratio", "upload_bytes")
+
+
+def leakage(result: dict) -> Optional[dict[str, Any]]:
+  """The row's worst inversion result (highest SSIM), with the attack's name;
+  None when no attack could read the uploads."""
+  scored = [(name, r) for name, r in result["inversion"].items() if "error" not in r]
+  if not scored:
+    return None
+  name, best = max(scored, key=lambda item: item[1]["ssim"])
+  return {"attack": name, **best}
+
+
+def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
+  """One flat dict per finished row: the report's and the CSV's columns."""
+  reference = next((r for r in results if r["entry"] == grid.reference), None)
+  target = None if reference is None else grid.utility_target * reference["utility"]
+  matched = matched_keys(results, target)
+  rows = []
+  for r in results:
+    worst = leakage(r) or {}
+    attribute = r.get("attribute") or {}
+    asr = attribute.get("asr")
+    strength = r["settings"]["strength"]
+    rows.append({
+        "key": r["key"], "label": r["label"], "entry": r["entry"],
+        "parameter": r["settings"]["parameter"], "strength": strength,
+        "default": r["is_default"], "matched": r["key"] in matched,
+        "utility": r["utility"], "utility_kind": r["utility_kind"], "loss": r["loss"],
+        "attack": worst.get("attack"), "ssim": worst.get("ssim"),
+        "psnr": worst.get("psnr"), "label_accuracy": worst.get("label_accuracy"),
+        "asr": asr, "asr_max": max(asr.values()) if asr else None,
+        "chance": attribute.get("chance"),
+        "epsilon": (r["privacy"] or {}).get("epsilon"),
+        "delta": (r["privacy"] or {}).get("delta"),
+        "relation": (r["privacy"] or {}).get("relation"),
+        "time_ratio": (r["seconds_per_round"] / reference["seconds_per_round"]
+                       if reference else None),
+        "upload_bytes": r["upload_bytes"],
+        "errors": {**{n: v["error"] for n, v in r["inversion"].items() if "error" in v},
+                   **({"attribute": attribute["error"]} if "error" in attribute else {})}})
+  front = pareto_front([(x["utility"], x["ssim"]) for x in rows])
+  for x, on in zip(rows, front):
+    x["pareto"] = on
+  return rows
+
+
+def matched_keys(results: Sequence[dict], target: Optional[float]) -> set[str]:
+  """Per swept entry, the row whose utility is closest to `target` (ties:
+  the first strength)."""
+  if target is None:
+    return set()
+  keys = set()
+  for entry in dict.fromkeys(r["entry"] for r in results):
+    mine = [r for r in results if r["entry"] == entry]
+    if mine[0]["settings"]["parameter"] is None:
+      continue
+    keys.add(min(mine, key=lambda r: abs(r["utility"] - target))["key"])
+  return keys
+
+
+def pareto_front(points: Sequence[tuple[float, Optional[float]]]) -> list[bool]:
+  """Which (utility, leakage) points no other point dominates (higher or
+  equal utility and lower or equal leakage, one strictly). Points without
+  a leakage are not on the front."""
+  front = []
+  for i, (u, s) in enumerate(points):
+    if s is None or not np.isfinite(u):
+      front.append(False)
+      continue
+    front.append(not any(
+        j != i and t is not None and v >= u and t <= s and (v > u or t < s)
+        for j, (v, t) in enumerate(points)))
+  return front
+
+
+def write(grid: Grid, results: Sequence[dict], out: str,
+          command: Optional[Sequence[str]] = None) -> str:
+  """Writes report.md, leaderboard.csv, leaderboard.json and the figures
+  under `out`; returns the report's path. `command`, the command line that
+  ran the leaderboard, is kept in OUT/command.json; None reuses the kept one."""
+  kept = os.path.join(out, "command.json")
+  if command is not None:
+    io.write_json(kept, list(command))
+  elif os.path.exists(kept):
+    command = io.read_json(kept)
+  rows = table_rows(grid, results)
+  io.write_csv(os.path.join(out, "leaderboard.csv"), rows, COLUMNS)
+  io.write_json(os.path.join(out, "leaderboard.json"),
+                {"grid": grid.to_json(), "rows": rows, "versions": versions()})
+  _tradeoff_figure(rows, os.path.join(out, "tradeoff.png"))
+  _reconstruction_figure(grid, results, out, os.path.join(out, "reconstructions.png"))
+  _asr_figure(rows, os.path.join(out, "asr.png"))
+  path = os.path.join(out, "report.md")
+  io.write_text(path, markdown(grid, rows, command))
+  return path
+
+
+def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
+  attacks, protocol = grid.attacks, grid.protocol
+  lines = ["# Leaderboard", "",
+           f"Protocol: {_settings(protocol)}. Every row is attacked on round "
+           f"{attacks['capture_round']}'s uploads of its first {attacks['victims']} "
+           f"clients: {', '.join(sorted({a for r in grid.rows() for a in r.inversion}))} "
+           f"({attacks['iterations']} iterations), and attribute inference of "
+           f"'{attacks['attribute']}' by {', '.join(attacks['adversaries'])} "
+           f"(trained on {attacks['shadow_samples']} clean shadow samples).", "",
+           "Leakage is the worst inversion attack of the row (highest SSIM); ASR "
+           "is the best adversary's attack success rate beside the victims' "
+           "chance rate. Time is seconds per round over the reference's "
+           f"({grid.reference}); the upload is one client's, dense float32.", ""]
+  lines += section("At each entry's default strength",
+                    [r for r in rows if r["default"]])
+  matched = [r for r in rows if r["matched"]]
+  reference = next((r for r in rows if r["entry"] == grid.reference), None)
+  if reference:
+    lines += section(
+        f"Utility-matched: the strength closest to {grid.utility_target:g} x "
+        f"the reference's {reference['utility_kind']} "
+        f"({grid.utility_target * reference['utility']:.4f})", matched)
+  lines += section("Every row (P: on the Pareto front of utility against leakage)", rows)
+  errors = [(r["label"], k, v) for r in rows for k, v in r["errors"].items()]
+  if errors:
+    lines += ["## Attacks that could not run", ""]
+    lines += [f"- {label}, {attack}: {why}" for label, attack, why in errors]
+    lines.append("")
+  lines += ["## Figures", "",
+            "- tradeoff.png: utility against leakage, one point per row; the "
+            "Pareto front is the line.",
+            "- reconstructions.png: the same originals (top) and each entry's "
+            "reconstruction at its matched (else default) strength.",
+            "- asr.png: each adversary's attack success rate per entry at its "
+            "matched (else default) strength; the dashed line is chance.", "",
+            "## How it was made", ""]
+  if command:
+    lines += ["```", " ".join(command), "```", ""]
+  lines += [f"- {name}: {version}" for name, version in versions().items()]
+  return "\n".join(lines) + "\n"
+
+
+def section(title: str, rows: Sequence[dict]) -> list[str]:
+  head = ("| row | utility | loss | leakage SSIM (attack) | PSNR dB | label acc. | "
+          "ASR (chance) | epsilon (delta) | time x | upload |")
+  lines = [f"## {title}", "", head, "|" + "---|" * head.count(" | ") + "---|"]
+  for r in rows:
+    marks = "".join(m for m, on in (("P", r["pareto"]), ("M", r["matched"])) if on)
+    lines.append("| " + " | ".join([
+        r["label"] + (f" [{marks}]" if marks else ""),
+        _number(r["utility"], 4), _number(r["loss"], 4),
+        "n/a" if r["ssim"] is None else f"{r['ssim']:.3f} ({r['attack']})",
+        _number(r["psnr"], 2), _number(r["label_accuracy"], 2),
+        "n/a" if r["asr_max"] is None else f"{r['asr_max']:.2f} ({r['chance']:.2f})",
+        "-" if r["epsilon"] is None else f"{r['epsilon']:.3g} ({r['delta']:g})",
+        _number(r["time_ratio"], 2), _bytes(r["upload_bytes"])]) + " |")
+  return lines + [""]
+
+
+def _number(value, digits: int) -> str:
+  return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _bytes(n: int) -> str:
+  return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.2f} MiB"
+
+
+def _settings(protocol: dict) -> str:
+  return ", ".join(f"{k} {v}" for k, v in protocol.items())
+
+
+def versions() -> dict[str, str]:
+  found = {"python": platform.python_version()}
+  for name in PACKAGES:
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      found[name] = "not installed"
+  commit = _git_commit()
+  if commit:
+    found["tff_privacy commit"] = commit
+  return found
+
+
+def _git_commit() -> Optional[str]:
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  try:
+    done = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _shown(rows: Sequence[dict]) -> list[dict]:
+  """One row per entry: its matched strength, else its default."""
+  shown = {}
+  for r in rows:
+    if r["matched"] or (r["default"] and r["entry"] not in shown):
+      shown[r["entry"]] = r
+  return list(shown.values())
+
+
+def _pyplot():
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
+
+
+def _save(fig, path: str) -> None:
+  plt = _pyplot()
+  with io.atomic_path(path) as tmp:
+    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+  plt.close(fig)
+
+
+def _tradeoff_figure(rows: Sequence[dict], path: str) -> None:
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  entries = list(dict.fromkeys(r["entry"] for r in rows))
+  colours = plt.get_cmap("tab20")(np.linspace(0, 1, max(len(entries), 2)))
+  for entry, colour in zip(entries, colours):
+    mine = [r for r in rows if r["entry"] == entry and r["ssim"] is not None]
+    if mine:
+      ax.plot([r["ssim"] for r in mine], [r["utility"] for r in mine], "o-",
+              color=colour, label=entry, alpha=0.85)
+  front = sorted((r["ssim"], r["utility"]) for r in rows if r["pareto"])
+  if front:
+    ax.step(*zip(*front), where="post", color="black", lw=1.2, ls="--",
+            label="Pareto front")
+  ax.set_xlabel("leakage: worst inversion SSIM (lower is more private)")
+  ax.set_ylabel("utility: " + (rows[0]["utility_kind"] if rows else ""))
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7, loc="best")
+  ax.set_title("Utility against leakage, one point per strength")
+  _save(fig, path)
+
+
+def _reconstruction_figure(grid: Grid, results: Sequence[dict], out: str,
+                           path: str) -> None:
+  from tff_privacy.metrics import report
+  shown = {r["key"] for r in _shown(table_rows(grid, results))}
+  images, originals, value_range = {}, None, None
+  for r in results:
+    worst = leakage(r)
+    if r["key"] not in shown or worst is None:
+      continue
+    data = np.load(os.path.join(out, worst["folder"], "reconstructions.npz"))
+    if originals is None:
+      originals, value_range = data["original"], worst["value_range"]
+      images["original"] = list(originals)
+    images[f"{r['entry']} ({worst['attack']})"] = _same_originals(
+        originals, data["original"], data["reconstructed"])
+  if images:
+    report.save_grid(images, path, value_range, max_columns=8,
+                     title="Reconstructions of the same round-1 images")
+
+
+def _same_originals(originals: np.ndarray, theirs: np.ndarray,
+                    reconstructed: np.ndarray) -> list[np.ndarray]:
+  """The reconstruction of each of `originals` in another row's attack
+  (whose uploads may hold more images, e.g. a local epoch's), found by
+  equal original; a blank (NaN) image where that row's uploads lack it."""
+  shown = []
+  for image in originals:
+    match = [j for j, other in enumerate(theirs)
+             if other.shape == image.shape and np.array_equal(other, image)]
+    shown.append(reconstructed[match[0]] if match
+                 else np.full(image.shape, np.nan, dtype=np.float32))
+  return shown
+
+
+def _asr_figure(rows: Sequence[dict], path: str) -> None:
+  plt = _pyplot()
+  shown = [r for r in _shown(rows) if r["asr"]]
+  fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shown) + 2), 4.5))
+  if shown:
+    adversaries = list(shown[0]["asr"])
+    width = 0.8 / len(adversaries)
+    x = np.arange(len(shown))
+    for k, name in enumerate(adversaries):
+      ax.bar(x + (k - (len(adversaries) - 1) / 2) * width,
+             [r["asr"][name] for r in shown], width, label=name)
+    for i, r in enumerate(shown):
+      ax.hlines(r["chance"], i - 0.45, i + 0.45, colors="black", linestyles="--")
+    ax.set_xticks(x, [r["entry"] for r in shown], rotation=35, ha="right", fontsize=8)
+    ax.legend(fontsize=8)
+  ax.set_ylim(0, 1.05)
+  ax.set_ylabel("attribute inference success rate")
+  ax.set_title("Attribute inference per entry (dashed: chance)")
+  _save(fig, path)
