@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import worker_children
 
 from tff_privacy import cli, leaderboard, models
 from tff_privacy.leaderboard import board, grid, report
@@ -96,7 +97,10 @@ def test_the_matched_row_is_the_strength_closest_to_the_target():
 def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
   out = str(tmp_path / "board")
   tiny = grid.parse(TINY)
-  first = board.run(tiny, out, progress=False, log=lambda _: None)
+  before = {p.pid for p in worker_children()}
+  # in two spawned processes; the resumed row below runs in this one
+  first = board.run(tiny, out, progress=False, log=lambda _: None, jobs=2)
+  assert {p.pid for p in worker_children()} <= before  # the pool's workers ended
   assert [r["key"] for r in first] == [r.key for r in tiny.rows()]
   path = report.write(tiny, first, out, ["tff-privacy", "leaderboard"])
   text = open(path).read()
@@ -116,7 +120,8 @@ def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
                                         "metrics.json")))
   assert first[2]["privacy"]["epsilon"] == metrics[-1]["epsilon"]
 
-  # a killed leaderboard: the last row's result and attack are gone
+  # a killed leaderboard: the last row's result and attack are gone; the
+  # row, retrained here, gives what its spawned process gave
   last = os.path.join(out, "rows", first[-1]["key"])
   os.remove(os.path.join(last, board.ROW_FILE))
   shutil.rmtree(os.path.join(last, "ig"))

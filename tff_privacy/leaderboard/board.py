@@ -9,8 +9,11 @@ recorded with its one-line reason instead of a number.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.util
 import os
 import time
+from concurrent import futures
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -23,25 +26,67 @@ ROW_FILE = "row.json"
 
 
 def run(grid: Grid, out: str, progress: bool = True,
-        log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        log: Callable[[str], None] = print, jobs: int = 1) -> list[dict[str, Any]]:
   """Every row of `grid` under `out`, finished rows reused; returns the
   rows' results in grid order.
 
+  With `jobs` > 1 the unfinished rows run in that many processes (spawned,
+  each with its own TFF worker) and show no progress bars; their times per
+  round are then measured while they share the machine.
+
   Raises:
-    ValueError: `out` holds a leaderboard of another protocol or attacks.
+    ValueError: `out` holds a leaderboard of another protocol or attacks,
+      or jobs < 1.
   """
+  if not isinstance(jobs, int) or jobs < 1:
+    raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
   _claim(grid, out)
   rows = grid.rows()
-  results = []
+  results, pending = {}, []
   for i, row in enumerate(rows, start=1):
-    cached = _cached(row, out)
-    state = "cached" if cached else "running"
-    log(f"[{i}/{len(rows)}] {row.label}: {state}")
-    start = time.perf_counter()
-    results.append(cached or run_row(row, grid, out, progress))
-    if not cached:
-      log(f"[{i}/{len(rows)}] {row.label}: done in {time.perf_counter() - start:.0f} s")
-  return results
+    results[row.key] = _cached(row, out)
+    if results[row.key]:
+      log(f"[{i}/{len(rows)}] {row.label}: cached")
+    else:
+      pending.append((i, row))
+  if jobs == 1 or len(pending) < 2:
+    for i, row in pending:
+      log(f"[{i}/{len(rows)}] {row.label}: running")
+      results[row.key], seconds = _timed_row(row, grid, out, progress)
+      log(f"[{i}/{len(rows)}] {row.label}: done in {seconds:.0f} s")
+  else:
+    log(f"running {len(pending)} rows in {min(jobs, len(pending))} processes")
+    for (i, row), (result, seconds) in _in_processes(pending, grid, out, jobs):
+      results[row.key] = result
+      log(f"[{i}/{len(rows)}] {row.label}: done in {seconds:.0f} s")
+  return [results[row.key] for row in rows]
+
+
+def _timed_row(row: Row, grid: Grid, out: str, progress: bool = False):
+  start = time.perf_counter()
+  return run_row(row, grid, out, progress), time.perf_counter() - start
+
+
+def _in_processes(pending, grid: Grid, out: str, jobs: int):
+  """Yields ((index, row), (result, seconds)) as rows finish in `jobs`
+  spawned processes; the first failure cancels the rows not started."""
+  context = multiprocessing.get_context("spawn")  # TensorFlow is not fork-safe
+  with futures.ProcessPoolExecutor(min(jobs, len(pending)), mp_context=context,
+                                   initializer=_start_process) as pool:
+    submitted = {pool.submit(_timed_row, row, grid, out): (i, row) for i, row in pending}
+    try:
+      for done in futures.as_completed(submitted):
+        yield submitted[done], done.result()
+    except BaseException:
+      pool.shutdown(wait=True, cancel_futures=True)
+      raise
+
+
+def _start_process() -> None:
+  from tff_privacy import runtime
+  runtime.start()
+  # a pool's process ends without atexit hooks; its finalizers do run
+  multiprocessing.util.Finalize(None, runtime.stop, exitpriority=10)
 
 
 def read(out: str) -> tuple[Grid, list[dict[str, Any]]]:
