@@ -12,7 +12,7 @@ the deltas.
 Prints seconds per round and per client at each size and worker count, then
 
   per_client_ratio_<largest>_over_<second>=<x>   (seconds per client at the
-      largest size over the second size, 1 worker: 1.0 is linear growth)
+      largest size over the second size given, 1 worker: 1.0 is linear growth)
   ratio_tff_over_plain_tf_at_<largest>=<y>       (1 worker)
 
   python benchmarks/client_scaling.py [--sizes 10,50,200,1000] [--rounds 3]
@@ -84,7 +84,7 @@ def main() -> None:
               f"per_client_ms={1000 * seconds / size:.2f} "
               f"plain_tf_round_s={plain[size]:.3f}", flush=True)
   runtime.stop()
-  large, second = sizes[-1], sizes[-2]
+  large, second = sizes[-1], sizes[1]
   print(f"per_client_ratio_{large}_over_{second}="
         f"{per_client[large, 1] / per_client[second, 1]:.2f}")
   print(f"ratio_tff_over_plain_tf_at_{large}="

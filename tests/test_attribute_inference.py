@@ -231,3 +231,14 @@ def test_uploads_that_are_not_the_models_weights_are_refused():
   with pytest.raises(ValueError, match="'hyperfl' uploads hypernetwork_weights"):
     attribute.infer_round([record], np.array([0]), x, np.array([1, 2]),
                           np.array([0, 1]))
+
+
+def test_a_run_of_a_method_without_weight_uploads_is_refused_before_training(tmp_path):
+  out = tmp_path / "run"
+  config = runner.RunConfig(out=str(out), method="hyperfl", dataset="mnist5k_parity",
+                            model="mlp", model_kwargs={"hidden": [4]}, clients=2,
+                            rounds=1, capture_rounds=(1,), infer_attributes=("parity",))
+  with pytest.raises(ValueError, match="infer_attributes: method 'hyperfl' uploads "
+                     "hypernetwork_weights"):
+    runner.run(config, progress=False)
+  assert not out.exists()

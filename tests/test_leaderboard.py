@@ -52,7 +52,13 @@ def _with(**changes):
     (_with(entries=[{"name": "A", "method": "fedsgd", "defense": "sparsification",
                      "sweep": {"p": [1.5]}}]), "entries[0] (A): "),
     (_with(entries=[{"name": "A", "method": "fedsgd"}] * 2), "names must differ"),
-    (_with(entries=[{"name": "A", "method": "fedzz"}]), "method='fedzz' is unknown"),
+    (_with(entries=[{"name": "A", "method": "fedzz"}]), "entries[0] (A): method='fedzz'"),
+    (_with(entries=[{"name": "A", "method": "fedsgd", "default": 0.1}]),
+     "entries[0] (A) default: a strength of the entry's sweep"),
+    (_with(protocol={**TINY["protocol"], "clients_per_round": 50}),
+     "(FedSGD): clients_per_round must be in [1, clients=40]"),
+    (_with(attacks={"capture_round": 3}), "capture_rounds must lie in [1, rounds=2]"),
+    (_with(attacks={"shadow_samples": 1}), "shadow_samples: an integer >= 2"),
 ])
 def test_a_wrong_grid_is_refused_in_one_line(data, message):
   with pytest.raises(ValueError) as error:
@@ -72,7 +78,8 @@ def test_a_swept_parameter_goes_to_the_defence_else_to_the_method():
                                    "g__noise-multiplier-1", "f__epsilon-10"]
   assert rows[0].defense_kwargs == {"clip": 2.0, "noise_multiplier": 0.1}
   assert rows[0].method_kwargs == {}
-  assert [r.is_default for r in rows] == [False, True, False]
+  # F names no default: its first strength is
+  assert [r.is_default for r in rows] == [False, True, True]
   assert rows[2].method_kwargs == {"regions": "1,1,5,5", "epsilon": 10.0}
   assert rows[2].protocol["rounds"] == 3 and rows[0].protocol["rounds"] == 2
 
@@ -82,6 +89,23 @@ def test_the_pareto_front_by_hand():
   points = [(0.9, 0.5), (0.8, 0.2), (0.7, 0.3), (0.95, 0.9), (0.99, None),
             (0.8, 0.2)]
   assert report.pareto_front(points) == [True, True, False, True, False, True]
+
+
+def test_rows_without_a_finite_utility_or_leakage_are_off_the_front():
+  nan = float("nan")
+  # the NaN points would dominate nothing and be dominated by nothing
+  assert report.pareto_front([(0.5, nan), (0.95, 0.1), (nan, 0.0), (0.9, 0.2)]) == [
+      False, True, False, False]
+
+
+def test_a_swept_string_parameter_names_its_rows():
+  rows = grid.parse(_with(reference="F", entries=[
+      {"name": "F", "method": "fedre", "method_kwargs": {"regions": "1,1,5,5"},
+       "sweep": {"pda_pam_rule": ["paper", "normalized"]},
+       "default": "normalized"}])).rows()
+  assert [r.key for r in rows] == ["f__pda-pam-rule-paper",
+                                   "f__pda-pam-rule-normalized"]
+  assert rows[1].label == "F (pda_pam_rule=normalized)" and rows[1].is_default
 
 
 def test_the_matched_row_is_the_strength_closest_to_the_target():
@@ -132,6 +156,17 @@ def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
     assert a["utility"] == b["utility"] and a["attribute"] == b["attribute"]
     np.testing.assert_allclose(a["inversion"]["ig"]["ssim"],
                                b["inversion"]["ig"]["ssim"], atol=1e-5)
+
+  # an entry whose settings changed starts its rows afresh; the others stay
+  changed = _with(entries=[TINY["entries"][0], {
+      **TINY["entries"][1], "defense_kwargs": {"clip": 0.5}}])
+  logged = []
+  third = board.run(grid.parse(changed), out, progress=False, log=logged.append)
+  assert sum("cached" in line for line in logged) == 1
+  assert third[0] == again[0]
+  for r in third[1:]:
+    config = json.load(open(os.path.join(out, "rows", r["key"], "train", "config.json")))
+    assert config["defense_kwargs"]["clip"] == 0.5
 
   # another protocol in the same folder is refused
   with pytest.raises(ValueError, match="holds a leaderboard with other protocol"):

@@ -460,3 +460,19 @@ def test_scores_by_group_equal_one_call_per_group(spec):
     for name in alone:
       np.testing.assert_allclose(grouped[g][name], alone[name], rtol=1e-5,
                                  atol=1e-6, err_msg=f"group {g} {name}")
+
+
+def test_many_evaluators_log_no_retracing_warning_and_others_still_do(caplog):
+  spec = models.ModelSpec("mlp", (28, 28, 1), 2, {"hidden": [4]})
+  weights = spec.initial_weights(0)
+  x, y = np.zeros((3, 28, 28, 1), np.float32), np.zeros(3, np.int32)
+  for _ in range(7):  # TensorFlow warns from the sixth trace of one function
+    runner.Evaluator(spec).scores(weights, x, y)
+  assert "retracing" not in caplog.text
+
+  @tf.function
+  def square(v):
+    return v * v
+  for n in range(1, 8):  # a new shape each call: real retracing
+    square(tf.zeros([n]))
+  assert "triggered tf.function retracing" in caplog.text

@@ -33,6 +33,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import Any, NamedTuple, Optional, Sequence
@@ -277,6 +278,24 @@ def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
   return ds
 
 
+class _NotRetracing(logging.Filter):
+  """Drops TensorFlow's retracing warning about Evaluator functions: each
+  Evaluator traces its functions once, and TensorFlow's detector counts
+  those traces over every instance (a leaderboard process makes one per
+  row), which is not retracing."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ("triggered tf.function retracing" in message
+                and "Evaluator." in message)
+
+
+def _quiet_retracing_warnings() -> None:
+  logger = tf.get_logger()
+  if not any(isinstance(f, _NotRetracing) for f in logger.filters):
+    logger.addFilter(_NotRetracing())
+
+
 class Evaluator:
   """The task's metrics (`tff_privacy.tasks`) of a model given its weights
   on given samples, in plain TensorFlow (one trace for every weights and
@@ -287,6 +306,7 @@ class Evaluator:
     self.task = spec.task_object
     weights = [tf.TensorSpec(v.shape, v.dtype)
                for v in self._model.trainable_variables]
+    _quiet_retracing_warnings()
     self._sums = tf.function(self._sums_fn, input_signature=[
         weights, tf.TensorSpec((None,) + spec.input_shape, tf.float32),
         tf.TensorSpec((None,) + self.task.label_shape(spec.input_shape), tf.int32)])
@@ -444,6 +464,24 @@ class Run:
         process.initialize(),
         tff.learning.models.ModelWeights(self.spec.initial_weights(self.config.seed),
                                          []))
+
+  def checkpoint_form(self, state):
+    """`state` as checkpoints hold it: personalised methods' private states
+    stacked leaf by leaf over clients (a checkpoint of one tensor per client
+    and leaf takes seconds to write)."""
+    if not self.personalized:
+      return state
+    return collections.OrderedDict(server=state["server"], clients=tf.nest.map_structure(
+        lambda *leaves: np.stack(leaves), *state["clients"], check_types=False))
+
+  def from_checkpoint(self, saved):
+    """The state that `checkpoint_form` gave `saved`."""
+    if not self.personalized:
+      return saved
+    stacked = saved["clients"]
+    return collections.OrderedDict(server=saved["server"], clients=[
+        tf.nest.map_structure(lambda leaf, i=i: leaf[i], stacked)
+        for i in range(self.config.clients)])
 
   def server_weights(self, state) -> list[np.ndarray]:
     """The model the server holds and broadcasts (a personalised method's
@@ -634,6 +672,12 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   method's processes have been built from the config without error."""
   _check_config(config)
   r = Run(config)
+  if (config.infer_attributes
+      and r.algorithm.upload_kind not in attribute_inference.UPLOAD_KINDS):
+    raise ValueError(f"infer_attributes: method {config.method!r} uploads "
+                     f"{r.algorithm.upload_kind}, and the adversaries simulate "
+                     f"uploads of the model's weights "
+                     f"({', '.join(attribute_inference.UPLOAD_KINDS)})")
   what = f"method {config.method!r}" + (
       f" with defense {config.defense!r}" if config.defense else "")
   runtime.check_mergeable(r.process(capture=False).next, what)
@@ -646,9 +690,8 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   manager = tff.program.FileProgramStateManager(
       os.path.join(config.out, "checkpoints"), keep_total=2, keep_first=False)
   initial = r.initial_state()
-  state, done = asyncio.run(manager.load_latest(initial))
-  if state is None:
-    state, done = initial, 0
+  saved, done = asyncio.run(manager.load_latest(r.checkpoint_form(initial)))
+  state = initial if saved is None else r.from_checkpoint(saved)
   metrics_path = os.path.join(config.out, "metrics.json")
   history = []
   if done and os.path.exists(metrics_path):
@@ -690,7 +733,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
         if k != "round" and isinstance(v, (int, float, np.number)):
           tf.summary.scalar(k, v)
     writer.flush()
-    asyncio.run(manager.save(state, round_num))
+    asyncio.run(manager.save(r.checkpoint_form(state), round_num))
     bar.set_postfix({**shown, "loss": f"{entry['train_loss']:.4f}"})
   _write_final_models(r, state)
   return history

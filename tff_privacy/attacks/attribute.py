@@ -40,6 +40,8 @@ from sklearn.svm import SVC
 from tff_privacy.attacks import functional
 
 ADVERSARIES = ("stru_nn", "unknown_nn", "svm", "rf")
+# the uploads the adversaries' shadow simulation can reproduce
+UPLOAD_KINDS = ("gradient", "model_delta")
 
 
 def pooled(upload: Sequence[np.ndarray], length: int = 1024) -> np.ndarray:
@@ -189,7 +191,7 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
       like the model's weights.
   """
   first = records[0]
-  if first.upload_kind not in ("gradient", "model_delta"):
+  if first.upload_kind not in UPLOAD_KINDS:
     raise ValueError(f"attribute inference simulates uploads of the model's "
                      f"weights (a gradient or model delta); method "
                      f"{first.metadata['method']!r} uploads {first.upload_kind}")

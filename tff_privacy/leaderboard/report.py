@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from tff_privacy import io
+from tff_privacy.leaderboard.board import GLOBAL_UTILITY
 from tff_privacy.leaderboard.grid import Grid
 
 FIGURES = ("tradeoff.png", "reconstructions.png", "asr.png")
@@ -31,7 +32,8 @@ COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "par
 def leakage(result: dict) -> Optional[dict[str, Any]]:
   """The row's worst inversion result (highest SSIM), with the attack's name;
   None when no attack could read the uploads."""
-  scored = [(name, r) for name, r in result["inversion"].items() if "error" not in r]
+  scored = [(name, r) for name, r in result["inversion"].items()
+            if "error" not in r and _finite(r["ssim"])]
   if not scored:
     return None
   name, best = max(scored, key=lambda item: item[1]["ssim"])
@@ -40,8 +42,9 @@ def leakage(result: dict) -> Optional[dict[str, Any]]:
 
 def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
   """One flat dict per finished row: the report's and the CSV's columns."""
-  reference = next((r for r in results if r["entry"] == grid.reference), None)
-  target = None if reference is None else grid.utility_target * reference["utility"]
+  reference = _reference(grid, results)
+  target = (grid.utility_target * reference["utility"]
+            if reference and _finite(reference["utility"]) else None)
   matched = matched_keys(results, target)
   rows = []
   for r in results:
@@ -64,6 +67,7 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "time_ratio": (r["seconds_per_round"] / reference["seconds_per_round"]
                        if reference else None),
         "upload_bytes": r["upload_bytes"],
+        "concurrent_rows": r.get("concurrent_rows", 1),
         "errors": {**{n: v["error"] for n, v in r["inversion"].items() if "error" in v},
                    **({"attribute": attribute["error"]} if "error" in attribute else {})}})
   front = pareto_front([(x["utility"], x["ssim"]) for x in rows])
@@ -80,23 +84,33 @@ def matched_keys(results: Sequence[dict], target: Optional[float]) -> set[str]:
   keys = set()
   for entry in dict.fromkeys(r["entry"] for r in results):
     mine = [r for r in results if r["entry"] == entry]
-    if mine[0]["settings"]["parameter"] is None:
+    scored = [r for r in mine if _finite(r["utility"])]
+    if mine[0]["settings"]["parameter"] is None or not scored:
       continue
-    keys.add(min(mine, key=lambda r: abs(r["utility"] - target))["key"])
+    keys.add(min(scored, key=lambda r: abs(r["utility"] - target))["key"])
   return keys
+
+
+def _reference(grid: Grid, results: Sequence[dict]) -> Optional[dict]:
+  """The reference entry's row at its default strength (its only row when
+  it is not swept)."""
+  return next((r for r in results if r["entry"] == grid.reference and r["is_default"]),
+              None)
+
+
+def _finite(value) -> bool:
+  return value is not None and bool(np.isfinite(value))
 
 
 def pareto_front(points: Sequence[tuple[float, Optional[float]]]) -> list[bool]:
   """Which (utility, leakage) points no other point dominates (higher or
   equal utility and lower or equal leakage, one strictly). Points without
-  a leakage are not on the front."""
+  a finite utility and leakage are not on the front."""
+  scored = [_finite(u) and _finite(s) for u, s in points]
   front = []
   for i, (u, s) in enumerate(points):
-    if s is None or not np.isfinite(u):
-      front.append(False)
-      continue
-    front.append(not any(
-        j != i and t is not None and v >= u and t <= s and (v > u or t < s)
+    front.append(scored[i] and not any(
+        scored[j] and j != i and v >= u and t <= s and (v > u or t < s)
         for j, (v, t) in enumerate(points)))
   return front
 
@@ -135,12 +149,17 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            "Leakage is the worst inversion attack of the row (highest SSIM); ASR "
            "is the best adversary's attack success rate beside the victims' "
            "chance rate. Time is seconds per round over the reference's "
-           f"({grid.reference}); the upload is one client's, dense float32.", ""]
+           f"({grid.reference}){_concurrency(rows)}; the upload is one "
+           "client's, dense float32. Utility is the global model's test "
+           "accuracy, or, marked *, the mean accuracy of the clients' own "
+           "models on their own test splits (personalised methods): the two "
+           "are different measurements.", ""]
   lines += section("At each entry's default strength",
                     [r for r in rows if r["default"]])
   matched = [r for r in rows if r["matched"]]
-  reference = next((r for r in rows if r["entry"] == grid.reference), None)
-  if reference:
+  reference = next((r for r in rows if r["entry"] == grid.reference and r["default"]),
+                   None)
+  if reference and _finite(reference["utility"]):
     lines += section(
         f"Utility-matched: the strength closest to {grid.utility_target:g} x "
         f"the reference's {reference['utility_kind']} "
@@ -173,7 +192,8 @@ def section(title: str, rows: Sequence[dict]) -> list[str]:
     marks = "".join(m for m, on in (("P", r["pareto"]), ("M", r["matched"])) if on)
     lines.append("| " + " | ".join([
         r["label"] + (f" [{marks}]" if marks else ""),
-        _number(r["utility"], 4), _number(r["loss"], 4),
+        _number(r["utility"], 4) + ("*" if r["utility_kind"] != GLOBAL_UTILITY else ""),
+        _number(r["loss"], 4),
         "n/a" if r["ssim"] is None else f"{r['ssim']:.3f} ({r['attack']})",
         _number(r["psnr"], 2), _number(r["label_accuracy"], 2),
         "n/a" if r["asr_max"] is None else f"{r['asr_max']:.2f} ({r['chance']:.2f})",
@@ -182,8 +202,18 @@ def section(title: str, rows: Sequence[dict]) -> list[str]:
   return lines + [""]
 
 
+def _concurrency(rows: Sequence[dict]) -> str:
+  jobs = max((r.get("concurrent_rows") or 1 for r in rows), default=1)
+  return ("" if jobs == 1 else f", measured while up to {jobs} rows trained at "
+          "once (--jobs 1 for clean timings)")
+
+
 def _number(value, digits: int) -> str:
-  return "n/a" if value is None else f"{value:.{digits}f}"
+  if value is None:
+    return "n/a"
+  if not np.isfinite(value) or abs(value) >= 1e4:  # a diverged loss
+    return f"{value:.3g}"
+  return f"{value:.{digits}f}"
 
 
 def _bytes(n: int) -> str:
