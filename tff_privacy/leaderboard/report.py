@@ -25,7 +25,8 @@ PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
             "tensorflow-privacy", "dp-accounting", "scikit-learn", "numpy")
 COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "pareto",
            "utility", "utility_kind", "loss", "attack", "ssim", "psnr",
-           "label_accuracy", "asr_max", "epsilon", "delta", "relation",
+           "label_accuracy", "asr_max", "chance", "balanced_asr_max",
+           "balanced_chance", "epsilon", "delta", "relation",
            "time_ratio", "upload_bytes")
 
 
@@ -50,7 +51,7 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
   for r in results:
     worst = leakage(r) or {}
     attribute = r.get("attribute") or {}
-    asr = attribute.get("asr")
+    asr, balanced = attribute.get("asr"), attribute.get("balanced_asr")
     strength = r["settings"]["strength"]
     rows.append({
         "key": r["key"], "label": r["label"], "entry": r["entry"],
@@ -61,6 +62,10 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "psnr": worst.get("psnr"), "label_accuracy": worst.get("label_accuracy"),
         "asr": asr, "asr_max": max(asr.values()) if asr else None,
         "chance": attribute.get("chance"),
+        "balanced_asr": balanced,
+        "balanced_asr_max": max(balanced.values()) if balanced else None,
+        "balanced_chance": attribute.get("balanced_chance"),
+        **{f"balanced_asr_{name}": value for name, value in (balanced or {}).items()},
         "epsilon": (r["privacy"] or {}).get("epsilon"),
         "delta": (r["privacy"] or {}).get("delta"),
         "relation": (r["privacy"] or {}).get("relation"),
@@ -126,7 +131,8 @@ def write(grid: Grid, results: Sequence[dict], out: str,
   elif os.path.exists(kept):
     command = io.read_json(kept)
   rows = table_rows(grid, results)
-  io.write_csv(os.path.join(out, "leaderboard.csv"), rows, COLUMNS)
+  io.write_csv(os.path.join(out, "leaderboard.csv"), rows, COLUMNS + tuple(
+      f"balanced_asr_{name}" for name in grid.attacks["adversaries"]))
   io.write_json(os.path.join(out, "leaderboard.json"),
                 {"grid": grid.to_json(), "rows": rows, "versions": versions()})
   _tradeoff_figure(rows, os.path.join(out, "tradeoff.png"))
@@ -147,8 +153,10 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            f"'{attacks['attribute']}' by {', '.join(attacks['adversaries'])} "
            f"(trained on {attacks['shadow_samples']} clean shadow samples).", "",
            "Leakage is the worst inversion attack of the row (highest SSIM); ASR "
-           "is the best adversary's attack success rate beside the victims' "
-           "chance rate. Time is seconds per round over the reference's "
+           "is the best adversary's balanced attack success rate (the mean "
+           "recall over the attribute's classes, so that a few victims of one "
+           "class do not pass for leakage) beside its chance rate; "
+           "leaderboard.csv has every adversary's, and the plain rates. Time is seconds per round over the reference's "
            f"({grid.reference}){_concurrency(rows)}; the upload is one "
            "client's, dense float32. Utility is the global model's test "
            "accuracy, or, marked *, the mean accuracy of the clients' own "
@@ -175,8 +183,8 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
             "Pareto front is the line.",
             "- reconstructions.png: the same originals (top) and each entry's "
             "reconstruction at its matched (else default) strength.",
-            "- asr.png: each adversary's attack success rate per entry at its "
-            "matched (else default) strength; the dashed line is chance.", "",
+            "- asr.png: each adversary's balanced attack success rate per entry "
+            "at its matched (else default) strength; the dashed line is chance.", "",
             "## How it was made", ""]
   if command:
     lines += ["```", " ".join(command), "```", ""]
@@ -186,7 +194,7 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
 
 def section(title: str, rows: Sequence[dict]) -> list[str]:
   head = ("| row | utility | loss | leakage SSIM (attack) | PSNR dB | label acc. | "
-          "ASR (chance) | epsilon (delta) | time x | upload |")
+          "balanced ASR (chance) | epsilon (delta) | time x | upload |")
   lines = [f"## {title}", "", head, "|" + "---|" * head.count(" | ") + "---|"]
   for r in rows:
     marks = "".join(m for m, on in (("P", r["pareto"]), ("M", r["matched"])) if on)
@@ -196,7 +204,8 @@ def section(title: str, rows: Sequence[dict]) -> list[str]:
         _number(r["loss"], 4),
         "n/a" if r["ssim"] is None else f"{r['ssim']:.3f} ({r['attack']})",
         _number(r["psnr"], 2), _number(r["label_accuracy"], 2),
-        "n/a" if r["asr_max"] is None else f"{r['asr_max']:.2f} ({r['chance']:.2f})",
+        ("n/a" if r["balanced_asr_max"] is None else
+         f"{r['balanced_asr_max']:.2f} ({r['balanced_chance']:.2f})"),
         "-" if r["epsilon"] is None else f"{r['epsilon']:.3g} ({r['delta']:g})",
         _number(r["time_ratio"], 2), _bytes(r["upload_bytes"])]) + " |")
   return lines + [""]
@@ -285,7 +294,9 @@ def _tradeoff_figure(rows: Sequence[dict], path: str) -> None:
     ax.step(*zip(*front), where="post", color="black", lw=1.2, ls="--",
             label="Pareto front")
   ax.set_xlabel("leakage: worst inversion SSIM (lower is more private)")
-  ax.set_ylabel("utility: " + (rows[0]["utility_kind"] if rows else ""))
+  kinds = list(dict.fromkeys(r["utility_kind"] for r in rows))
+  ax.set_ylabel("utility: " + (f"{kinds[0]}" if len(kinds) == 1 else
+                               f"{kinds[0]} (personalised methods: {', '.join(kinds[1:])})"))
   ax.grid(alpha=0.3)
   ax.legend(fontsize=7, loc="best")
   ax.set_title("Utility against leakage, one point per strength")
@@ -328,20 +339,21 @@ def _same_originals(originals: np.ndarray, theirs: np.ndarray,
 
 def _asr_figure(rows: Sequence[dict], path: str) -> None:
   plt = _pyplot()
-  shown = [r for r in _shown(rows) if r["asr"]]
+  shown = [r for r in _shown(rows) if r["balanced_asr"]]
   fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(shown) + 2), 4.5))
   if shown:
-    adversaries = list(shown[0]["asr"])
+    adversaries = list(shown[0]["balanced_asr"])
     width = 0.8 / len(adversaries)
     x = np.arange(len(shown))
     for k, name in enumerate(adversaries):
       ax.bar(x + (k - (len(adversaries) - 1) / 2) * width,
-             [r["asr"][name] for r in shown], width, label=name)
+             [r["balanced_asr"][name] for r in shown], width, label=name)
     for i, r in enumerate(shown):
-      ax.hlines(r["chance"], i - 0.45, i + 0.45, colors="black", linestyles="--")
+      ax.hlines(r["balanced_chance"], i - 0.45, i + 0.45, colors="black",
+                linestyles="--")
     ax.set_xticks(x, [r["entry"] for r in shown], rotation=35, ha="right", fontsize=8)
     ax.legend(fontsize=8)
   ax.set_ylim(0, 1.05)
-  ax.set_ylabel("attribute inference success rate")
+  ax.set_ylabel("balanced attribute inference success rate")
   ax.set_title("Attribute inference per entry (dashed: chance)")
   _save(fig, path)

@@ -151,5 +151,6 @@ def grid_figure(rows: dict[str, Sequence[np.ndarray]], value_range,
     axes[i][0].set_ylabel(label)
   if title:
     fig.suptitle(title)
-  fig.tight_layout()
+  # tight_layout ignores the title: keep half an inch above the images for it
+  fig.tight_layout(rect=(0, 0, 1, 1 - (0.5 if title else 0) / fig.get_figheight()))
   return fig
