@@ -22,7 +22,7 @@ import time
 
 import tensorflow as tf
 
-from tff_privacy import attacks, data, models
+from tff_privacy import attacks, data, models, runtime
 from tff_privacy.attacks import functional
 from tff_privacy.updates import UpdateRecord
 
@@ -80,6 +80,7 @@ def main() -> None:
   parser.add_argument("--record-iterations", type=int, default=200,
                       help="IG iterations per record in that comparison")
   args = parser.parse_args()
+  runtime.install()  # TFF is imported but never runs here: start no worker
   record = make_record(args.model)
   compiled = iterations_per_second(record, args.iterations, True, "/CPU:0")
   eager = iterations_per_second(record, args.eager_iterations, False, "/CPU:0")
