@@ -152,24 +152,22 @@ def load(path: str) -> Grid:
   return parse(data, f"config {path}")
 
 
-def _protocol(protocol: Any, where: str) -> dict:
-  if not isinstance(protocol, dict):
-    raise ValueError(f"{where}: a JSON object of run settings")
-  unknown = sorted(set(protocol) - set(PROTOCOL_KEYS))
+def _object(value: Any, where: str, accepted, what: str) -> dict:
+  """`value` as a dict, refused unless a JSON object with `accepted` keys."""
+  if not isinstance(value, dict):
+    raise ValueError(f"{where}: a JSON object of {what}")
+  unknown = sorted(set(value) - set(accepted))
   if unknown:
-    raise ValueError(f"{where}: unknown keys {unknown}; accepted: "
-                     f"{', '.join(PROTOCOL_KEYS)}")
-  return dict(protocol)
+    raise ValueError(f"{where}: unknown keys {unknown}; accepted: {', '.join(accepted)}")
+  return dict(value)
+
+
+def _protocol(protocol: Any, where: str) -> dict:
+  return _object(protocol, where, PROTOCOL_KEYS, "run settings")
 
 
 def _attacks(attacks: Any, where: str) -> dict:
-  if not isinstance(attacks, dict):
-    raise ValueError(f"{where}: a JSON object")
-  unknown = sorted(set(attacks) - set(ATTACK_DEFAULTS))
-  if unknown:
-    raise ValueError(f"{where}: unknown keys {unknown}; accepted: "
-                     f"{', '.join(ATTACK_DEFAULTS)}")
-  merged = {**ATTACK_DEFAULTS, **attacks}
+  merged = {**ATTACK_DEFAULTS, **_object(attacks, where, ATTACK_DEFAULTS, "attack settings")}
   _check_inversion(merged["inversion"], f"{where} inversion")
   for key, least in (("iterations", 1), ("victims", 1), ("shadow_samples", 2),
                      ("capture_round", 1)):
@@ -192,11 +190,7 @@ def _check_inversion(names: Any, where: str) -> None:
 
 
 def _entry(entry: Any, where: str) -> dict:
-  if not isinstance(entry, dict):
-    raise ValueError(f"{where}: a JSON object with name and method")
-  unknown = sorted(set(entry) - set(ENTRY_KEYS))
-  if unknown:
-    raise ValueError(f"{where}: unknown keys {unknown}; accepted: {', '.join(ENTRY_KEYS)}")
+  entry = _object(entry, where, ENTRY_KEYS, "an entry's settings, with name and method")
   for key in ("name", "method"):
     if not isinstance(entry.get(key), str) or not entry[key]:
       raise ValueError(f"{where} {key}: a non-empty string")
