@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any, Optional, Sequence
 
 EXIT_USAGE = 2
@@ -464,9 +465,12 @@ def _leaderboard(args) -> int:
           leaderboard.grid.parse(leaderboard.defaults.grid(args.scale),
                                  f"--scale {args.scale}"))
   runtime.start()
+  start = time.perf_counter()
   results = leaderboard.board.run(grid, args.out, progress=not args.quiet,
                                   jobs=args.jobs)
-  return _print_report(grid, results, args.out, ["tff-privacy", *sys.argv[1:]])
+  code = _print_report(grid, results, args.out, ["tff-privacy", *sys.argv[1:]])
+  print(f"{len(results)} rows in {time.perf_counter() - start:.0f} s")
+  return code
 
 
 def _report_parser(sub) -> None:
