@@ -31,6 +31,51 @@ def test_functional_forward_equals_keras(name):
   np.testing.assert_allclose(out, model(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_record_batched_forward_equals_each_keras_model(name):
+  """`forward(records=True)`: three records, each its own initialisation
+  and inputs, in one pass give what each Keras model gives on its own."""
+  shape = {"hyperfl_cnn": (28, 28, 1), "hyperfl_cnn_cifar": (32, 32, 3),
+           "unet": (16, 8, 3)}.get(name, (8, 8, 1))
+  kwargs = QUICK_MODEL_KWARGS.get(name, {})
+  keras_models = [models.build(name, shape, 10, seed=s, **kwargs) for s in (1, 2, 3)]
+  x = tf.random.uniform((3, 2) + shape, seed=1)
+  weights = [tf.stack(ws) for ws in zip(*(m.trainable_variables for m in keras_models))]
+  out = functional.forward(keras_models[0], weights, x, records=True)
+  for r, model in enumerate(keras_models):
+    np.testing.assert_allclose(out[r], model(x[r]), atol=1e-5)
+
+
+@pytest.mark.parametrize("task,upload_kind,protocol", [
+    ("classification", "gradient", {"batch_size": 3}),
+    ("classification", "model_delta", {"batch_size": 2, "local_epochs": 2,
+                                       "client_learning_rate": 0.1,
+                                       "client_momentum": 0.9}),
+    ("segmentation", "model_delta", {"batch_size": 2, "client_learning_rate": 0.01,
+                                     "client_optimizer": "adam"})])
+def test_record_batched_uploads_equal_each_clients_upload(task, upload_kind, protocol):
+  """`simulate_upload(records=True)` stacks what each client would upload
+  from its own broadcast, as `simulate_upload` computes it one at a time."""
+  name, shape = ("lenet", (8, 8, 1)) if task == "classification" else (
+      "unet", (8, 8, 3))
+  spec = models.ModelSpec(name, shape, 2 if task == "segmentation" else 10,
+                          task=task)
+  keras_models = [spec.keras(seed) for seed in (1, 2)]
+  x = tf.random.uniform((2, 3) + shape, seed=2)
+  labels = tf.random.uniform((2, 3) + spec.task_object.label_shape(shape),
+                             maxval=spec.num_classes, dtype=tf.int32, seed=3)
+  y = tf.one_hot(labels, spec.num_classes)
+  weights = [[tf.constant(v) for v in m.trainable_variables] for m in keras_models]
+  stacked = functional.simulate_upload(
+      keras_models[0], [tf.stack(ws) for ws in zip(*weights)], x, y, upload_kind,
+      protocol, 3, spec.task_object, records=True)
+  for r in range(2):
+    alone = functional.simulate_upload(keras_models[r], weights[r], x[r], y[r],
+                                       upload_kind, protocol, 3, spec.task_object)
+    for got, want in zip(stacked, alone):
+      np.testing.assert_allclose(got[r], want, rtol=1e-4, atol=1e-6)
+
+
 def test_single_sample_label_recovery_is_exact(digits):
   x, y = digits
   for i in range(10):

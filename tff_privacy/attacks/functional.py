@@ -19,17 +19,27 @@ from tff_privacy.protocol import local_batch_sizes
 CLASSIFICATION = tasks.get("classification")
 
 
-def batch_loss(model, weights, x, y_soft, task: tasks.Task = CLASSIFICATION
-               ) -> tf.Tensor:
+def batch_loss(model, weights, x, y_soft, task: tasks.Task = CLASSIFICATION,
+               records: bool = False) -> tf.Tensor:
   """The `task`'s mean loss (`Task.soft_loss`) of soft (or one-hot) labels
-  `y_soft` on the model's outputs at `weights`."""
-  return task.soft_loss(forward(model, weights, x), y_soft)
+  `y_soft` on the model's outputs at `weights`. With `records` (weights
+  stacked over records, x and y_soft [R, B, ...]; see
+  `tff_privacy.models.functional`), the sum over records of each record's
+  mean loss, whose gradient with respect to the stacked weights holds every
+  record's own gradient. Every task's loss is a mean over equally many
+  terms per record, so that sum is R times the mean over all records."""
+  logits = forward(model, weights, x, records=records)
+  if not records:
+    return task.soft_loss(logits, y_soft)
+  fold = lambda t: tf.reshape(t, [-1] + t.shape[2:].as_list())
+  return logits.shape[0] * task.soft_loss(fold(logits), fold(y_soft))
 
 
 def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
               batch_sizes: Sequence[int], momentum: float = 0.0,
               weight_decay: float = 0.0, optimizer: str = "sgd",
-              task: tasks.Task = CLASSIFICATION) -> list[tf.Tensor]:
+              task: tasks.Task = CLASSIFICATION, records: bool = False
+              ) -> list[tf.Tensor]:
   """w0 - wK after local steps over consecutive batches of the sample
   sequence (x_seq, y_seq) cut to `batch_sizes` (TFF's sign convention).
 
@@ -37,15 +47,18 @@ def local_sgd(model, weights, x_seq, y_seq, learning_rate: float,
   g + weight_decay w; w = w - learning_rate b, b starting at 0), which is
   TFF's `build_sgdm` when `weight_decay` is 0. 'adam': TFF's `build_adam`
   (m += (1 - 0.9)(g - m), v += (1 - 0.999)(g^2 - v), w -= lr sqrt(1 -
-  0.999^t) / (1 - 0.9^t) m / (sqrt(v) + 1e-7), moments starting at 0)."""
+  0.999^t) / (1 - 0.9^t) m / (sqrt(v) + 1e-7), moments starting at 0).
+  With `records`, the samples are on axis 1 and every record steps its own
+  stacked weights (`batch_loss`)."""
+  cut = ((lambda t, a, b: t[:, a:b]) if records else (lambda t, a, b: t[a:b]))
   current, start = list(weights), 0
   first = [tf.zeros_like(w) for w in current]
   second = [tf.zeros_like(w) for w in current]
   for step, size in enumerate(batch_sizes, start=1):
     with tf.GradientTape() as tape:
       tape.watch(current)
-      loss = batch_loss(model, current, x_seq[start:start + size],
-                        y_seq[start:start + size], task)
+      loss = batch_loss(model, current, cut(x_seq, start, start + size),
+                        cut(y_seq, start, start + size), task, records)
     grads = tape.gradient(loss, current)
     if optimizer == "adam":
       first = [m + (g - m) * (1 - 0.9) for m, g in zip(first, grads)]
@@ -69,7 +82,7 @@ def learning_rate(protocol: dict) -> float:
 
 def simulate_upload(model, weights, x, y_soft, upload_kind: str,
                     protocol: dict, num_examples: int | None = None,
-                    task: tasks.Task = CLASSIFICATION):
+                    task: tasks.Task = CLASSIFICATION, records: bool = False):
   """What a client holding (x, y_soft) would upload from broadcast `weights`,
   training on `task`'s loss (`batch_loss`).
 
@@ -81,22 +94,26 @@ def simulate_upload(model, weights, x, y_soft, upload_kind: str,
   by `local_batch_sizes`, the samples in the order given in every epoch,
   since an attacker cannot know the client's shuffling (FedAvg; TFF's sign
   convention). A DP client's clipping and noise are not simulated: the
-  attacker cannot know the noise.
+  attacker cannot know the noise. With `records`, the uploads of R clients
+  at once: weights, x and y_soft stacked on a leading record axis, the
+  uploads too.
   """
   if upload_kind == "gradient":
     with tf.GradientTape() as tape:
       tape.watch(weights)
-      loss = batch_loss(model, weights, x, y_soft, task)
+      loss = batch_loss(model, weights, x, y_soft, task, records)
     return tape.gradient(loss, weights)
   if upload_kind == "model_delta":
-    n = int(x.shape[0]) if num_examples is None else num_examples
+    axis = 1 if records else 0
+    n = int(x.shape[axis]) if num_examples is None else num_examples
     epochs = protocol.get("local_epochs", 1)
     sizes = local_batch_sizes(n, protocol["batch_size"], epochs)
     return local_sgd(
-        model, weights, tf.concat([x] * epochs, 0),
-        tf.concat([y_soft] * epochs, 0),
+        model, weights, tf.concat([x] * epochs, axis),
+        tf.concat([y_soft] * epochs, axis),
         learning_rate(protocol), sizes, protocol.get("client_momentum", protocol.get("momentum", 0.0)),
         protocol.get("weight_decay", 0.0),
-        "adam" if protocol.get("client_optimizer") == "adam" else "sgd", task)
+        "adam" if protocol.get("client_optimizer") == "adam" else "sgd", task,
+        records)
   raise ValueError(f"upload_kind={upload_kind!r} cannot be simulated; "
                    "supported: 'gradient', 'model_delta'")

@@ -127,12 +127,13 @@ class Target:
                           self.num_examples, self.record.upload_kind,
                           self.record.metadata["protocol"], self.value_range)
 
-  def simulate(self, weights, x, y_soft):
+  def simulate(self, weights, x, y_soft, records: bool = False):
     """The upload of (x, y_soft) from broadcast `weights` under the record's
-    protocol."""
+    protocol; with `records`, of several records sharing this one's cache
+    key, stacked on a leading axis (`functional.simulate_upload`)."""
     return functional.simulate_upload(
         self.model, weights, x, y_soft, self.record.upload_kind,
-        self.record.metadata["protocol"], self.num_examples, self.task)
+        self.record.metadata["protocol"], self.num_examples, self.task, records)
 
   def cache_key(self) -> str:
     """What a compiled attack function depends on besides its arguments."""
@@ -156,18 +157,33 @@ def l2_distance(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
   return tf.add_n([tf.reduce_sum(tf.square(x - y)) for x, y in zip(a, b)])
 
 
-def cosine_distance(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
-  """1 - cosine similarity of the concatenated tensors."""
-  dot = tf.add_n([tf.reduce_sum(x * y) for x, y in zip(a, b)])
-  na = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(x)) for x in a]))
-  nb = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(y)) for y in b]))
-  return 1.0 - dot / (na * nb + 1e-12)
+def _reduce(fn, t: tf.Tensor, records: bool) -> tf.Tensor:
+  """fn over all of t, or with `records` over all but its leading axis."""
+  return fn(t, axis=list(range(1, t.shape.rank))) if records else fn(t)
 
 
-def total_variation(x: tf.Tensor) -> tf.Tensor:
-  """Mean absolute difference of neighbouring pixels (Geiping et al.'s TV)."""
-  dx = tf.reduce_mean(tf.abs(x[:, :, 1:, :] - x[:, :, :-1, :]))
-  dy = tf.reduce_mean(tf.abs(x[:, 1:, :, :] - x[:, :-1, :, :]))
+def norm(tensors: Sequence[tf.Tensor], records: bool = False) -> tf.Tensor:
+  """L2 norm of the concatenated tensors (per record with `records`)."""
+  return tf.sqrt(tf.add_n([_reduce(tf.reduce_sum, tf.square(t), records)
+                           for t in tensors]))
+
+
+def cosine_distance(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor],
+                    records: bool = False,
+                    b_norm: Optional[tf.Tensor] = None) -> tf.Tensor:
+  """1 - cosine similarity of the concatenated tensors; with `records`, one
+  per record of tensors stacked on a leading record axis. `b_norm`: `b`'s
+  `norm`, where a search compares many `a` with one `b`."""
+  dot = tf.add_n([_reduce(tf.reduce_sum, x * y, records) for x, y in zip(a, b)])
+  nb = norm(b, records) if b_norm is None else b_norm
+  return 1.0 - dot / (norm(a, records) * nb + 1e-12)
+
+
+def total_variation(x: tf.Tensor, records: bool = False) -> tf.Tensor:
+  """Mean absolute difference of neighbouring pixels (Geiping et al.'s TV) of
+  NHWC images; with `records`, one per record of [R, N, H, W, C]."""
+  dx = _reduce(tf.reduce_mean, tf.abs(x[..., 1:, :] - x[..., :-1, :]), records)
+  dy = _reduce(tf.reduce_mean, tf.abs(x[..., 1:, :, :] - x[..., :-1, :, :]), records)
   return dx + dy
 
 
@@ -397,7 +413,7 @@ class GradientInversion(abc.ABC):
                         on_steps: Callable[[int], Any] = lambda n: None
                         ) -> list[Reconstruction]:
     """`reconstruct` for several targets sharing a compiled function, their
-    searches advanced together by one vectorised computation
+    searches advanced together by one batched computation
     (`_advance_group`). Each target's start is seeded as when it is
     attacked alone."""
     best: list = [None] * len(targets)
@@ -589,30 +605,39 @@ class InvertingGradients(GradientInversion):
       Param("boxed", bool, True, "clip inputs to the data range after each step",
             cli=False),
       Param("lr_decay", bool, True, "divide lr by 10 at 3/8, 5/8, 7/8", cli=False),
-      Param("group_size", int, 1, "records searched together in one vectorised "
+      Param("group_size", int, 1, "records searched together in one batched "
             "computation (those sharing model, protocol and batch size); each "
             "search is the one-at-a-time search up to float rounding", minimum=1),
       _INIT, _LABEL_KNOWLEDGE, _MAX_EXAMPLES)
 
   def _build(self, target: Target, grouped: bool = False):
     """A chunk of iterations; `grouped`: of a group's searches at once, each
-    argument stacked on a leading record axis (`tf.vectorized_map`)."""
+    argument stacked on a leading record axis, the objective one per record
+    (one pass of the record-batched forward, `Target.simulate(records=
+    True)`)."""
     lo, hi = target.value_range
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
 
-    def objective(x, y_soft, upload, broadcast):
+    def objective(x, y_soft, upload, upload_norm, broadcast):
       with tf.GradientTape() as tape:
         tape.watch(x)
-        loss = cosine_distance(target.simulate(broadcast, x, y_soft), upload)
-        loss += self.tv_weight * total_variation(x)
-      return loss, tape.gradient(loss, x)
+        loss = cosine_distance(target.simulate(broadcast, x, y_soft, grouped),
+                               upload, grouped, upload_norm)
+        loss += self.tv_weight * total_variation(x, grouped)
+        # records' objectives are independent: the gradient of their sum is
+        # each one's own
+        total = tf.reduce_sum(loss)
+      return loss, tape.gradient(total, x)
 
     def keep_best(x, loss, best_x, best_loss):
       better = loss < best_loss
-      return tf.where(better, x, best_x), tf.where(better, loss, best_loss)
+      pick = tf.reshape(better, tf.concat([tf.shape(better), tf.ones(
+          tf.rank(x) - tf.rank(better), tf.int32)], 0))
+      return tf.where(pick, x, best_x), tf.where(better, loss, best_loss)
 
-    def step(t, x, m, v, best_x, best_loss, y_soft, upload, broadcast):
-      loss, grad = objective(x, y_soft, upload, broadcast)
+    def step(t, x, m, v, best_x, best_loss, y_soft, upload, upload_norm,
+             broadcast):
+      loss, grad = objective(x, y_soft, upload, upload_norm, broadcast)
       best_x, best_loss = keep_best(x, loss, best_x, best_loss)
       g = tf.sign(grad) if self.signed else grad
       lr = self.lr
@@ -624,20 +649,16 @@ class InvertingGradients(GradientInversion):
         x = tf.clip_by_value(x, lo, hi)
       return x, m, v, best_x, best_loss
 
-    def last(x, best_x, best_loss, y_soft, upload, broadcast):
-      loss, _ = objective(x, y_soft, upload, broadcast)  # the latest iterate
+    def last(x, best_x, best_loss, *arguments):
+      loss, _ = objective(x, *arguments)  # the latest iterate
       return keep_best(x, loss, best_x, best_loss)
 
-    if grouped:
-      step_one, last_one = step, last
-      step = lambda t, *a: tf.vectorized_map(lambda e: step_one(t, *e), a)
-      last = lambda *a: tf.vectorized_map(lambda e: last_one(*e), a)
-
     def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload, broadcast):
+      arguments = (y_soft, upload, norm(upload, grouped), broadcast)
       for i in tf.range(steps):
         x, m, v, best_x, best_loss = step(done + i, x, m, v, best_x, best_loss,
-                                          y_soft, upload, broadcast)
-      best_x, best_loss = last(x, best_x, best_loss, y_soft, upload, broadcast)
+                                          *arguments)
+      best_x, best_loss = last(x, best_x, best_loss, *arguments)
       return x, m, v, best_x, best_loss
     return advance
 
