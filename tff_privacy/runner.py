@@ -45,6 +45,7 @@ import tqdm
 
 from tff_privacy import (algorithms, data, defenses, evaluate, io, models,
                          params, pretrained, runtime)
+from tff_privacy.aggregation import wide_sum
 from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.dp import accounting
 from tff_privacy.models.lpm import LPM_MODELS
@@ -445,7 +446,7 @@ class Run:
     if capture not in self._processes:
       n = self.config.sampled_per_round
       inner = (self.central.aggregator(n, self.config.seed) if self.central
-               else tff.aggregators.MeanFactory())
+               else wide_sum.wide_mean_factory())
       view = self.central.server_view if self.central else None
       aggregator = CaptureFactory(inner, n, view) if capture else inner
       self._processes[capture] = self.algorithm.build_process(aggregator)

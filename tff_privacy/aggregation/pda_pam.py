@@ -72,6 +72,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import psi
+from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
 
 UPDATE_RULES = ("paper", "normalized")
 SCORE_SCALES = ("linear", "log")
@@ -195,7 +196,7 @@ def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
     high = tff.federated_max(exponents[0])
     low = tff.federated_min(exponents[1])
     bounds = tff.federated_broadcast(tff.federated_zip((high, low)))
-    sums = tff.federated_sum(tff.federated_map(weigh, (updates, exponents, bounds)))
+    sums = federated_wide_sum(tff.federated_map(weigh, (updates, exponents, bounds)))
     return tff.federated_map(combine, (sums, high, low))
 
   return aggregate
@@ -221,7 +222,7 @@ def compose_with_server_aggregation(
   measurements, e.g. upload capture."""
   weights_type = initial_model_weights_fn.type_signature.result
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
-  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
+  aggregator = (model_aggregator or wide_mean_factory()).create(
       weights_type.trainable, tff.TensorType(np.float32))
   finalizer = tff.learning.templates.build_apply_optimizer_finalizer(
       server_optimizer, weights_type)

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_privacy.aggregation.wide_sum import wide_mean_factory
 from tff_privacy.defenses import ClientView, UpdateDefense
 
 SEED_KEY = "seed"
@@ -113,7 +114,7 @@ def compose_from_weights(initial_model_weights_fn: tff.Computation, client_work,
   """`compose_defended` for a model given by its initial weights (a
   computation returning `tff.learning.models.ModelWeights`)."""
   weights_type = initial_model_weights_fn.type_signature.result
-  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
+  aggregator = (model_aggregator or wide_mean_factory()).create(
       weights_type.trainable, tff.TensorType(np.float32))
   return tff.learning.templates.compose_learning_process(
       initial_model_weights_fn,

@@ -20,6 +20,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
+from tff_privacy.aggregation.wide_sum import federated_wide_sum
 from tff_privacy.algorithms import defended, local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          refuse_defense, server_learning_rate)
@@ -71,7 +72,7 @@ def build_dp_sgd_client_work(
   def next_fn(state, weights, data):
     result, sums = tff.federated_map(client_update, (weights, data))
     measurements = tff.federated_map(personalized.train_metrics,
-                                     tff.federated_sum(sums))
+                                     federated_wide_sum(sums))
     return tff.templates.MeasuredProcessOutput(state, result, measurements)
 
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)

@@ -38,6 +38,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import tasks
+from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
 from tff_privacy.models.functional import forward
 
 CLASSIFICATION = tasks.get("classification")
@@ -195,7 +196,7 @@ def build_personalized_process(
   shared_type = [tff.TensorType(np.float32, np.shape(w)) for w in initial_shared]
   if not shared_type:
     return _unshared_process(client_state_type, data_type, local_training)
-  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
+  aggregator = (model_aggregator or wide_mean_factory()).create(
       tff.to_type(shared_type), tff.TensorType(np.float32))
 
   @tff.tensorflow.computation(shared_type, client_state_type, data_type)
@@ -225,7 +226,7 @@ def build_personalized_process(
     new_state = tff.federated_zip(collections.OrderedDict(
         shared=aggregated.result, aggregator=aggregated.state))
     metrics = tff.federated_zip(collections.OrderedDict(
-        client_work=tff.federated_map(train_metrics, tff.federated_sum(sums)),
+        client_work=tff.federated_map(train_metrics, federated_wide_sum(sums)),
         aggregator=aggregated.measurements))
     return collections.OrderedDict(state=new_state, client_states=new_states,
                                    metrics=metrics)
@@ -256,7 +257,7 @@ def _unshared_process(client_state_type, data_type, local_training):
   def next_fn(state, data, client_states):
     new_states, sums = tff.federated_map(client_update, (client_states, data))
     metrics = tff.federated_zip(collections.OrderedDict(
-        client_work=tff.federated_map(train_metrics, tff.federated_sum(sums))))
+        client_work=tff.federated_map(train_metrics, federated_wide_sum(sums))))
     return collections.OrderedDict(state=state, client_states=new_states,
                                    metrics=metrics)
 

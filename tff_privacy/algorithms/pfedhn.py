@@ -55,6 +55,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
+from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
 from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, refuse_defense)
@@ -153,7 +154,7 @@ def build_pfedhn(
   check_positive(num_clients=num_clients, learning_rate=learning_rate,
                  local_epochs=local_epochs,
                  server_learning_rate=server_learning_rate)
-  combine = {"sum": tff.federated_sum, "mean": tff.federated_mean}.get(
+  combine = {"sum": federated_wide_sum, "mean": tff.federated_mean}.get(
       server_aggregation)
   if combine is None:
     raise ValueError(f"server_aggregation={server_aggregation!r}; choose sum "
@@ -174,7 +175,7 @@ def build_pfedhn(
       x=tff.TensorType(np.float32, (None,) + input_shape),
       y=tff.TensorType(np.int32, (None,))))
   upload_type = f32(hyper.target_shapes)
-  aggregator = (model_aggregator or tff.aggregators.MeanFactory()).create(
+  aggregator = (model_aggregator or wide_mean_factory()).create(
       tff.to_type(upload_type), tff.TensorType(np.float32))
   initial = hyper.initial_weights(seed) + [
       initial_embeddings(num_clients, embedding_dim, seed)]
@@ -236,7 +237,7 @@ def build_pfedhn(
         aggregator=aggregated.state))
     metrics = tff.federated_zip(collections.OrderedDict(
         client_work=tff.federated_map(personalized.train_metrics,
-                                      tff.federated_sum(sums)),
+                                      federated_wide_sum(sums)),
         aggregator=aggregated.measurements))
     return collections.OrderedDict(state=new_state, client_states=new_states,
                                    metrics=metrics)

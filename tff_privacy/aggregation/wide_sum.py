@@ -1,0 +1,70 @@
+"""Sums over clients that do not depend on the order TFF adds them in.
+
+TFF sums a round's client values in whatever order its executor meets them;
+with several workers (`tff_privacy.runtime`), each worker first sums its own
+share of the clients and the partial sums are then merged. In float32 the
+result depends on that grouping in its last bits, so a 2-worker run would
+drift from the 1-worker run of the same seed. Here float32 values are cast to
+float64 before `tff.federated_sum` and the total is cast back once at the
+server. A float64 sum of float32 values is exact while the values' exponents
+span fewer than about 29 - log2(clients) binary orders, so the float32 total
+is then the correctly rounded sum, whatever the grouping; beyond that span
+the groupings differ only where the float64 sums straddle a float32 rounding
+boundary. Other dtypes (the integer counts of metrics) are summed as they
+are.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+
+def _recast(value_type, source, target):
+  """A TF computation casting every `source` tensor of `value_type` to `target`."""
+  @tff.tensorflow.computation(value_type)
+  def recast(value):
+    return tf.nest.map_structure(
+        lambda t: tf.cast(t, target) if t.dtype == source else t, value)
+  return recast
+
+
+def widened(value_type):
+  """`value_type` with its float32 tensors as float64."""
+  return _recast(value_type, tf.float32, tf.float64).type_signature.result
+
+
+def federated_wide_sum(value):
+  """`tff.federated_sum` of a CLIENTS value, accumulated in float64 (see the
+  module docstring); call it inside a federated computation."""
+  value_type = value.type_signature.member
+  total = tff.federated_sum(tff.federated_map(
+      _recast(value_type, tf.float32, tf.float64), value))
+  return tff.federated_map(
+      _recast(widened(value_type), tf.float64, tf.float32), total)
+
+
+class WideSumFactory(tff.aggregators.UnweightedAggregationFactory):
+  """`tff.aggregators.SumFactory` accumulated in float64 (see the module
+  docstring): as `value_sum_factory` of `tff.aggregators.MeanFactory`, a
+  weighted mean whose sum does not depend on how clients are grouped."""
+
+  def create(self, value_type) -> tff.templates.AggregationProcess:
+    @tff.federated_computation()
+    def initialize():
+      return tff.federated_value((), tff.SERVER)
+
+    @tff.federated_computation(initialize.type_signature.result,
+                               tff.FederatedType(value_type, tff.CLIENTS))
+    def next_fn(state, value):
+      return tff.templates.MeasuredProcessOutput(
+          state=state, result=federated_wide_sum(value),
+          measurements=tff.federated_value((), tff.SERVER))
+
+    return tff.templates.AggregationProcess(initialize, next_fn)
+
+
+def wide_mean_factory() -> tff.aggregators.MeanFactory:
+  """TFF's weighted mean with both of its sums accumulated in float64."""
+  return tff.aggregators.MeanFactory(value_sum_factory=WideSumFactory(),
+                                     weight_sum_factory=WideSumFactory())
