@@ -61,9 +61,10 @@ def test_record_batched_uploads_equal_each_clients_upload(task, upload_kind, pro
   spec = models.ModelSpec(name, shape, 2 if task == "segmentation" else 10,
                           task=task)
   keras_models = [spec.keras(seed) for seed in (1, 2)]
-  x = tf.random.uniform((2, 3) + shape, seed=2)
-  labels = tf.random.uniform((2, 3) + spec.task_object.label_shape(shape),
-                             maxval=spec.num_classes, dtype=tf.int32, seed=3)
+  rng = np.random.default_rng(2)
+  x = tf.constant(rng.random((2, 3) + shape), tf.float32)
+  labels = rng.integers(0, spec.num_classes,
+                        (2, 3) + spec.task_object.label_shape(shape))
   y = tf.one_hot(labels, spec.num_classes)
   weights = [[tf.constant(v) for v in m.trainable_variables] for m in keras_models]
   stacked = functional.simulate_upload(
@@ -72,8 +73,10 @@ def test_record_batched_uploads_equal_each_clients_upload(task, upload_kind, pro
   for r in range(2):
     alone = functional.simulate_upload(keras_models[r], weights[r], x[r], y[r],
                                        upload_kind, protocol, 3, spec.task_object)
+    # Adam moves an entry whose gradient is near 0 by up to its lr, where
+    # float rounding shows at about 1e-3 lr
     for got, want in zip(stacked, alone):
-      np.testing.assert_allclose(got[r], want, rtol=1e-4, atol=1e-6)
+      np.testing.assert_allclose(got[r], want, rtol=1e-4, atol=1e-5)
 
 
 def test_single_sample_label_recovery_is_exact(digits):

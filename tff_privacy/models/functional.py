@@ -33,26 +33,91 @@ _STATELESS = (L.MaxPool2D, L.Flatten, L.Activation, L.LeakyReLU, L.ReLU,
               FrozenStage)
 
 
+class _Grouped:
+  """A records-mode activation in the grouped layout [B, ..., R*C] (record
+  r's channels at r*C..(r+1)*C), which convolutions read and write; plain
+  tensors are in the folded layout [R*B, ..., C]. Layers that act on each
+  channel alike keep the grouped layout, so consecutive convolutions need
+  no transposes between them."""
+
+  def __init__(self, tensor: tf.Tensor):
+    self.tensor = tensor
+
+
+def _grouped(h, records) -> tf.Tensor:
+  if isinstance(h, _Grouped):
+    return h.tensor
+  inner, c = h.shape[1:-1].as_list(), h.shape[-1]
+  axes = list(range(1, len(inner) + 2))
+  moved = tf.transpose(tf.reshape(h, [records, -1, *inner, c]), axes + [0, len(inner) + 2])
+  return tf.reshape(moved, [-1, *inner, records * c])
+
+
+def _folded(h, records):
+  """`h` (a tensor, a `_Grouped` or a list of them) in the folded layout."""
+  if isinstance(h, list):
+    return [_folded(t, records) for t in h]
+  if not isinstance(h, _Grouped):
+    return h
+  t = h.tensor
+  inner = t.shape[1:-1].as_list()
+  split = tf.reshape(t, [-1, *inner, records, t.shape[-1] // records])
+  rank = len(inner) + 3
+  moved = tf.transpose(split, [rank - 2] + list(range(rank - 2)) + [rank - 1])
+  return tf.reshape(moved, [-1, *inner, t.shape[-1] // records])
+
+
+_PER_CHANNEL = (L.MaxPool2D, L.Activation, L.LeakyReLU, L.ReLU, L.ZeroPadding2D)
+
+
+def _apply_grouped(layer, weights, i, h, records):
+  """`_apply` in the grouped layout, or None where `layer` needs its inputs
+  folded."""
+  if isinstance(layer, L.Conv2D):
+    kernel = weights[i]
+    bias = weights[i + 1] if layer.use_bias else None
+    out = _conv(layer, _grouped(h, records), kernel, bias, records)
+    return _Grouped(layer.activation(out)), i + (2 if layer.use_bias else 1)
+  inputs = h if isinstance(h, list) else [h]
+  if not all(isinstance(t, _Grouped) for t in inputs):
+    return None
+  tensors = [t.tensor for t in inputs]
+  if isinstance(layer, _PER_CHANNEL):
+    return _Grouped(layer(tensors[0])), i
+  if isinstance(layer, L.UpSampling2D) and layer.interpolation == "nearest":
+    return _Grouped(_upsample(layer, tensors[0])), i
+  if isinstance(layer, L.Add):
+    return _Grouped(tf.add_n(tensors)), i
+  if isinstance(layer, L.Concatenate) and layer.axis in (-1, tensors[0].shape.rank - 1):
+    # each record's channels side by side: [..., R, C_k] joined on C
+    parts = [tf.reshape(t, [-1, *t.shape[1:-1], records, t.shape[-1] // records])
+             for t in tensors]
+    joined = tf.concat(parts, -1)
+    return _Grouped(tf.reshape(joined, [-1, *joined.shape[1:-2], records * joined.shape[-1]])), i
+  return None
+
+
 def _conv(layer, h, kernel, bias, records):
-  """`layer`'s convolution plus bias; with `records` R, h is [R*B, H, W, C],
-  the kernel [R, kh, kw, C, O] and the bias [R, O], applied as one
-  convolution of R channel groups."""
+  """`layer`'s convolution plus bias; with `records` R, h is grouped
+  [B, H, W, R*C] (see `_Grouped`), the kernel [R, kh, kw, C, O] and the bias
+  [R, O], applied as one convolution of R channel groups, the output
+  grouped too."""
   conv = lambda inputs, k: tf.nn.conv2d(
       inputs, k, strides=layer.strides, padding=layer.padding.upper(),
       dilations=layer.dilation_rate)
-  if not records:
-    h = conv(h, kernel)
-    return h if bias is None else h + bias
-  _, rows, cols, c = h.shape
-  kh, kw, _, o = kernel.shape[1:]
-  grouped = tf.transpose(tf.reshape(h, [records, -1, rows, cols, c]), [1, 2, 3, 0, 4])
-  k = tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]), [kh, kw, c, records * o])
-  out = conv(tf.reshape(grouped, [-1, rows, cols, records * c]), k)
-  if bias is not None:
-    out += tf.reshape(bias, [records * o])
-  _, rows, cols, _ = out.shape
-  out = tf.transpose(tf.reshape(out, [-1, rows, cols, records, o]), [3, 0, 1, 2, 4])
-  return tf.reshape(out, [-1, rows, cols, o])
+  if records:
+    kh, kw, c, o = kernel.shape[1:]
+    kernel = tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]), [kh, kw, c, records * o])
+    bias = None if bias is None else tf.reshape(bias, [records * o])
+  h = conv(h, kernel)
+  return h if bias is None else h + bias
+
+
+def _upsample(layer, h):
+  # repeats, not TensorFlow's resize op, whose gradient has no gradient:
+  # PSI and attacks differentiate twice through this layer
+  rows, cols = layer.size
+  return tf.repeat(tf.repeat(h, rows, axis=1), cols, axis=2)
 
 
 def _dense(layer, h, kernel, bias, records):
@@ -69,7 +134,13 @@ def _dense(layer, h, kernel, bias, records):
 
 def _apply(layer, weights, i, h, records=0):
   """Layer `layer` on `h` with weights from `weights[i:]`; returns (out, next
-  i). `records`: the number of records whose weights are stacked (0: none)."""
+  i). `records`: the number of records whose weights are stacked (0: none);
+  their activations may then be `_Grouped`."""
+  if records:
+    grouped = _apply_grouped(layer, weights, i, h, records)
+    if grouped is not None:
+      return grouped
+    h = _folded(h, records)
   if isinstance(layer, _WEIGHTED):
     kernel = weights[i]
     bias = weights[i + 1] if layer.use_bias else None
@@ -77,10 +148,7 @@ def _apply(layer, weights, i, h, records=0):
     affine = _conv if isinstance(layer, L.Conv2D) else _dense
     return layer.activation(affine(layer, h, kernel, bias, records)), i
   if isinstance(layer, L.UpSampling2D) and layer.interpolation == "nearest":
-    # repeats, not TensorFlow's resize op, whose gradient has no gradient:
-    # PSI and attacks differentiate twice through this layer
-    rows, cols = layer.size
-    return tf.repeat(tf.repeat(h, rows, axis=1), cols, axis=2), i
+    return _upsample(layer, h), i
   if isinstance(layer, Adapter):
     n = len(layer.trainable_weights)
     if not records:
@@ -116,6 +184,7 @@ def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
     raise ValueError(f"model uses {i} weight tensors, {len(weights)} were given")
   if records:
     unfold = lambda t: tf.reshape(t, tf.concat([[count, -1], tf.shape(t)[1:]], 0))
+    h, tapped = _folded(h, count), _folded(tapped, count)
     h, tapped = unfold(h), (None if tapped is None else unfold(tapped))
   return h if tap is None else (h, tapped)
 
