@@ -171,8 +171,8 @@ def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path):
 
 
 def test_wide_sums_are_the_correctly_rounded_float32_totals():
-  """`WideSumFactory` and `wide_mean_factory` against math.fsum (the exact
-  sum) rounded once to float32, on values whose float32 sum depends on the
+  """`WideSumFactory`, `wide_mean_factory` and `wide_sum_then_finalize`
+  against math.fsum (the exact sum) rounded once to float32, on values whose float32 sum depends on the
   order of the additions; integer parts are summed as they are."""
   import collections
   import math
@@ -199,3 +199,15 @@ def test_wide_sums_are_the_correctly_rounded_float32_totals():
               for column in values.T]
   np.testing.assert_array_equal(
       got, np.float32(weighted).ravel() / np.float32(math.fsum(weights)))
+  aggregate = wide_sum.wide_sum_then_finalize(collections.OrderedDict(
+      total=lambda t: t, halved=lambda t: t / 2))
+  metric_type = tff.TensorType(np.float32, [2])
+
+  @tff.federated_computation(tff.FederatedType(collections.OrderedDict(
+      total=metric_type, halved=metric_type), tff.CLIENTS))
+  def finalized(client_metrics):
+    return aggregate(client_metrics)
+
+  metrics = finalized([collections.OrderedDict(total=v, halved=v) for v in values])
+  np.testing.assert_array_equal(metrics["total"], exact)
+  np.testing.assert_array_equal(metrics["halved"], exact / 2)

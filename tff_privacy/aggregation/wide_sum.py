@@ -11,10 +11,14 @@ span fewer than about 29 - log2(clients) binary orders, so the float32 total
 is then the correctly rounded sum, whatever the grouping; beyond that span
 the groupings differ only where the float64 sums straddle a float32 rounding
 boundary. Other dtypes (the integer counts of metrics) are summed as they
-are.
+are. `WideSumFactory` serves `tff.aggregators.MeanFactory`,
+`wide_sum_then_finalize` TFF's learning builders' metrics, and
+`federated_wide_sum` the project's own federated computations.
 """
 
 from __future__ import annotations
+
+import collections
 
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -68,3 +72,24 @@ def wide_mean_factory() -> tff.aggregators.MeanFactory:
   """TFF's weighted mean with both of its sums accumulated in float64."""
   return tff.aggregators.MeanFactory(value_sum_factory=WideSumFactory(),
                                      weight_sum_factory=WideSumFactory())
+
+
+def wide_sum_then_finalize(metric_finalizers, local_unfinalized_metrics_type=None):
+  """`tff.learning.metrics.sum_then_finalize` with the clients' unfinalized
+  metrics summed in float64 (`federated_wide_sum`): a `metrics_aggregator`
+  for TFF's learning builders."""
+  del local_unfinalized_metrics_type  # as TFF's: read from the argument
+
+  @tff.federated_computation
+  def aggregate(client_metrics):
+    unfinalized_type = client_metrics.type_signature.member
+    if callable(metric_finalizers):
+      finalize = tff.tensorflow.computation(metric_finalizers, unfinalized_type)
+    else:
+      @tff.tensorflow.computation(unfinalized_type)
+      def finalize(unfinalized):
+        return collections.OrderedDict(
+            (name, finalizer(unfinalized[name]))
+            for name, finalizer in metric_finalizers.items())
+    return tff.federated_map(finalize, federated_wide_sum(client_metrics))
+  return aggregate

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import tensorflow_federated as tff
 
 from tff_privacy import params
-from tff_privacy.aggregation.wide_sum import wide_mean_factory
+from tff_privacy.aggregation.wide_sum import wide_mean_factory, wide_sum_then_finalize
 from tff_privacy.algorithms import defended
 from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Method,
                                          build_client_optimizer, check_positive,
@@ -61,10 +61,12 @@ def build_fedavg(
     return tff.learning.algorithms.build_weighted_fed_avg(
         model_fn, client_optimizer_fn=client_optimizer,
         server_optimizer_fn=server_optimizer,
-        model_aggregator=model_aggregator or wide_mean_factory())
+        model_aggregator=model_aggregator or wide_mean_factory(),
+        metrics_aggregator=wide_sum_then_finalize)
   client_work = defended.with_update_defense(
       tff.learning.templates.build_model_delta_client_work(
-          model_fn, client_optimizer, tff.learning.ClientWeighting.NUM_EXAMPLES),
+          model_fn, client_optimizer, tff.learning.ClientWeighting.NUM_EXAMPLES,
+          wide_sum_then_finalize),
       defense)
   return defended.compose_defended(model_fn, client_work, server_optimizer,
                                    model_aggregator)

@@ -44,6 +44,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
+from tff_privacy.aggregation.wide_sum import wide_sum_then_finalize
 from tff_privacy.algorithms import defended, fedsgd
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          refuse_defense, server_learning_rate)
@@ -145,7 +146,7 @@ def build_fedem_client_work(
   """
   with tf.Graph().as_default():
     model = model_fn()
-    metrics_aggregation_fn = tff.learning.metrics.sum_then_finalize(
+    metrics_aggregation_fn = wide_sum_then_finalize(
         model.metric_finalizers())
   element = collections.OrderedDict(
       (k, tff.types.tensorflow_to_type(v)) for k, v in model.input_spec.items())

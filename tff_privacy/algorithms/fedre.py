@@ -71,6 +71,7 @@ from tff_privacy import data, params, psi
 from tff_privacy.aggregation import (SCORE_SCALES, UPDATE_RULES, PublicRegions,
                                      build_pda_pam,
                                      compose_with_server_aggregation)
+from tff_privacy.aggregation.wide_sum import wide_sum_then_finalize
 from tff_privacy.algorithms import defended
 from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Federation,
                                          Method, build_client_optimizer,
@@ -368,7 +369,7 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
   client_work = defended.with_update_defense(
       tff.learning.templates.build_model_delta_client_work(
           model_fn, build_client_optimizer(client_optimizer, client_learning_rate),
-          tff.learning.ClientWeighting.NUM_EXAMPLES),
+          tff.learning.ClientWeighting.NUM_EXAMPLES, wide_sum_then_finalize),
       mechanism)
   server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
   if public is None:

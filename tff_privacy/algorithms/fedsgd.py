@@ -23,7 +23,7 @@ from tensorflow_federated.python.learning.algorithms.fed_sgd import (
     _build_fed_sgd_client_work as build_fed_sgd_client_work)
 
 from tff_privacy import params
-from tff_privacy.aggregation.wide_sum import wide_mean_factory
+from tff_privacy.aggregation.wide_sum import wide_mean_factory, wide_sum_then_finalize
 from tff_privacy.algorithms import defended
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          defense_fields, server_learning_rate)
@@ -46,9 +46,10 @@ def build_fedsgd(
   if defense is None:
     return tff.learning.algorithms.build_fed_sgd(
         model_fn, server_optimizer_fn=server_optimizer,
-        model_aggregator=model_aggregator or wide_mean_factory())
+        model_aggregator=model_aggregator or wide_mean_factory(),
+        metrics_aggregator=wide_sum_then_finalize)
   client_work = defended.with_update_defense(
-      build_fed_sgd_client_work(model_fn, tff.learning.metrics.sum_then_finalize),
+      build_fed_sgd_client_work(model_fn, wide_sum_then_finalize),
       defense)
   return defended.compose_defended(model_fn, client_work, server_optimizer,
                                    model_aggregator)
