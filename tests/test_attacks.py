@@ -46,6 +46,44 @@ def test_record_batched_forward_equals_each_keras_model(name):
     np.testing.assert_allclose(out[r], model(x[r]), atol=1e-5)
 
 
+def test_record_batched_forward_through_adds_concatenations_and_dilations():
+  """Layers no bundled model has, in records mode: a dilated and a strided
+  convolution, Add of two grouped activations, a softmax convolution,
+  Concatenate across rows (not channels) and a tap on a two-input layer."""
+  L = tf.keras.layers
+
+  def build(seed):
+    init = tf.keras.initializers.GlorotUniform(seed)
+    x = L.Input((8, 8, 2))
+    a = L.Conv2D(3, 3, padding="same", dilation_rate=2, activation="relu",
+                 kernel_initializer=init, name="a")(x)
+    b = L.Conv2D(3, 3, padding="same", activation="tanh", kernel_initializer=init,
+                 bias_initializer=tf.keras.initializers.RandomNormal(seed=seed),
+                 name="b")(a)
+    added = L.Add(name="add")([a, b])
+    soft = L.Conv2D(3, 1, activation="softmax", kernel_initializer=init,
+                    name="soft")(added)
+    rows = L.Concatenate(axis=1, name="rows")([added, soft])
+    down = L.Conv2D(4, 3, strides=2, kernel_initializer=init, name="down")(rows)
+    out = L.Dense(5, kernel_initializer=init, name="fc")(L.Flatten()(down))
+    return tf.keras.Model(x, out)
+
+  keras_models = [build(s) for s in (1, 2, 3)]
+  x = tf.random.uniform((3, 2, 8, 8, 2), seed=5)
+  weights = [tf.stack(ws) for ws in zip(*(m.trainable_variables for m in keras_models))]
+  out, tapped = functional.forward(keras_models[0], weights, x, tap="add",
+                                   records=True)
+  for r, model in enumerate(keras_models):
+    np.testing.assert_allclose(out[r], model(x[r]), atol=1e-5)
+    inputs = tf.keras.Model(model.input, [model.get_layer("a").output,
+                                          model.get_layer("b").output])(x[r])
+    for got, want in zip(tapped, inputs):
+      np.testing.assert_allclose(got[r], want, atol=1e-6)
+  with pytest.raises(ValueError, match="one static record axis"):
+    functional.forward(keras_models[0], weights[:-1] + [weights[-1][0]], x,
+                       records=True)
+
+
 @pytest.mark.parametrize("task,upload_kind,protocol", [
     ("classification", "gradient", {"batch_size": 3}),
     ("classification", "model_delta", {"batch_size": 2, "local_epochs": 2,
@@ -224,7 +262,7 @@ def test_records_of_different_models_in_one_call(digits):
 
 
 def test_grouped_search_equals_one_record_at_a_time(digits):
-  """group_size vectorises the searches of records that share a compiled
+  """group_size batches the searches of records that share a compiled
   function: five records of different models and batch sizes give the same
   reconstructions to float rounding (the vectorised kernels may round
   otherwise and a sign step turns a rounding difference into a step, so

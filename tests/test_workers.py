@@ -62,6 +62,10 @@ def test_two_workers_give_the_numbers_of_one(workers, tmp_path, fields):
     for a, b in zip(one, two):
       for x, y in zip(a.upload, b.upload):
         np.testing.assert_array_equal(x, y)
+    with np.load(tmp_path / "1" / "model_weights.npz") as a, \
+         np.load(tmp_path / "2" / "model_weights.npz") as b:
+      for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key])
   else:  # the private states came back to their own clients
     with np.load(tmp_path / "1" / "personal_models.npz") as a, \
          np.load(tmp_path / "2" / "personal_models.npz") as b:
@@ -171,8 +175,8 @@ def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path):
 
 
 def test_wide_sums_are_the_correctly_rounded_float32_totals():
-  """`WideSumFactory`, `wide_mean_factory` and `wide_sum_then_finalize`
-  against math.fsum (the exact sum) rounded once to float32, on values whose float32 sum depends on the
+  """`WideSumFactory`, `federated_wide_mean`, `wide_mean_factory` and
+  `wide_sum_then_finalize` against math.fsum (the exact sum) rounded once to float32, on values whose float32 sum depends on the
   order of the additions; integer parts are summed as they are."""
   import collections
   import math
@@ -185,12 +189,23 @@ def test_wide_sums_are_the_correctly_rounded_float32_totals():
   exact = np.float32([math.fsum(float(v) for v in column) for column in values.T])
   assert in_order != exact[0]  # float32 in client order loses the small parts
   value_type = collections.OrderedDict(a=tff.TensorType(np.float32, [2]),
-                                       n=tff.TensorType(np.int32))
+                                       n=tff.TensorType(np.int32),
+                                       d=tff.TensorType(np.float64))
   process = wide_sum.WideSumFactory().create(value_type)
-  clients = [collections.OrderedDict(a=v, n=np.int32(i)) for i, v in enumerate(values)]
+  clients = [collections.OrderedDict(a=v, n=np.int32(i), d=np.float64(0.1))
+             for i, v in enumerate(values)]
   total = process.next(process.initialize(), clients).result
   np.testing.assert_array_equal(total["a"], exact)
   assert total["n"] == 6 and total["n"].dtype == np.int32
+  assert total["d"] == 0.1 + 0.1 + 0.1 + 0.1 and total["d"].dtype == np.float64
+
+  @tff.federated_computation(tff.FederatedType(tff.TensorType(np.float32, [2]),
+                                               tff.CLIENTS))
+  def mean_of(client_values):
+    return wide_sum.federated_wide_mean(client_values)
+
+  np.testing.assert_array_equal(mean_of(list(values)), np.float32(
+      [math.fsum(float(v) for v in column) / 4 for column in values.T]))
   weights = np.float32([1, 2, 3, 4])
   mean = wide_sum.wide_mean_factory().create(tff.TensorType(np.float32, [2]),
                                              tff.TensorType(np.float32))

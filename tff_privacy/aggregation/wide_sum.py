@@ -13,39 +13,66 @@ the groupings differ only where the float64 sums straddle a float32 rounding
 boundary. Other dtypes (the integer counts of metrics) are summed as they
 are. `WideSumFactory` serves `tff.aggregators.MeanFactory`,
 `wide_sum_then_finalize` TFF's learning builders' metrics, and
-`federated_wide_sum` the project's own federated computations.
+`federated_wide_sum` and `federated_wide_mean` the project's own federated
+computations. Value types are structures with Python containers (lists,
+OrderedDicts), as TFF's learning types are.
 """
 
 from __future__ import annotations
 
 import collections
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
 
-def _recast(value_type, source, target):
-  """A TF computation casting every `source` tensor of `value_type` to `target`."""
+def _float32_leaves(value_type) -> list[bool]:
+  """Which leaves of `value_type` (in `tf.nest` order) are float32."""
+  specs = tff.types.type_to_tf_tensor_specs(value_type)
+  return [spec.dtype == tf.float32 for spec in tf.nest.flatten(specs)]
+
+
+def _recast(value_type, leaves: list[bool], target):
+  """A TF computation casting the leaves of `value_type` marked in `leaves`
+  to `target`, the others left as they are."""
   @tff.tensorflow.computation(value_type)
   def recast(value):
-    return tf.nest.map_structure(
-        lambda t: tf.cast(t, target) if t.dtype == source else t, value)
+    flat = [tf.cast(t, target) if cast else t
+            for t, cast in zip(tf.nest.flatten(value), leaves)]
+    return tf.nest.pack_sequence_as(value, flat)
   return recast
 
 
-def widened(value_type):
-  """`value_type` with its float32 tensors as float64."""
-  return _recast(value_type, tf.float32, tf.float64).type_signature.result
-
-
 def federated_wide_sum(value):
-  """`tff.federated_sum` of a CLIENTS value, accumulated in float64 (see the
-  module docstring); call it inside a federated computation."""
+  """`tff.federated_sum` of a CLIENTS value, its float32 leaves accumulated
+  in float64 (see the module docstring); call it inside a federated
+  computation."""
   value_type = value.type_signature.member
-  total = tff.federated_sum(tff.federated_map(
-      _recast(value_type, tf.float32, tf.float64), value))
+  leaves = _float32_leaves(value_type)
+  widen = _recast(value_type, leaves, tf.float64)
+  total = tff.federated_sum(tff.federated_map(widen, value))
   return tff.federated_map(
-      _recast(widened(value_type), tf.float64, tf.float32), total)
+      _recast(widen.type_signature.result, leaves, tf.float32), total)
+
+
+def federated_wide_mean(value):
+  """`tff.federated_mean` (unweighted) of a CLIENTS value of float32
+  leaves, the sum accumulated in float64 and divided before the one
+  rounding to float32."""
+  value_type = value.type_signature.member
+  leaves = _float32_leaves(value_type)
+  if not all(leaves):
+    raise TypeError(f"federated_wide_mean takes float32 values, not {value_type}")
+  widen = _recast(value_type, leaves, tf.float64)
+  total = tff.federated_sum(tff.federated_map(widen, value))
+  count = tff.federated_sum(tff.federated_value(np.int32(1), tff.CLIENTS))
+
+  @tff.tensorflow.computation(widen.type_signature.result, np.int32)
+  def divide(wide_total, clients):
+    return tf.nest.map_structure(
+        lambda t: tf.cast(t / tf.cast(clients, tf.float64), tf.float32), wide_total)
+  return tff.federated_map(divide, (total, count))
 
 
 class WideSumFactory(tff.aggregators.UnweightedAggregationFactory):

@@ -245,7 +245,7 @@ def build_fedem(
     perturbation: the clients' perturbation parameters (`Perturbation`).
     server_learning_rate: eta of the server's SGD step.
     model_aggregator: the aggregator of the uploaded gradients (default
-      `tff.aggregators.MeanFactory`).
+      `aggregation.wide_sum.wide_mean_factory`).
   """
   check_positive(server_learning_rate=server_learning_rate)
   return defended.compose_defended(

@@ -100,7 +100,8 @@ def build_hyperfl(
     momentum, weight_decay: both phases' SGD (0.5, 5e-4).
     max_grad_norm: the gradient clip norm of eq. 5's phase (50).
     model_aggregator: aggregates the uploaded hypernetworks, weighted by the
-      clients' numbers of samples (default `tff.aggregators.MeanFactory`).
+      clients' numbers of samples (default
+      `aggregation.wide_sum.wide_mean_factory`).
 
   Returns:
     A `PersonalizedProcess` (`personalized.build_personalized_process`)

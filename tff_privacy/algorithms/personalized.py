@@ -186,7 +186,7 @@ def build_personalized_process(
     data_type: the TFF type of one client's data set.
     local_training: one client's round, see above.
     model_aggregator: aggregates the uploads, weighted (default
-      `tff.aggregators.MeanFactory`).
+      `aggregation.wide_sum.wide_mean_factory`).
 
   Returns:
     A `PersonalizedProcess` whose server state is

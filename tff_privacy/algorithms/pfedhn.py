@@ -55,7 +55,9 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
-from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
+from tff_privacy.aggregation.wide_sum import (federated_wide_mean,
+                                              federated_wide_sum,
+                                              wide_mean_factory)
 from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, refuse_defense)
@@ -154,7 +156,7 @@ def build_pfedhn(
   check_positive(num_clients=num_clients, learning_rate=learning_rate,
                  local_epochs=local_epochs,
                  server_learning_rate=server_learning_rate)
-  combine = {"sum": federated_wide_sum, "mean": tff.federated_mean}.get(
+  combine = {"sum": federated_wide_sum, "mean": federated_wide_mean}.get(
       server_aggregation)
   if combine is None:
     raise ValueError(f"server_aggregation={server_aggregation!r}; choose sum "

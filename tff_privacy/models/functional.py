@@ -10,8 +10,9 @@ of `tff_privacy.models` and raises for anything else.
 With `records`, one pass runs R models at once: every weight tensor carries a
 leading record axis and the inputs are [R, B, ...]. Record r's samples meet
 only record r's weights: convolutions are grouped over records (one conv op
-whose channel groups are the records), dense layers are batched matmuls, and
-stateless layers see the records folded into the batch. The gradient of a
+whose channel groups are the records), dense layers are batched matmuls.
+Between convolutions, layers that treat every channel alike keep the grouped
+layout; the others see the records folded into the batch. The gradient of a
 sum of per-record losses with respect to the stacked weights is then every
 record's own gradient, which is how attacks search many records in one
 compiled computation without vectorising a per-record graph.
@@ -67,7 +68,8 @@ def _folded(h, records):
   return tf.reshape(moved, [-1, *inner, t.shape[-1] // records])
 
 
-_PER_CHANNEL = (L.MaxPool2D, L.Activation, L.LeakyReLU, L.ReLU, L.ZeroPadding2D)
+_PER_CHANNEL = (L.MaxPool2D, L.LeakyReLU, L.ReLU, L.ZeroPadding2D)
+_ACROSS_CHANNELS = (tf.keras.activations.softmax,)  # the others act per entry
 
 
 def _apply_grouped(layer, weights, i, h, records):
@@ -76,13 +78,16 @@ def _apply_grouped(layer, weights, i, h, records):
   if isinstance(layer, L.Conv2D):
     kernel = weights[i]
     bias = weights[i + 1] if layer.use_bias else None
-    out = _conv(layer, _grouped(h, records), kernel, bias, records)
-    return _Grouped(layer.activation(out)), i + (2 if layer.use_bias else 1)
+    out = _Grouped(_conv(layer, _grouped(h, records), kernel, bias, records))
+    if layer.activation in _ACROSS_CHANNELS:
+      return layer.activation(_folded(out, records)), i + (2 if layer.use_bias else 1)
+    return _Grouped(layer.activation(out.tensor)), i + (2 if layer.use_bias else 1)
   inputs = h if isinstance(h, list) else [h]
   if not all(isinstance(t, _Grouped) for t in inputs):
     return None
   tensors = [t.tensor for t in inputs]
-  if isinstance(layer, _PER_CHANNEL):
+  if isinstance(layer, _PER_CHANNEL) or (
+      isinstance(layer, L.Activation) and layer.activation not in _ACROSS_CHANNELS):
     return _Grouped(layer(tensors[0])), i
   if isinstance(layer, L.UpSampling2D) and layer.interpolation == "nearest":
     return _Grouped(_upsample(layer, tensors[0])), i
@@ -173,9 +178,12 @@ def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
                      f"{[layer.name for layer in model.layers]}")
   count = 0
   if records:
+    x = tf.convert_to_tensor(x)
     count = x.shape[0]
-    if count is None:
-      raise ValueError("records=True needs a static number of records")
+    if count is None or any(w.shape[0] != count for w in weights):
+      raise ValueError(f"records=True needs inputs and every weight stacked on "
+                       f"one static record axis; inputs {x.shape}, weights "
+                       f"{[tuple(w.shape) for w in weights]}")
     x = tf.reshape(x, [-1] + x.shape[2:].as_list())
   walk = (_forward_sequential if isinstance(model, tf.keras.Sequential)
           else _forward_graph)
@@ -183,8 +191,11 @@ def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
   if i != len(weights):
     raise ValueError(f"model uses {i} weight tensors, {len(weights)} were given")
   if records:
-    unfold = lambda t: tf.reshape(t, tf.concat([[count, -1], tf.shape(t)[1:]], 0))
-    h, tapped = _folded(h, count), _folded(tapped, count)
+    def unfold(t):
+      if isinstance(t, list):
+        return [unfold(part) for part in t]
+      t = _folded(t, count)
+      return tf.reshape(t, tf.concat([[count, -1], tf.shape(t)[1:]], 0))
     h, tapped = unfold(h), (None if tapped is None else unfold(tapped))
   return h if tap is None else (h, tapped)
 
