@@ -13,7 +13,8 @@ Two settings (`--dataset`):
   cross-entropy still predicts no tampered pixel after 20 rounds here,
   F-score 0.0, against 0.29 after 10 rounds with the weight), every
   client's region its privacy preference 'numbers' (amounts, phone and ID
-  numbers: Fig. 1), scored by F-score and IoU of the tampered class. PSI
+  numbers: Fig. 1), scored by F-score, IoU, precision and recall of the
+  tampered class. PSI
   is cut down to fit a CPU: 2 samples per client and round, 2 public
   samples per client for PDA-PAM, and the unbiased estimator over 8 sampled
   region pixels per sample (the paper: 10 samples, all pixels). One JVP
@@ -134,7 +135,8 @@ class Setting:
 
 SETTINGS = {
     "docs": Setting("docs", ("unet", {"widths": [8, 16, 32]}), (64, 64, 3), 2,
-                    ("f_score", "iou"), "groups", "adam", 0.005, 2, "numbers",
+                    ("f_score", "iou", "precision", "recall"), "groups", "adam",
+                    0.005, 2, "numbers",
                     "true", {"psi_pixels": 8, "psi_samples": 2,
                              "public_samples": 2}, 10.0),
     "digits": Setting("digits", ("cnn", {"filters": 8, "dense": 32}), (8, 8, 1),
@@ -206,10 +208,11 @@ def _with_training(args, config: dict, optimizer: str,
 
 
 def trained(args, out: str, row: dict, **config) -> dict:
-  """`row` plus the final metrics of the run in `out` (cached in row.json)."""
+  """`row` plus the final metrics of the run in `out` (the run cached in
+  row.json)."""
   path = os.path.join(out, "row.json")
   if os.path.exists(path):
-    return _with_final_loss(io.read_json(path), out)
+    return _with_final_scores(args, io.read_json(path), out)
   print(f"{out}", flush=True)
   setting = args.setting
   config = _with_training(args, config, setting.client_optimizer,
@@ -224,23 +227,24 @@ def trained(args, out: str, row: dict, **config) -> dict:
          "partition": setting.partition, **config}),
       progress=not args.quiet)
   last = history[-1]
-  personal = config["method"] == "local_only"
-  row = {**row, **{m: last.get(f"personal_{m}_mean" if personal else f"test_{m}",
-                            float("nan")) for m in setting.metrics},
-         "epsilon_accountant": last.get("epsilon"),
+  row = {**row, "epsilon_accountant": last.get("epsilon"),
          "epsilon_paper": last.get("paper_epsilon"),
          "seconds_per_round": sum(h["seconds"] for h in history) / len(history)}
   io.write_json(path, row)
-  return _with_final_loss(row, out)
+  return _with_final_scores(args, row, out)
 
 
-def _with_final_loss(row: dict, out: str) -> dict:
-  """`row` with the run's last test loss (NaN or huge: the model diverged;
-  for Localset the mean over the clients' own models), its rounds whose
-  aggregate TFF rejected as non-finite (the global model stayed put) and,
-  with PDA-PAM, its rounds where it left every upload out as non-finite."""
+def _with_final_scores(args, row: dict, out: str) -> dict:
+  """`row` with the run's last scores, read from its metrics.json: the
+  setting's metrics (of the global model, or for Localset the mean over the
+  clients' own models), the last test loss (NaN or huge: the model
+  diverged), its rounds whose aggregate TFF rejected as non-finite (the
+  global model stayed put) and, with PDA-PAM, its rounds where it left
+  every upload out as non-finite."""
   history = io.read_json(os.path.join(out, "metrics.json"))
   last = history[-1]
+  row = {**row, **{m: last.get(f"test_{m}", last.get(f"personal_{m}_mean", float("nan")))
+                   for m in args.setting.metrics}}
   recorded = all("server_update_rejected" in m for m in history)
   excluded = [m.get("server_aggregation/excluded_uploads") for m in history]
   return {**row, "final_test_loss": last.get("test_loss", last["personal_loss_mean"]),
