@@ -14,8 +14,8 @@ Two settings (`--dataset`):
   F-score 0.0, against 0.29 after 10 rounds with the weight), every
   client's region its privacy preference 'numbers' (amounts, phone and ID
   numbers: Fig. 1), scored by F-score, IoU, precision and recall of the
-  tampered class. PSI
-  is cut down to fit a CPU: 2 samples per client and round, 2 public
+  tampered class. PSI is cut down to fit a CPU: 2 samples per client and
+  round, 2 public
   samples per client for PDA-PAM, and the unbiased estimator over 8 sampled
   region pixels per sample (the paper: 10 samples, all pixels). One JVP
   through the U-Net's gradient (a pixel and a channel) costs about 6 ms on
