@@ -15,9 +15,9 @@ Two settings (`--dataset`):
   client's region its privacy preference 'numbers' (amounts, phone and ID
   numbers: Fig. 1), scored by F-score, IoU, precision and recall of the
   tampered class. PSI is cut down to fit a CPU: 2 samples per client and
-  round, 2 public
-  samples per client for PDA-PAM, and the unbiased estimator over 8 sampled
-  region pixels per sample (the paper: 10 samples, all pixels). One JVP
+  round, 2 public samples per client for PDA-PAM, and the unbiased
+  estimator over 8 sampled region pixels per sample (the paper: 10
+  samples, all pixels). One JVP
   through the U-Net's gradient (a pixel and a channel) costs about 6 ms on
   2 cores once compiled (`benchmarks/psi_speed.py --dataset docs`), and a
   client's 'numbers' region covers 275 to 530 pixels, so exact scores cost
