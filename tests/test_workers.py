@@ -4,6 +4,7 @@ client order, methods TFF cannot split refused by name, a dead worker named,
 and the run resumed."""
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -137,10 +138,12 @@ def _train(out, *flags):
 @pytest.mark.slow  # a worker killed while TFF's C++ executor waits on it can
 # block for minutes (see runtime's watcher); the fast suite checks the
 # message in test_runtime and the resume in test_runner
-def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path, sigint):
   """One of two workers is SIGKILLed after round 2's checkpoint: the run
   stops with a message naming the worker's port and leaves no worker
-  behind; the same command then resumes from the last finished round."""
+  behind, also when SIGINT is ignored (a background job of a shell script);
+  the same command then resumes from the last finished round."""
   script = textwrap.dedent(f"""
       import os, signal, sys, threading, time
       from tff_privacy import cli, runtime
@@ -155,8 +158,11 @@ def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path):
       sys.exit(cli.main(sys.argv[1:]))
   """)
   command = _train(tmp_path / "run", "--rounds", "8", "--workers", "2")
+  ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if (
+      sigint == "ignored") else None
   killed = subprocess.run([sys.executable, "-c", script, *command[3:]],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600,
+                          preexec_fn=ignore)
   assert "killed port" in killed.stdout, killed.stderr[-2000:]
   port = killed.stdout.split("killed port ")[1].split()[0]
   assert killed.returncode == 1, killed.stderr[-2000:]

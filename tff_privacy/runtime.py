@@ -101,9 +101,30 @@ def describe_exit(returncode: int, port: "int | None" = None) -> str:
   return f"{worker} was killed by {name}{hint}"
 
 
+# The watchers interrupt the main thread with this signal, whose handler
+# raises KeyboardInterrupt there. Not SIGINT: a shell starts background jobs
+# with SIGINT ignored, and Python then installs no handler for it, so a dead
+# worker would leave the run waiting on it for ever.
+_FAILURE_SIGNAL = signal.SIGUSR1
+_failure_handler_installed = False
+
+
+def _raise_keyboard_interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
+def _install_failure_handler() -> None:
+  """Installs the handler of `_FAILURE_SIGNAL`; only the main thread can."""
+  global _failure_handler_installed
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(_FAILURE_SIGNAL, _raise_keyboard_interrupt)
+    _failure_handler_installed = True
+
+
 def _stop_main_thread(failure: str) -> None:
   print(f"tff_privacy: {failure}; stopping", file=sys.stderr, flush=True)
-  signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+  signal.pthread_kill(threading.main_thread().ident, _FAILURE_SIGNAL
+                      if _failure_handler_installed else signal.SIGINT)
 
 
 def worker_binary_path() -> str:
@@ -322,7 +343,9 @@ def start(max_concurrent_computation_calls: int = -1, workers: int = 1,
   `addresses`, and makes them TFF's default execution context.
 
   Idempotent: while workers run, later calls return the first. The local
-  workers are stopped at exit.
+  workers are stopped at exit. Called in the main thread, it installs a
+  SIGUSR1 handler: a worker that dies interrupts the main thread with it
+  (KeyboardInterrupt), whatever the SIGINT disposition.
 
   Raises:
     ValueError: workers < 1, or an address that `check_addresses` refuses.
@@ -335,6 +358,7 @@ def start(max_concurrent_computation_calls: int = -1, workers: int = 1,
     raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
   check_addresses(addresses, allow_remote)
   _register_exit_hook()
+  _install_failure_handler()
   started = []
   try:
     if addresses:
@@ -407,10 +431,12 @@ class _StartOnFirstUse(context_base.SyncContext):
 
 def install() -> None:
   """Makes a local worker, started on the first computation, TFF's default
-  execution context, and stops it at exit. Starts no process by itself."""
+  execution context, and stops it at exit. Starts no process by itself;
+  installs `start`'s SIGUSR1 handler."""
   if not _workers:
     _install_lazy_context()
   _register_exit_hook()
+  _install_failure_handler()
 
 
 def _install_lazy_context() -> None:
