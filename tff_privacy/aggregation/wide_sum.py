@@ -11,7 +11,9 @@ span fewer than about 29 - log2(clients) binary orders, so the float32 total
 is then the correctly rounded sum, whatever the grouping; beyond that span
 the groupings differ only where the float64 sums straddle a float32 rounding
 boundary. Other dtypes (the integer counts of metrics) are summed as they
-are. `WideSumFactory` serves `tff.aggregators.MeanFactory`,
+are. The clients' values are folded one by one into a float64 accumulator
+(`tff.federated_aggregate`), so the aggregation holds one widened total,
+not a widened copy of every client's value. `WideSumFactory` serves `tff.aggregators.MeanFactory`,
 `wide_sum_then_finalize` TFF's learning builders' metrics, and
 `federated_wide_sum` and `federated_wide_mean` the project's own federated
 computations. Value types are structures with Python containers (lists,
@@ -44,31 +46,57 @@ def _recast(value_type, leaves: list[bool], target):
   return recast
 
 
+def _wide_total(value):
+  """(the float64 sum of a CLIENTS value, the sum's type, which leaves were
+  float32): `tff.federated_aggregate` folds each client's value into one
+  float64 accumulator, so no widened copy of every client's value is held
+  at once (the mergeable form merges the workers' accumulators)."""
+  value_type = value.type_signature.member
+  leaves = _float32_leaves(value_type)
+  wide_type = _recast(value_type, leaves, tf.float64).type_signature.result
+
+  @tff.tensorflow.computation
+  def zeros():
+    specs = tff.types.type_to_tf_tensor_specs(wide_type)
+    return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs)
+
+  @tff.tensorflow.computation(wide_type, value_type)
+  def accumulate(total, client_value):
+    flat = [t + (tf.cast(v, tf.float64) if cast else v) for t, v, cast in zip(
+        tf.nest.flatten(total), tf.nest.flatten(client_value), leaves)]
+    return tf.nest.pack_sequence_as(total, flat)
+
+  @tff.tensorflow.computation(wide_type, wide_type)
+  def merge(a, b):
+    return tf.nest.map_structure(tf.add, a, b)
+
+  @tff.tensorflow.computation(wide_type)
+  def report(total):
+    return total
+
+  total = tff.federated_aggregate(value, zeros(), accumulate, merge, report)
+  return total, wide_type, leaves
+
+
 def federated_wide_sum(value):
   """`tff.federated_sum` of a CLIENTS value, its float32 leaves accumulated
   in float64 (see the module docstring); call it inside a federated
   computation."""
-  value_type = value.type_signature.member
-  leaves = _float32_leaves(value_type)
-  widen = _recast(value_type, leaves, tf.float64)
-  total = tff.federated_sum(tff.federated_map(widen, value))
-  return tff.federated_map(
-      _recast(widen.type_signature.result, leaves, tf.float32), total)
+  total, wide_type, leaves = _wide_total(value)
+  return tff.federated_map(_recast(wide_type, leaves, tf.float32), total)
 
 
 def federated_wide_mean(value):
   """`tff.federated_mean` (unweighted) of a CLIENTS value of float32
   leaves, the sum accumulated in float64 and divided before the one
   rounding to float32."""
-  value_type = value.type_signature.member
-  leaves = _float32_leaves(value_type)
-  if not all(leaves):
-    raise TypeError(f"federated_wide_mean takes float32 values, not {value_type}")
-  widen = _recast(value_type, leaves, tf.float64)
-  total = tff.federated_sum(tff.federated_map(widen, value))
+  if not all(_float32_leaves(value.type_signature.member)):
+    raise TypeError("federated_wide_mean takes float32 values, not "
+                    f"{value.type_signature.member}")
+  total, wide_type, _ = _wide_total(value)
   count = tff.federated_sum(tff.federated_value(np.int32(1), tff.CLIENTS))
 
-  @tff.tensorflow.computation(widen.type_signature.result, np.int32)
+  @tff.tensorflow.computation(wide_type, np.int32)
   def divide(wide_total, clients):
     return tf.nest.map_structure(
         lambda t: tf.cast(t / tf.cast(clients, tf.float64), tf.float32), wide_total)
