@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tff_privacy import attacks, data, models, runtime
 from tff_privacy.attacks import functional
+from tff_privacy.cli import _positive_int
 from tff_privacy.updates import UpdateRecord
 
 
@@ -89,7 +90,7 @@ def main() -> None:
                       help="single-image records for the batched comparison")
   parser.add_argument("--record-iterations", type=int, default=200,
                       help="IG iterations per record in that comparison")
-  parser.add_argument("--repeats", type=int, default=5,
+  parser.add_argument("--repeats", type=_positive_int, default=5,
                       help="timed calls per group size in that comparison, "
                       "the fastest kept")
   args = parser.parse_args()

@@ -24,6 +24,7 @@ import tensorflow_federated as tff
 
 from tff_privacy import runtime
 from tff_privacy.aggregation import wide_sum
+from tff_privacy.cli import _positive_int
 
 
 def summation(way: str, value_type):
@@ -58,8 +59,8 @@ def peak_rss_mb(way: str, clients: int, size: int) -> int:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--clients", type=int, default=100)
-  parser.add_argument("--size", type=int, default=4_000_000,
+  parser.add_argument("--clients", type=_positive_int, default=100)
+  parser.add_argument("--size", type=_positive_int, default=4_000_000,
                       help="float32 entries of each client's value")
   args = parser.parse_args()
   runtime.install()
