@@ -282,6 +282,21 @@ def test_fedem_flags_reach_the_method(capsys, tmp_path):
       2, 0.05, "l2")
 
 
+def test_segmentation_run_prints_its_scores(capsys, tmp_path):
+  # a task with several personal metrics, only the primary one with a spread
+  code, out, err = _main(capsys, "train", "--out", str(tmp_path), "--quiet",
+                         "--dataset", "docs", "--model", "unet", "--model-kwargs",
+                         '{"widths": [4, 8]}', "--clients", "2", "--partition",
+                         "groups", "--samples-per-client", "2", "--batch-size",
+                         "2", "--rounds", "1")
+  assert code == 0, err
+  with open(os.path.join(tmp_path, "metrics.json")) as f:
+    last = json.load(f)[-1]
+  assert f"test_f_score={last['test_f_score']:.4f}" in out
+  assert (f"personal_f_score={last['personal_f_score_mean']:.4f}"
+          f"+-{last['personal_f_score_std']:.4f}") in out
+
+
 def test_unknown_method_is_rejected_by_the_parser(capsys, tmp_path):
   code, _, err = _main(capsys, *_train_argv(tmp_path, "--method", "bogus"))
   assert code == 2

@@ -266,13 +266,14 @@ def _train(args) -> int:
              if "epsilon" in last else "")
   tested = {k: v for k, v in last.items() if k.startswith("test_")}
   global_model = "".join(f"{k}={v:.4f} " for k, v in tested.items())
-  personal = [k[len("personal_"):-len("_mean")] for k in last
-              if k.startswith("personal_") and k.endswith("_mean")
-              and k != "personal_loss_mean"][0]
+  # the personal metrics reported with a spread over clients: the task's
+  # primary one
+  personal = "".join(
+      f"{k[:-len('_std')]}={last[k[:-len('_std')] + '_mean']:.4f}+-{last[k]:.4f} "
+      for k in last if k.startswith("personal_") and k.endswith("_std"))
   print(f"method={config.method} dataset={config.dataset} model={config.model} "
         f"defense={config.defense} rounds={last.get('round')} {global_model}"
-        f"personal_{personal}={last[f'personal_{personal}_mean']:.4f}"
-        f"+-{last[f'personal_{personal}_std']:.4f}{privacy}")
+        f"{personal}{privacy}".rstrip())
   models_file = runner.MODEL_WEIGHTS if tested else runner.PERSONAL_MODELS
   print(f"results in {config.out}: config.json, metrics.json, {models_file}, "
         "tensorboard/, checkpoints/"
