@@ -226,6 +226,7 @@ def trained(args, out: str, row: dict, **config) -> dict:
       **{"clients": args.clients, "rounds": args.rounds,
          "partition": setting.partition, **config}),
       progress=not args.quiet)
+  runtime.renew()  # a worker's memory grows with every run it serves
   last = history[-1]
   row = {**row, "epsilon_accountant": last.get("epsilon"),
          "epsilon_paper": last.get("paper_epsilon"),
@@ -387,6 +388,7 @@ def _leakage(args, base: str, config: dict, iterations: int):
         batch_size=1, partition=_leakage_partition(setting),
         samples_per_client=1, seed=args.seeds[0], capture_rounds=(1,),
         **config), progress=False)
+    runtime.renew()
   samples, originals, reconstructed = [], [], []
   for client, region in enumerate(_leakage_regions(args)):
     out = os.path.join(base, "ig", f"client_{client}")

@@ -146,6 +146,7 @@ def _trained_row(args, out: str, title: str, row: dict, **config) -> dict:
   history = runner.run(runner.RunConfig(
       out=out, dataset=args.dataset, partition="label_groups", seed=args.seed,
       data_dir=args.data_dir, **config), progress=not args.quiet)
+  runtime.renew()  # a worker's memory grows with every run it serves
   last = history[-1]
   row = {**row, **{k: last[k] for k in ("personal_accuracy_mean",
                                         "personal_accuracy_std",

@@ -148,7 +148,9 @@ class Experiment:
         clients_per_round=clients_per_round or self.args.clients_per_round,
         defense=defense, defense_kwargs=kwargs or {}, adaptive_adversaries=adaptive,
         **self.common)
-    return runner.run(config, progress=not self.args.quiet)
+    history = runner.run(config, progress=not self.args.quiet)
+    runtime.renew()  # a worker's memory grows with every run it serves
+    return history
 
   def point(self, defense: str, level, rounds=ROUNDS, attributes=None,
             adaptive: bool = False, **recupfl) -> list[dict]:

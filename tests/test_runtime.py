@@ -32,6 +32,21 @@ def test_worker_starts_on_first_use_and_restarts_after_stop():
   assert len(worker_children()) == 1
 
 
+def test_renew_replaces_local_workers_by_as_many_fresh_ones():
+  runtime.stop()
+  runtime.renew()  # nothing started: nothing to renew
+  assert not worker_children()
+  runtime.start(workers=2)
+  old = [p.pid for p in worker_children()]
+  assert len(old) == 2
+  runtime.renew()
+  new = [p.pid for p in worker_children()]
+  assert len(new) == 2 and not set(new) & set(old)
+  assert runtime.worker_count() == 2
+  assert _mean([1.0, 2.0, 6.0]) == 3.0
+  runtime.stop()
+
+
 def test_worker_dies_with_a_sigkilled_parent():
   script = textwrap.dedent("""
       import sys, time

@@ -68,8 +68,11 @@ def run(grid: Grid, out: str, progress: bool = True,
 
 
 def _timed_row(row: Row, grid: Grid, out: str, progress: bool = False, jobs: int = 1):
+  from tff_privacy import runtime
   start = time.perf_counter()
-  return run_row(row, grid, out, progress, jobs), time.perf_counter() - start
+  result = run_row(row, grid, out, progress, jobs), time.perf_counter() - start
+  runtime.renew()  # a worker's memory grows with every run it serves
+  return result
 
 
 def _in_processes(pending, grid: Grid, out: str, jobs: int):
