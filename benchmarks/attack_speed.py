@@ -82,6 +82,7 @@ def print_record_rates(records, iterations: int, device: str, prefix: str,
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--iterations", type=int, default=500)
   parser.add_argument("--eager-iterations", type=int, default=50)
@@ -94,7 +95,6 @@ def main() -> None:
                       help="timed calls per group size in that comparison, "
                       "the fastest kept")
   args = parser.parse_args()
-  runtime.install()  # TFF is imported but never runs here: start no worker
   record = make_record(args.model)
   compiled = iterations_per_second(record, args.iterations, True, "/CPU:0")
   eager = iterations_per_second(record, args.eager_iterations, False, "/CPU:0")

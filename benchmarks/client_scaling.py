@@ -56,13 +56,13 @@ def build_run(size: int, samples: int, out: str) -> runner.Run:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default="10,50,200,1000")
   parser.add_argument("--workers", default="1,2")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--samples-per-client", type=int, default=4)
   args = parser.parse_args()
-  runtime.install()
   sizes = [int(s) for s in args.sizes.split(",")]
   counts = [int(w) for w in args.workers.split(",")]
   if len(sizes) < 2 or 1 not in counts:

@@ -36,6 +36,7 @@ def _process_and_data(method: str, out: str, **method_kwargs):
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--steps", default="1,5,10",

@@ -106,6 +106,7 @@ def _step_flops(spec, hyper: Hypernetwork, batch: int) -> tuple[int, int, int]:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--clients", type=int, default=20)

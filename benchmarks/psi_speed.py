@@ -38,6 +38,7 @@ def timed(fn):
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dataset", default="mnist5k", choices=sorted(DEFAULT_MODELS))
   parser.add_argument("--model", choices=sorted(models.MODELS),
@@ -47,7 +48,6 @@ def main() -> None:
                       help="side of the central square region, in pixels "
                       "(default: a quarter of the image's side)")
   args = parser.parse_args()
-  runtime.install()  # TFF is imported but never runs here: start no worker
   src = data.load_source(args.dataset)
   height, width = src.input_shape[:2]
   if args.box is None:

@@ -78,6 +78,7 @@ def tff_round_bytes(out: str) -> dict[str, int]:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--repeats", type=int, default=50)
   parser.add_argument("--zoo-epochs", type=int, default=1)

@@ -88,6 +88,7 @@ def plain_tf_round_times(spec, datasets, rounds: int, lr: float) -> list[float]:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rounds", type=int, default=10)
   parser.add_argument("--clients", type=int, default=10)

@@ -58,12 +58,12 @@ def peak_rss_mb(way: str, clients: int, size: int) -> int:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--clients", type=_positive_int, default=100)
   parser.add_argument("--size", type=_positive_int, default=4_000_000,
                       help="float32 entries of each client's value")
   args = parser.parse_args()
-  runtime.install()
   print(f"clients={args.clients} values_mb={args.clients * args.size * 4 // 2**20}")
   for way in ("float32", "widen_then_sum", "wide_sum"):
     print(f"{way}_worker_peak_rss_mb={peak_rss_mb(way, args.clients, args.size)}")

@@ -89,6 +89,7 @@ def attribute_rows(shadow: int, victims: int, seed: int = 0) -> tuple[dict, floa
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="results/attack_check")
   parser.add_argument("--ig-iterations", type=int, default=4800)

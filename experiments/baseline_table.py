@@ -98,6 +98,7 @@ def write_tables(out: str, rows: list[dict], rounds: int) -> str:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="results/baselines")
   parser.add_argument("--rounds", type=int, default=20)

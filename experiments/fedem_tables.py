@@ -152,6 +152,7 @@ def labelled(label: str, row: dict) -> dict:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dataset", default="mnist5k",
                       choices=("mnist5k", "mnist", "fashion_mnist", "cifar10"))

@@ -630,6 +630,7 @@ def write_fig6(args, rows: list[dict]) -> str:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dataset", choices=sorted(SETTINGS), default="docs",
                       help="docs: the synthetic documents (default); digits: "
@@ -656,7 +657,6 @@ def main() -> None:
   parser.add_argument("--lpips-weights", help="LPIPS weights file (optional)")
   parser.add_argument("--out", help="default: results/fedre_<dataset>")
   parser.add_argument("--quiet", action="store_true")
-  runtime.install()  # TFF's worker starts on the first computation only
   args = parser.parse_args()
   args.setting = setting = SETTINGS[args.dataset]
   args.clients = args.clients or (8 if args.dataset == "docs" else 10)

@@ -301,6 +301,7 @@ def write_table(out: str, rows: list[dict], dataset: str, rounds: int) -> str:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dataset", default="mnist5k",
                       choices=("mnist5k", "fashion_mnist", "emnist", "cifar10"))

@@ -498,6 +498,7 @@ def check_settings(args) -> None:
 
 
 def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dataset", default="adult", choices=sorted(DATASETS))
   parser.add_argument("--tables", default=",".join(TABLES),
