@@ -106,3 +106,95 @@ def test_regions_come_from_a_user_file_or_the_run_is_refused(tmp_path):
   assert tamper_sets.load_regions(str(path), ["0"]) == [{"amount": [[1, 1, 3, 3]]}]
   with pytest.raises(ValueError, match="no boxes for 1 samples"):
     tamper_sets.load_regions(str(path), ["0", "1"])
+
+
+def _doctamper_split(path, count: int, side: int, seed: int):
+  """`count` side x side samples, each with a tampered square."""
+  rng = np.random.default_rng(seed)
+  env = lmdb.open(str(path), map_size=1 << 24)
+  with env.begin(write=True) as txn:
+    txn.put(b"num-samples", str(count).encode())
+    for i in range(count):
+      mask = np.zeros((side, side), np.uint8)
+      mask[4:12, 8:16] = 255
+      txn.put(b"image-%09d" % i, _encoded(
+          rng.integers(0, 256, (side, side, 3), dtype=np.uint8), "JPEG"))
+      txn.put(b"label-%09d" % i, _encoded(mask, "PNG"))
+  env.close()
+
+
+def test_doctamper_element_maps_scale_the_files_boxes(tmp_path):
+  from tff_privacy.data import sources
+  for split, count in (("DocTamperV1-TrainingSet", 3), ("DocTamperV1-TestingSet", 2)):
+    _doctamper_split(tmp_path / split, count, 32, count)
+  boxes = {f"DocTamperV1-TrainingSet/{i}": {"amount": [[0, 0, 8, 4]],
+                                            "stamp": [[16, 16, 32, 32]]}
+           for i in range(3)}
+  boxes.update({f"DocTamperV1-TestingSet/{i}": {"amount": [[2, 2, 5, 5]]}
+                for i in range(2)})
+  path = tmp_path / "regions.json"
+  path.write_text(json.dumps(boxes))
+  src = sources.load_source("doctamper", str(tmp_path),
+                            {"size": 16, "regions": str(path)})
+  assert src.task == "segmentation" and src.x_train.shape == (3, 16, 16, 3)
+  assert src.y_test.shape == (2, 16, 16) and src.y_train[0, 2:6, 4:8].all()
+  assert src.elements.classes == ("amount", "stamp")
+  # boxes halve from 32 to 16 pixels; 2..5 widens to whole pixels 1..3
+  amount = np.zeros((16, 16), bool)
+  amount[0:2, 0:4] = True
+  np.testing.assert_array_equal(src.elements.masks(["amount"])[0], amount)
+  np.testing.assert_array_equal(src.elements.masks(["stamp"])[1][8:, 8:], True)
+  expected = np.zeros((16, 16), bool)
+  expected[1:3, 1:3] = True
+  np.testing.assert_array_equal(src.elements.masks(["amount"], "test")[1], expected)
+
+
+def test_fedre_runs_on_doctamper_with_the_files_regions(tmp_path):
+  from tff_privacy import runner
+  for split, count in (("DocTamperV1-TrainingSet", 4), ("DocTamperV1-TestingSet", 2)):
+    _doctamper_split(tmp_path / split, count, 32, count)
+  path = tmp_path / "regions.json"
+  path.write_text(json.dumps({f"{s}/{i}": {"amount": [[0, 0, 16, 8]]}
+                              for s, n in (("DocTamperV1-TrainingSet", 4),
+                                           ("DocTamperV1-TestingSet", 2))
+                              for i in range(n)}))
+  config = runner.RunConfig(
+      out=str(tmp_path / "run"), method="fedre", dataset="doctamper",
+      data_dir=str(tmp_path), data_kwargs={"size": 16, "regions": str(path)},
+      model="unet", model_kwargs={"widths": [2, 4]}, clients=2, rounds=1,
+      batch_size=2, method_kwargs={"epsilon": 1000.0, "psi_samples": 1,
+                                   "public_samples": 1, "psi_pixels": 4,
+                                   "regions": "amount"})
+  last = runner.run(config, progress=False)[-1]
+  assert np.isfinite(last["test_f_score"]) and last["paper_epsilon"] == 1000.0
+
+
+def test_doctamper_regions_must_cover_every_sample(tmp_path):
+  from tff_privacy.data import sources
+  for split in ("DocTamperV1-TrainingSet", "DocTamperV1-TestingSet"):
+    _doctamper_split(tmp_path / split, 1, 16, 0)
+  path = tmp_path / "regions.json"
+  path.write_text(json.dumps({"DocTamperV1-TrainingSet/0": {"amount": [[0, 0, 4, 4]]}}))
+  with pytest.raises(ValueError, match="no boxes for 1 samples"):
+    sources.load_source("doctamper", str(tmp_path), {"size": 16, "regions": str(path)})
+  path.write_text(json.dumps({f"{s}/0": {"amount": [[0, 0, 4]]} for s in (
+      "DocTamperV1-TrainingSet", "DocTamperV1-TestingSet")}))
+  with pytest.raises(ValueError, match="boxes must be lists of"):
+    sources.load_source("doctamper", str(tmp_path), {"size": 16, "regions": str(path)})
+
+
+def test_tsroie_source_keys_regions_by_split_and_file_name(tsroie):
+  import shutil
+  from tff_privacy.data import sources
+  shutil.copytree(tsroie / "test", tsroie / "train")
+  shutil.copy(tsroie / "sroie_test_1011.json", tsroie / "sroie_train_1011.json")
+  # a 10 x 6 receipt resized to 20 x 20: x doubles, y scales by 20/6
+  regions = {f"{s}/{n}": {"phone": [[1, 0, 3, 3]]} for s in ("train", "test")
+             for n in ("X001.jpg", "X002.jpg")}
+  (tsroie / "regions.json").write_text(json.dumps(regions))
+  src = sources.load_source("tsroie", str(tsroie), {
+      "size": 20, "regions": str(tsroie / "regions.json")})
+  assert src.x_train.shape == (2, 20, 20, 3) and src.y_train[0].any()
+  expected = np.zeros((20, 20), bool)
+  expected[0:10, 2:6] = True
+  np.testing.assert_array_equal(src.elements.masks(["phone"], "test")[1], expected)

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from tff_privacy import params
-from tff_privacy.data import documents
+from tff_privacy.data import documents, tamper_sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +222,53 @@ def load_lfw(data_dir: str, test_fraction: float = 0.2,
                           test_fraction)
 
 
+def load_doctamper(data_dir: str, train_split: str = "DocTamperV1-TrainingSet",
+                   test_split: str = "DocTamperV1-TestingSet", size: int = 64,
+                   max_samples: int | None = 1000,
+                   regions: str | None = None) -> Source:
+  """DocTamper from the authors' LMDB splits in `data_dir`
+  (`tff_privacy.data.tamper_sets`): the first `max_samples` of each split,
+  resized to size x size, labelled per pixel (1 tampered); with a `regions`
+  file, the element maps of its boxes (`_tamper_elements`)."""
+  def split(name):
+    sizes = []
+    x, m = tamper_sets.load_doctamper(os.path.join(data_dir, name), size=size,
+                                      max_samples=max_samples, sizes=sizes)
+    return x, m, [tamper_sets.sample_key(name, i) for i in range(len(x))], sizes
+  return _tamper_source("doctamper", split(train_split), split(test_split), regions)
+
+
+def load_tsroie(data_dir: str, size: int = 64, max_samples: int | None = None,
+                regions: str | None = None) -> Source:
+  """T-SROIE's train and test splits in `data_dir` (`tff_privacy.data.
+  tamper_sets`), as `load_doctamper`."""
+  def split(name):
+    sizes = []
+    x, m, files = tamper_sets.load_tsroie(data_dir, name, size=size,
+                                          max_samples=max_samples, sizes=sizes)
+    return x, m, [tamper_sets.sample_key(name, i, f) for i, f in enumerate(files)], sizes
+  return _tamper_source("tsroie", split("train"), split("test"), regions)
+
+
+def _tamper_source(name: str, train, test, regions: str | None) -> Source:
+  """A segmentation Source of (images, masks, sample keys, stored sizes) per
+  split; the element classes are those the `regions` file names."""
+  elements = None
+  if regions is not None:
+    boxes = [tamper_sets.load_regions(regions, keys) for _, _, keys, _ in (train, test)]
+    classes = tuple(sorted({c for split in boxes for sample in split for c in sample}))
+    try:
+      maps = [tamper_sets.element_maps(b, sizes, x.shape[1:3], classes)
+              for b, (x, _, _, sizes) in zip(boxes, (train, test))]
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"regions file {regions!r}: boxes must be lists of "
+                       f"[x_min, y_min, x_max, y_max] per element class ({e})") from None
+    elements = ElementMaps(classes, *maps)
+  return Source(name, train[0], train[1].astype(np.int32), test[0],
+                test[1].astype(np.int32), 2, 1.0, task="segmentation",
+                elements=elements)
+
+
 def _with_attributes(name, x, y, num_classes, attributes, classes,
                      test_fraction, **fields) -> Source:
   """A source of samples in [0, 1] with sensitive attributes, split
@@ -321,10 +368,12 @@ _BUNDLED: dict[str, Callable[..., Source]] = {
 }
 # read from their published files in a user's data_dir
 _ON_DISK: dict[str, Callable[..., Source]] = {"audiomnist": load_audiomnist,
-                                              "lfw": load_lfw}
+                                              "doctamper": load_doctamper,
+                                              "lfw": load_lfw,
+                                              "tsroie": load_tsroie}
 # tensorflow_datasets data sets with their own loaders
 _TFDS_LOADERS: dict[str, Callable[..., Source]] = {"celeba": load_celeba}
-SEGMENTATION_DATASETS = ("docs",)
+SEGMENTATION_DATASETS = ("docs", "doctamper", "tsroie")
 
 DATASETS = (tuple(sorted(_BUNDLED)) + tuple(sorted({**_TFDS_SOURCES, **_TFDS_LOADERS}))
             + tuple(sorted(_ON_DISK)))
@@ -333,6 +382,12 @@ DATASETS = (tuple(sorted(_BUNDLED)) + tuple(sorted({**_TFDS_SOURCES, **_TFDS_LOA
 _TEST_FRACTION = params.Param(
     "test_fraction", float, 0.2, "share of the samples held out for testing",
     minimum=0, maximum=1, exclusive_minimum=True, exclusive_maximum=True)
+_TAMPER_SIZE = params.Param("size", int, 64, "side the images are resized "
+                            "to (the paper: 512)", minimum=8)
+_TAMPER_REGIONS = params.Param(
+    "regions", str, None, "JSON file of privacy-sensitive boxes per sample and "
+    "element class (tff_privacy.data.tamper_sets.load_regions), for FedRE's "
+    "element-class regions; the data sets ship none")
 # each data set's options (`data_kwargs`), passed to its loader
 DATA_PARAMETERS: dict[str, params.Params] = {
     **{name: params.Params(_TEST_FRACTION) for name in _BUNDLED},
@@ -349,6 +404,21 @@ DATA_PARAMETERS: dict[str, params.Params] = {
         _TEST_FRACTION,
         params.Param("max_images", int, None, "annotated images read, in the "
                      "attribute file's order (default all)", minimum=1)),
+    "doctamper": params.Params(
+        params.Param("train_split", str, "DocTamperV1-TrainingSet", "LMDB "
+                     "folder in data_dir of the training samples"),
+        params.Param("test_split", str, "DocTamperV1-TestingSet", "LMDB folder "
+                     "in data_dir of the test samples (or DocTamperV1-FCD, "
+                     "DocTamperV1-SCD)"),
+        _TAMPER_SIZE,
+        params.Param("max_samples", int, 1000, "samples read per split, from "
+                     "the first (the training set holds 120,000)", minimum=1),
+        _TAMPER_REGIONS),
+    "tsroie": params.Params(
+        _TAMPER_SIZE,
+        params.Param("max_samples", int, None, "samples read per split, from "
+                     "the first (default all)", minimum=1),
+        _TAMPER_REGIONS),
     "celeba": params.Params(_TEST_FRACTION),
     **{name: params.Params() for name in _TFDS_SOURCES},
 }

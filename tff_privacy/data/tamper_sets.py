@@ -21,7 +21,7 @@ from __future__ import annotations
 import io as _io
 import json
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -30,6 +30,7 @@ TAMPERED_CATEGORY = 2
 
 
 def _resized(image: Image.Image, mask: Image.Image, size: Optional[int]):
+  """(image in [0, 1], boolean mask), resized to `size` x `size` if given."""
   if size is not None:
     image = image.resize((size, size), Image.BILINEAR)
     mask = mask.resize((size, size), Image.NEAREST)
@@ -38,10 +39,12 @@ def _resized(image: Image.Image, mask: Image.Image, size: Optional[int]):
 
 
 def load_doctamper(path: str, *, max_samples: Optional[int] = None,
-                   size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+                   size: Optional[int] = None, sizes: Optional[list] = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
   """Images [N, H, W, 3] in [0, 1] and tamper masks [N, H, W] (bool) of the
   DocTamper LMDB split at `path`, the first `max_samples` of them, resized
   to `size` x `size` if given (bilinear for images, nearest for masks).
+  `sizes`, if given, receives each image's stored (width, height).
 
   Raises:
     ValueError: naming `path` if it is not a DocTamper LMDB folder or a
@@ -68,8 +71,10 @@ def load_doctamper(path: str, *, max_samples: Optional[int] = None,
           raise ValueError(f"path={path!r}: sample {i} lacks image-{i:09d} or "
                            f"label-{i:09d}")
         try:
-          x, m = _resized(Image.open(_io.BytesIO(image)),
-                          Image.open(_io.BytesIO(mask)).convert("L"), size)
+          image = Image.open(_io.BytesIO(image))
+          if sizes is not None:
+            sizes.append(image.size)
+          x, m = _resized(image, Image.open(_io.BytesIO(mask)).convert("L"), size)
         except OSError as e:
           raise ValueError(f"path={path!r}: sample {i} is not a readable image "
                            f"({e})") from None
@@ -90,10 +95,11 @@ def _stacked(images, masks, path):
 
 
 def load_tsroie(root: str, split: str = "test", *, annotations: Optional[str] = None,
-                size: Optional[int] = None,
-                max_samples: Optional[int] = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
+                size: Optional[int] = None, max_samples: Optional[int] = None,
+                sizes: Optional[list] = None) -> tuple[np.ndarray, np.ndarray, list[str]]:
   """Images, tamper masks (filled category-2 polygons) and file names of the
   T-SROIE `split` under `root`; see the module docstring for the layout.
+  `sizes`, if given, receives each image's stored (width, height).
 
   Raises:
     ValueError: naming the missing folder or annotation file, or a
@@ -123,6 +129,8 @@ def load_tsroie(root: str, split: str = "test", *, annotations: Optional[str] = 
     if not os.path.isfile(file):
       raise ValueError(f"T-SROIE: {annotations!r} names {name!r}, which is not in {folder!r}")
     image = Image.open(file).convert("RGB")
+    if sizes is not None:
+      sizes.append(image.size)
     mask = Image.new("L", image.size, 0)
     for points in polygons.get(image_id, []):
       ImageDraw.Draw(mask).polygon([tuple(p) for p in points], fill=255)
@@ -137,7 +145,8 @@ def load_tsroie(root: str, split: str = "test", *, annotations: Optional[str] = 
 def load_regions(path: str, sample_keys: list[str]) -> list[dict]:
   """Privacy-sensitive boxes per sample from the JSON file `path`:
   {"<sample key>": {"<element class>": [[x0, y0, x1, y1], ...]}}, one entry
-  per key of `sample_keys` (DocTamper: the index; T-SROIE: the file name)."""
+  per key of `sample_keys` (`sample_key`), boxes in the stored image's
+  pixels, maxima exclusive."""
   if not os.path.isfile(path):
     raise ValueError(f"regions file {path!r} does not exist")
   try:
@@ -150,6 +159,32 @@ def load_regions(path: str, sample_keys: list[str]) -> list[dict]:
     raise ValueError(f"regions file {path!r} has no boxes for {len(missing)} "
                      f"samples, e.g. {missing[:3]}")
   return [regions[k] for k in sample_keys]
+
+
+def sample_key(split: str, index: int, name: Optional[str] = None) -> str:
+  """A sample's key in a regions file: '<split>/<index>' for DocTamper (e.g.
+  'DocTamperV1-TestingSet/0'), '<split>/<file name>' for T-SROIE (e.g.
+  'test/X51005200931.jpg')."""
+  return f"{split}/{index if name is None else name}"
+
+
+def element_maps(regions: list[dict], sizes: list[tuple[int, int]],
+                 shape: tuple[int, int], classes: Sequence[str]) -> np.ndarray:
+  """uint8 [N, H, W] maps, bit k set where a box of `classes[k]` lies: the
+  boxes of `regions` (one dict per sample, as `load_regions` returns), drawn
+  from each sample's stored (width, height) in `sizes` onto the `shape`
+  (height, width) the images were resized to, widened to whole pixels."""
+  if len(classes) > 8:
+    raise ValueError(f"regions name {len(classes)} element classes; at most 8 fit")
+  height, width = shape
+  maps = np.zeros((len(regions), height, width), np.uint8)
+  for i, (boxes, (w, h)) in enumerate(zip(regions, sizes)):
+    for cls, cls_boxes in boxes.items():
+      for x0, y0, x1, y1 in cls_boxes:
+        rows = slice(int(np.floor(y0 * height / h)), int(np.ceil(y1 * height / h)))
+        cols = slice(int(np.floor(x0 * width / w)), int(np.ceil(x1 * width / w)))
+        maps[i, rows, cols] |= np.uint8(1 << classes.index(cls))
+  return maps
 
 
 def require_regions(dataset: str, path: Optional[str]) -> str:
