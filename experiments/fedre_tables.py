@@ -1,7 +1,7 @@
 """FedRE's Tables 1-3 and Figs. 4-6 (Xiao et al., ICMR 2025), small
-scale, on offline data.
+scale on offline data by default, or on the paper's data sets.
 
-Two settings (`--dataset`):
+Settings (`--dataset`):
 * docs (default): the paper's task, pixel-level tamper segmentation, on the
   bundled synthetic documents (64x64, `tff_privacy.data.documents`), a small
   U-Net, 8 clients each holding one document format (the 'groups'
@@ -26,6 +26,13 @@ Two settings (`--dataset`):
 * digits: the classification stand-in, bundled scikit-learn digits (8x8), a
   small ReLU CNN, 10 IID clients, client SGD at lr 0.05, the central box
   2,2,6,6 as every client's region, scored by test accuracy.
+* doctamper, tsroie: the docs setting on the paper's data sets, read from
+  `--data-dir` (`--data-kwargs`: their size, default 64, samples read,
+  default DocTamper's first 1,000 per split, and the JSON file of the
+  privacy-sensitive boxes, which the sets do not ship: its element classes
+  must include the region's, by default 'numbers' = amount, phone,
+  id_number). They have no formats, so clients hold IID shares and Table
+  2's clients one random image each.
 `--clients`, `--client-lr` and `--region` override the setting; delta is
 1e-5 per client and C_l 0.15.
 
@@ -90,6 +97,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 import dataclasses
+import json
 import math
 from typing import Optional
 
@@ -97,6 +105,7 @@ import numpy as np
 
 from tff_privacy import data, evaluate, io, models, runner, runtime
 from tff_privacy.algorithms import fedre
+from tff_privacy.data import sources
 from tff_privacy.metrics import report
 
 EPSILONS = (50.0, 10.0)
@@ -130,7 +139,8 @@ class Setting:
 
   @property
   def task(self) -> str:
-    return "segmentation" if self.dataset == "docs" else "classification"
+    return ("segmentation" if self.dataset in sources.SEGMENTATION_DATASETS
+            else "classification")
 
 
 SETTINGS = {
@@ -143,6 +153,11 @@ SETTINGS = {
                       10, ("accuracy",), "iid", "sgd", 0.05, 1, "2,2,6,6", "auto",
                       {}, 1.0),
 }
+# the real sets, read from --data-dir: the docs setting on their own splits,
+# which have no formats, so clients hold IID shares
+SETTINGS.update({name: dataclasses.replace(SETTINGS["docs"], dataset=name,
+                                           partition="iid")
+                 for name in ("doctamper", "tsroie")})
 LDP_FED = {"clip": 0.05, "precision": 3}
 # Table 1 rows at a finite epsilon: label -> fedre kwargs (None: LDP-Fed)
 DP_ROWS = {"LDP-Fed": None,
@@ -221,7 +236,7 @@ def trained(args, out: str, row: dict, **config) -> dict:
     config["method_kwargs"].setdefault("regions", args.region)
   history = runner.run(runner.RunConfig(
       out=out, dataset=setting.dataset, model=setting.model[0],
-      model_kwargs=setting.model[1], batch_size=16,
+      model_kwargs=setting.model[1], batch_size=16, **_data(args),
       positive_weight=setting.positive_weight,
       **{"clients": args.clients, "rounds": args.rounds,
          "partition": setting.partition, **config}),
@@ -384,9 +399,9 @@ def _leakage(args, base: str, config: dict, iterations: int):
     runner.run(runner.RunConfig(
         out=run, dataset=setting.dataset, model=setting.model[0],
         model_kwargs=setting.model[1], positive_weight=setting.positive_weight,
-        clients=LEAKAGE_CLIENTS, rounds=1,
-        batch_size=1, partition=_leakage_partition(setting),
-        samples_per_client=1, seed=args.seeds[0], capture_rounds=(1,),
+        clients=LEAKAGE_CLIENTS, rounds=1, batch_size=1,
+        **_leakage_partition(setting), **_data(args), seed=args.seeds[0],
+        capture_rounds=(1,),
         **config), progress=False)
     runtime.renew()
   samples, originals, reconstructed = [], [], []
@@ -407,16 +422,26 @@ def _leakage_scores(samples: list[dict]) -> dict:
                     if "lpips" in samples[0] else None)}
 
 
-def _leakage_partition(setting: Setting) -> str:
-  """One image per client: of one class (digits) or one format (docs)."""
-  return "label_groups" if setting.partition == "iid" else setting.partition
+def _leakage_partition(setting: Setting) -> dict:
+  """One image per client: of one class (digits), one format (docs) or any
+  (the real sets, which have no formats)."""
+  if setting.partition == "groups":
+    return {"partition": "groups", "samples_per_client": 1}
+  if setting.task == "classification":
+    return {"partition": "label_groups", "samples_per_client": 1}
+  return {"partition": "one_per_client"}
+
+
+def _data(args) -> dict:
+  """The RunConfig fields that locate and shape the setting's data."""
+  return {"data_dir": args.data_dir, "data_kwargs": args.data_kwargs}
 
 
 def _leakage_regions(args) -> list[np.ndarray]:
   """Each Table 2 client's region, as FedRE computes it for that client."""
   setting = args.setting
-  fed = data.load(setting.dataset, LEAKAGE_CLIENTS, _leakage_partition(setting),
-                  seed=args.seeds[0], samples_per_client=1)
+  fed = data.load(setting.dataset, LEAKAGE_CLIENTS, seed=args.seeds[0],
+                  **_leakage_partition(setting), **_data(args))
   return fedre.client_regions(args.region, LEAKAGE_CLIENTS,
                               *setting.input_shape[:2], data=fed)
 
@@ -538,7 +563,7 @@ def write_fig5(args, leakage: list[dict], utility: list[dict]) -> str:
             "much) as that gradient noise, and the row compares the closest "
             "one only. The gradient arm also clips each tensor to C_l, which "
             "the others do not."]
-  if args.setting.dataset == "docs":
+  if args.setting.task == "segmentation":
     lines += ["", "In training a client's region is the union of its elements "
               "over all its images, larger than each image's own elements that "
               "the one-image leakage clients were matched on: the pixel arm "
@@ -629,12 +654,23 @@ def write_fig6(args, rows: list[dict]) -> str:
   return text
 
 
+def _json_object(text: str) -> dict:
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise argparse.ArgumentTypeError("give a JSON object")
+  return value
+
+
 def main() -> None:
   runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dataset", choices=sorted(SETTINGS), default="docs",
                       help="docs: the synthetic documents (default); digits: "
-                      "the classification stand-in")
+                      "the classification stand-in; doctamper, tsroie: the "
+                      "paper's sets from --data-dir")
   parser.add_argument("--tables", default="1,2,3,5,6",
                       help="comma-separated, from 1, 2, 3, 5 (Fig. 5), 6 (Fig. 6)")
   parser.add_argument("--seeds", default="0,1", help="Table 1's seeds")
@@ -656,9 +692,20 @@ def main() -> None:
                       help="attack iterations of Fig. 5's matching (the paper's 2000)")
   parser.add_argument("--lpips-weights", help="LPIPS weights file (optional)")
   parser.add_argument("--out", help="default: results/fedre_<dataset>")
+  parser.add_argument("--data-dir", help="the folder of doctamper's LMDB "
+                      "splits or tsroie's train/ and test/")
+  parser.add_argument("--data-kwargs", type=_json_object, help="the data set's "
+                      "options as JSON, e.g. '{\"regions\": \"boxes.json\", "
+                      "\"size\": 64}' (see tff-privacy train --help)")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args()
   args.setting = setting = SETTINGS[args.dataset]
+  if setting.partition == "iid" and setting.task == "segmentation":
+    try:
+      size = sources.resolve_data_kwargs(args.dataset, args.data_kwargs)["size"]
+    except ValueError as e:
+      parser.error(f"--data-kwargs: {e}")
+    args.setting = setting = dataclasses.replace(setting, input_shape=(size, size, 3))
   args.clients = args.clients or (8 if args.dataset == "docs" else 10)
   args.client_lr = args.client_lr or setting.client_lr
   args.region = args.region or setting.region

@@ -84,3 +84,28 @@ def fake_lpips_weights(path):
     in_ch = ch
   np.savez(path, **arrays)
   return arrays
+
+
+def write_doctamper_split(path, count: int, side: int, seed: int):
+  """A DocTamper LMDB split at `path` as its authors distribute it: `count`
+  side x side JPEG images, each with a tampered square in a PNG mask."""
+  import io
+  import lmdb
+  from PIL import Image
+
+  def encoded(array, fmt):
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+  rng = np.random.default_rng(seed)
+  env = lmdb.open(str(path), map_size=1 << 24)
+  with env.begin(write=True) as txn:
+    txn.put(b"num-samples", str(count).encode())
+    for i in range(count):
+      mask = np.zeros((side, side), np.uint8)
+      mask[4:12, 8:16] = 255
+      txn.put(b"image-%09d" % i,
+              encoded(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), "JPEG"))
+      txn.put(b"label-%09d" % i, encoded(mask, "PNG"))
+  env.close()

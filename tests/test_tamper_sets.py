@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import write_doctamper_split
 from tff_privacy.data import tamper_sets
 
 
@@ -108,25 +109,10 @@ def test_regions_come_from_a_user_file_or_the_run_is_refused(tmp_path):
     tamper_sets.load_regions(str(path), ["0", "1"])
 
 
-def _doctamper_split(path, count: int, side: int, seed: int):
-  """`count` side x side samples, each with a tampered square."""
-  rng = np.random.default_rng(seed)
-  env = lmdb.open(str(path), map_size=1 << 24)
-  with env.begin(write=True) as txn:
-    txn.put(b"num-samples", str(count).encode())
-    for i in range(count):
-      mask = np.zeros((side, side), np.uint8)
-      mask[4:12, 8:16] = 255
-      txn.put(b"image-%09d" % i, _encoded(
-          rng.integers(0, 256, (side, side, 3), dtype=np.uint8), "JPEG"))
-      txn.put(b"label-%09d" % i, _encoded(mask, "PNG"))
-  env.close()
-
-
 def test_doctamper_element_maps_scale_the_files_boxes(tmp_path):
   from tff_privacy.data import sources
   for split, count in (("DocTamperV1-TrainingSet", 3), ("DocTamperV1-TestingSet", 2)):
-    _doctamper_split(tmp_path / split, count, 32, count)
+    write_doctamper_split(tmp_path / split, count, 32, count)
   boxes = {f"DocTamperV1-TrainingSet/{i}": {"amount": [[0, 0, 8, 4]],
                                             "stamp": [[16, 16, 32, 32]]}
            for i in range(3)}
@@ -149,30 +135,10 @@ def test_doctamper_element_maps_scale_the_files_boxes(tmp_path):
   np.testing.assert_array_equal(src.elements.masks(["amount"], "test")[1], expected)
 
 
-def test_fedre_runs_on_doctamper_with_the_files_regions(tmp_path):
-  from tff_privacy import runner
-  for split, count in (("DocTamperV1-TrainingSet", 4), ("DocTamperV1-TestingSet", 2)):
-    _doctamper_split(tmp_path / split, count, 32, count)
-  path = tmp_path / "regions.json"
-  path.write_text(json.dumps({f"{s}/{i}": {"amount": [[0, 0, 16, 8]]}
-                              for s, n in (("DocTamperV1-TrainingSet", 4),
-                                           ("DocTamperV1-TestingSet", 2))
-                              for i in range(n)}))
-  config = runner.RunConfig(
-      out=str(tmp_path / "run"), method="fedre", dataset="doctamper",
-      data_dir=str(tmp_path), data_kwargs={"size": 16, "regions": str(path)},
-      model="unet", model_kwargs={"widths": [2, 4]}, clients=2, rounds=1,
-      batch_size=2, method_kwargs={"epsilon": 1000.0, "psi_samples": 1,
-                                   "public_samples": 1, "psi_pixels": 4,
-                                   "regions": "amount"})
-  last = runner.run(config, progress=False)[-1]
-  assert np.isfinite(last["test_f_score"]) and last["paper_epsilon"] == 1000.0
-
-
 def test_doctamper_regions_must_cover_every_sample(tmp_path):
   from tff_privacy.data import sources
   for split in ("DocTamperV1-TrainingSet", "DocTamperV1-TestingSet"):
-    _doctamper_split(tmp_path / split, 1, 16, 0)
+    write_doctamper_split(tmp_path / split, 1, 16, 0)
   path = tmp_path / "regions.json"
   path.write_text(json.dumps({"DocTamperV1-TrainingSet/0": {"amount": [[0, 0, 4, 4]]}}))
   with pytest.raises(ValueError, match="no boxes for 1 samples"):

@@ -108,10 +108,10 @@ def load(dataset: str, num_clients: int, partition: str = "iid",
                                             samples_per_client)),
         tuple(partitioners.by_group(test_groups, num_clients, seed + 1,
                                     samples_per_client)))
-  if source.task == "segmentation" and partition != "iid":
+  if source.task == "segmentation" and partition not in ("iid", "one_per_client"):
     raise ValueError(f"partition={partition!r} splits by class label; "
-                     f"dataset {dataset!r} ({source.task}) takes 'iid' or "
-                     "'groups'")
+                     f"dataset {dataset!r} ({source.task}) takes 'iid', "
+                     "'one_per_client' or 'groups'")
   parts = partitioners.partition(source.y_train, num_clients, partition, alpha,
                                  seed, samples_per_client)
   tests = partitioners.test_split(source.y_train, source.y_test, parts,

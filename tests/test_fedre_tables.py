@@ -1,0 +1,57 @@
+"""experiments/fedre_tables.py on the paper's data set format (a DocTamper
+fixture), as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from conftest import write_doctamper_split
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "fedre_tables.py")
+SPLITS = (("DocTamperV1-TrainingSet", 8), ("DocTamperV1-TestingSet", 2))
+
+
+def _script(*argv):
+  return subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True,
+                        text=True, timeout=600,
+                        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+
+
+def test_table1_runs_on_doctamper_with_a_regions_file(tmp_path):
+  boxes = {}
+  for split, count in SPLITS:
+    write_doctamper_split(tmp_path / split, count, 32, count)
+    boxes.update({f"{split}/{i}": {"amount": [[0, 0, 16, 8]], "phone": [[16, 24, 32, 32]]}
+                  for i in range(count)})
+  (tmp_path / "boxes.json").write_text(json.dumps(boxes))
+  out = tmp_path / "out"
+  result = _script("--dataset", "doctamper", "--data-dir", str(tmp_path),
+                   "--data-kwargs", json.dumps({"size": 16,
+                                                "regions": str(tmp_path / "boxes.json")}),
+                   "--region", "amount,phone", "--tables", "1", "--table1-methods",
+                   "Central,FedRE", "--table1-epsilons", "50", "--seeds", "0",
+                   "--rounds", "1", "--clients", "2", "--out", str(out), "--quiet")
+  assert result.returncode == 0, result.stderr[-2000:]
+  with open(out / "table1" / "fedre_e50_s0" / "config.json") as f:
+    config = json.load(f)
+  assert config["dataset"] == "doctamper" and config["data_dir"] == str(tmp_path)
+  assert config["data_kwargs"]["size"] == 16
+  with open(out / "table1" / "fedre_e50_s0" / "metrics.json") as f:
+    assert np.isfinite(json.load(f)[-1]["paper_epsilon"])
+  assert "| inf | Central |" in (out / "table1.md").read_text()
+
+
+def test_bad_data_kwargs_are_one_line_errors(tmp_path):
+  result = _script("--dataset", "doctamper", "--data-kwargs", '{"size": 2}',
+                   "--out", str(tmp_path))
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].endswith(
+      "--data-kwargs: data_kwargs of dataset 'doctamper': size must be >= 8, got 2")
+  assert "Traceback" not in result.stderr
+  result = _script("--dataset", "doctamper", "--data-kwargs", "[1]",
+                   "--out", str(tmp_path))
+  assert result.returncode == 2 and "give a JSON object" in result.stderr
