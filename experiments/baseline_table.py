@@ -66,6 +66,7 @@ def run_setting(out: str, defense: str, kwargs: dict, rounds: int,
   runner.run(runner.RunConfig(
       out=os.path.join(out, "leakage"), clients=8, partition="one_per_client",
       batch_size=1, rounds=1, capture_rounds=(1,), **common), progress=False)
+  runtime.renew()  # a worker's memory grows with every run it serves
   attack = evaluate.attack_round(os.path.join(out, "leakage", "updates"), 1,
                                  os.path.join(out, "attack"), "ig",
                                  attack_kwargs={"iterations": iterations})

@@ -82,6 +82,7 @@ class Experiment:
     config = runner.RunConfig(out=out, clients=4, batch_size=32,
                               rounds=self.args.rounds, **self.common, **setting)
     runner.run(config, progress=not self.args.quiet)
+    runtime.renew()  # a worker's memory grows with every run it serves
     run = runner.Run(config)
     weights = runner.load_model_weights(out, run.spec)
     x, y = run.fed.test
@@ -96,6 +97,7 @@ class Experiment:
     runner.run(runner.RunConfig(out=out, clients=8, partition="one_per_client",
                                 batch_size=1, rounds=1, capture_rounds=(1,),
                                 **self.common, **setting), progress=False)
+    runtime.renew()
     row = {}
     for attack in self.args.attacks:
       kwargs = {"iterations": self.args.ig_iterations} if attack == "ig" else {}

@@ -85,8 +85,8 @@ Each run lives in OUT/<table>/<row>/ and resumes; row.json (Table 2:
 ig/client_<k>/attack.json) caches its result. Tables: OUT/table1.md ...
 table3.md, fig5.md, fig6.md, with .csv, fig4.png, fig5.png and fig6.png.
 
-  python experiments/fedre_tables.py [--dataset docs|digits] [--tables 1,2,3,5,6]
-      [--seeds 0,1]
+  python experiments/fedre_tables.py [--dataset docs|digits|doctamper|tsroie]
+      [--data-dir DIR --data-kwargs JSON] [--tables 1,2,3,5,6] [--seeds 0,1]
 """
 
 from __future__ import annotations
@@ -97,7 +97,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 import dataclasses
-import json
 import math
 from typing import Optional
 
@@ -105,6 +104,7 @@ import numpy as np
 
 from tff_privacy import data, evaluate, io, models, runner, runtime
 from tff_privacy.algorithms import fedre
+from tff_privacy.cli import json_object
 from tff_privacy.data import sources
 from tff_privacy.metrics import report
 
@@ -439,7 +439,7 @@ def _leakage_partition(setting: Setting) -> dict:
 
 def _data(args) -> dict:
   """The RunConfig fields that locate and shape the setting's data."""
-  return {"data_dir": args.data_dir, "data_kwargs": args.data_kwargs}
+  return {"data_dir": args.data_dir, "data_kwargs": args.data_kwargs or {}}
 
 
 def _leakage_regions(args) -> list[np.ndarray]:
@@ -664,16 +664,6 @@ def write_fig6(args, rows: list[dict]) -> str:
   return text
 
 
-def _json_object(text: str) -> dict:
-  try:
-    value = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
-  if not isinstance(value, dict):
-    raise argparse.ArgumentTypeError("give a JSON object")
-  return value
-
-
 def main() -> None:
   runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -686,17 +676,17 @@ def main() -> None:
   parser.add_argument("--seeds", default="0,1", help="Table 1's seeds")
   parser.add_argument("--rounds", type=int, default=20)
   parser.add_argument("--clients", type=int, help="Table 1 and 3's clients "
-                      "(default: docs 8, digits 10)")
+                      "(default: the document sets 8, digits 10)")
   parser.add_argument("--table1-epsilons", default="50,10,1000,10000",
                       help="Table 1's finite epsilons (the paper's 50 and 10, "
                       "then larger ones that show where utility returns)")
   parser.add_argument("--table1-methods", default=",".join(TABLE1_METHODS),
                       help="Table 1's rows, comma-separated (default: all)")
   parser.add_argument("--client-lr", type=float,
-                      help="clients' learning rate (default: docs 0.005 with "
-                      "Adam, digits 0.05 with SGD)")
-  parser.add_argument("--region", help="FedRE's regions (default: docs "
-                      "'numbers', digits '2,2,6,6')")
+                      help="clients' learning rate (default: the document sets "
+                      "0.005 with Adam, digits 0.05 with SGD)")
+  parser.add_argument("--region", help="FedRE's regions (default: the "
+                      "document sets 'numbers', digits '2,2,6,6')")
   parser.add_argument("--attack-iterations", type=int, default=1000)
   parser.add_argument("--fig5-iterations", type=int, default=2000,
                       help="attack iterations of Fig. 5's matching (the paper's 2000)")
@@ -704,19 +694,19 @@ def main() -> None:
   parser.add_argument("--out", help="default: results/fedre_<dataset>")
   parser.add_argument("--data-dir", help="the folder of doctamper's LMDB "
                       "splits or tsroie's train/ and test/")
-  parser.add_argument("--data-kwargs", type=_json_object, help="the data set's "
+  parser.add_argument("--data-kwargs", type=json_object, help="the data set's "
                       "options as JSON, e.g. '{\"regions\": \"boxes.json\", "
                       "\"size\": 64}' (see tff-privacy train --help)")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args()
   args.setting = setting = SETTINGS[args.dataset]
-  if setting.partition == "iid" and setting.task == "segmentation":
+  if setting.task == "segmentation":  # the images' side is a data option
     try:
       size = sources.resolve_data_kwargs(args.dataset, args.data_kwargs)["size"]
     except ValueError as e:
       parser.error(f"--data-kwargs: {e}")
     args.setting = setting = dataclasses.replace(setting, input_shape=(size, size, 3))
-  args.clients = args.clients or (8 if args.dataset == "docs" else 10)
+  args.clients = args.clients or (8 if setting.task == "segmentation" else 10)
   args.client_lr = args.client_lr or setting.client_lr
   args.region = args.region or setting.region
   args.out = args.out or os.path.join("results", f"fedre_{args.dataset}")
@@ -746,6 +736,11 @@ def main() -> None:
       args.clients < 1 or args.fig5_iterations < 1:
     parser.error("--seeds must not be empty; --rounds, --clients, --client-lr, "
                  "--attack-iterations and --fig5-iterations must be > 0")
+  try:
+    data.load_source(args.dataset, args.data_dir, args.data_kwargs)
+  except ValueError as e:
+    parser.error(f"--dataset {args.dataset} (--data-dir, --data-kwargs): "
+                 f"{' '.join(str(e).split())}")
   try:
     for region in _leakage_regions(args):
       evaluate.region_mask(region, *setting.input_shape[:2])

@@ -226,6 +226,7 @@ def leak_rows(args, label: str) -> list[dict]:
         partition="label_groups", samples_per_client=args.leak_samples,
         seed=args.seed, data_dir=args.data_dir,
         capture_rounds=(args.leak_round,)), progress=False)
+    runtime.renew()
   rows = []
   for attack in ATTACKS[label]:
     path = os.path.join(base, attack, "row.json")

@@ -419,6 +419,7 @@ def participation(exp: Experiment) -> list[dict]:
               "recupfl", exp.args.epsilon, exp.args, exp.args.attribute,
               exp.dataset), **common),
           progress=not exp.args.quiet)
+      runtime.renew()
     rows += [{"ratio": ratio, "round": e["round"], "learning_loss": e["test_loss"]}
              for e in history]
   _plot_participation(rows, exp.args)

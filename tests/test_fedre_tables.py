@@ -1,6 +1,8 @@
 """experiments/fedre_tables.py on the paper's data set format (a DocTamper
 fixture), as a user runs it."""
 
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,4 +56,27 @@ def test_bad_data_kwargs_are_one_line_errors(tmp_path):
   assert "Traceback" not in result.stderr
   result = _script("--dataset", "doctamper", "--data-kwargs", "[1]",
                    "--out", str(tmp_path))
-  assert result.returncode == 2 and "give a JSON object" in result.stderr
+  assert result.returncode == 2
+  assert "argument --data-kwargs: takes a JSON object like" in result.stderr
+  result = _script("--dataset", "doctamper", "--data-dir", str(tmp_path),
+                   "--out", str(tmp_path))
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith(
+      "fedre_tables.py: error: --dataset doctamper (--data-dir, --data-kwargs): "
+      f"path={str(tmp_path / 'DocTamperV1-TrainingSet')!r} is not an LMDB folder")
+
+
+def test_every_setting_makes_valid_leakage_run_configs(tmp_path):
+  spec = importlib.util.spec_from_file_location("fedre_tables", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["fedre_tables"] = module  # its dataclasses look it up
+  spec.loader.exec_module(module)
+  from tff_privacy import runner
+  args = argparse.Namespace(data_dir=None, data_kwargs=None)  # no flags given
+  for name, setting in module.SETTINGS.items():
+    config = runner.RunConfig(out=str(tmp_path), dataset=name, clients=8,
+                              model=setting.model[0], **module._data(args),
+                              **module._leakage_partition(setting))
+    assert config.data_kwargs == {}
+    assert config.partition == {"docs": "groups", "digits": "label_groups"}.get(
+        name, "one_per_client")

@@ -36,12 +36,13 @@ def test_renew_replaces_local_workers_by_as_many_fresh_ones():
   runtime.stop()
   runtime.renew()  # nothing started: nothing to renew
   assert not worker_children()
-  runtime.start(workers=2)
+  runtime.start(max_concurrent_computation_calls=3, workers=2)
   old = [p.pid for p in worker_children()]
   assert len(old) == 2
   runtime.renew()
-  new = [p.pid for p in worker_children()]
-  assert len(new) == 2 and not set(new) & set(old)
+  new = worker_children()
+  assert len(new) == 2 and not {p.pid for p in new} & set(old)
+  assert all("--max_concurrent_computation_calls=3" in p.cmdline() for p in new)
   assert runtime.worker_count() == 2
   assert _mean([1.0, 2.0, 6.0]) == 3.0
   runtime.stop()

@@ -145,8 +145,13 @@ def test_doctamper_regions_must_cover_every_sample(tmp_path):
     sources.load_source("doctamper", str(tmp_path), {"size": 16, "regions": str(path)})
   path.write_text(json.dumps({f"{s}/0": {"amount": [[0, 0, 4]]} for s in (
       "DocTamperV1-TrainingSet", "DocTamperV1-TestingSet")}))
-  with pytest.raises(ValueError, match="boxes must be lists of"):
+  with pytest.raises(ValueError, match="sample 'DocTamperV1-TrainingSet/0': give"):
     sources.load_source("doctamper", str(tmp_path), {"size": 16, "regions": str(path)})
+  for bad in ([[0, 0, 4, 4]], {"amount": [[-4, 0, 4, 4]]}, {"amount": [[4, 0, 4, 4]]}):
+    path.write_text(json.dumps({f"{s}/0": bad for s in (
+        "DocTamperV1-TrainingSet", "DocTamperV1-TestingSet")}))
+    with pytest.raises(ValueError, match="with 0 <= x_min < x_max"):
+      sources.load_source("doctamper", str(tmp_path), {"size": 16, "regions": str(path)})
 
 
 def test_tsroie_source_keys_regions_by_split_and_file_name(tsroie):

@@ -271,9 +271,9 @@ def _train(args) -> int:
   personal = "".join(
       f"{k[:-len('_std')]}={last[k[:-len('_std')] + '_mean']:.4f}+-{last[k]:.4f} "
       for k in last if k.startswith("personal_") and k.endswith("_std"))
-  print(f"method={config.method} dataset={config.dataset} model={config.model} "
-        f"defense={config.defense} rounds={last.get('round')} {global_model}"
-        f"{personal}{privacy}".rstrip())
+  print(" ".join(f"method={config.method} dataset={config.dataset} "
+                 f"model={config.model} defense={config.defense} rounds="
+                 f"{last.get('round')} {global_model}{personal}{privacy}".split()))
   models_file = runner.MODEL_WEIGHTS if tested else runner.PERSONAL_MODELS
   print(f"results in {config.out}: config.json, metrics.json, {models_file}, "
         "tensorboard/, checkpoints/"

@@ -191,8 +191,9 @@ def _region_spec(value, name: str) -> tuple[str, list]:
 def _element_masks(data, classes, regions, split: str = "train") -> np.ndarray:
   if data is None or data.source.elements is None:
     raise ValueError(f"regions={regions!r} names element classes {classes}; "
-                     "that needs a data set with element maps (e.g. 'docs'), "
-                     "else give boxes")
+                     "that needs a data set with element maps ('docs', or "
+                     "'doctamper'/'tsroie' with a boxes file as data_kwargs "
+                     "'regions'), else give boxes")
   try:
     return data.source.elements.masks(classes, split)
   except ValueError as e:

@@ -229,7 +229,7 @@ def load_doctamper(data_dir: str, train_split: str = "DocTamperV1-TrainingSet",
   """DocTamper from the authors' LMDB splits in `data_dir`
   (`tff_privacy.data.tamper_sets`): the first `max_samples` of each split,
   resized to size x size, labelled per pixel (1 tampered); with a `regions`
-  file, the element maps of its boxes (`_tamper_elements`)."""
+  file, the element maps of its boxes (`_tamper_source`)."""
   def split(name):
     sizes = []
     x, m = tamper_sets.load_doctamper(os.path.join(data_dir, name), size=size,
@@ -257,12 +257,8 @@ def _tamper_source(name: str, train, test, regions: str | None) -> Source:
   if regions is not None:
     boxes = [tamper_sets.load_regions(regions, keys) for _, _, keys, _ in (train, test)]
     classes = tuple(sorted({c for split in boxes for sample in split for c in sample}))
-    try:
-      maps = [tamper_sets.element_maps(b, sizes, x.shape[1:3], classes)
-              for b, (x, _, _, sizes) in zip(boxes, (train, test))]
-    except (TypeError, ValueError) as e:
-      raise ValueError(f"regions file {regions!r}: boxes must be lists of "
-                       f"[x_min, y_min, x_max, y_max] per element class ({e})") from None
+    maps = [tamper_sets.element_maps(b, sizes, x.shape[1:3], classes)
+            for b, (x, _, _, sizes) in zip(boxes, (train, test))]
     elements = ElementMaps(classes, *maps)
   return Source(name, train[0], train[1].astype(np.int32), test[0],
                 test[1].astype(np.int32), 2, 1.0, task="segmentation",

@@ -154,11 +154,30 @@ def load_regions(path: str, sample_keys: list[str]) -> list[dict]:
       regions = json.load(f)
   except json.JSONDecodeError as e:
     raise ValueError(f"regions file {path!r} is not JSON ({e})") from None
+  if not isinstance(regions, dict):
+    raise ValueError(f"regions file {path!r} must hold a JSON object keyed by sample")
   missing = [k for k in sample_keys if k not in regions]
   if missing:
     raise ValueError(f"regions file {path!r} has no boxes for {len(missing)} "
                      f"samples, e.g. {missing[:3]}")
+  for key in sample_keys:
+    _check_boxes(regions[key], f"regions file {path!r}, sample {key!r}")
   return [regions[k] for k in sample_keys]
+
+
+def _check_boxes(boxes, where: str) -> None:
+  """`boxes` maps element classes to lists of [x_min, y_min, x_max, y_max]
+  with 0 <= x_min < x_max and 0 <= y_min < y_max."""
+  ok = isinstance(boxes, dict) and all(
+      isinstance(v, list) and all(
+          isinstance(b, list) and len(b) == 4
+          and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in b)
+          and 0 <= b[0] < b[2] and 0 <= b[1] < b[3] for b in v)
+      for v in boxes.values())
+  if not ok:
+    raise ValueError(f"{where}: give {{\"<element class>\": [[x_min, y_min, "
+                     "x_max, y_max], ...]}} with 0 <= x_min < x_max and 0 <= "
+                     "y_min < y_max")
 
 
 def sample_key(split: str, index: int, name: Optional[str] = None) -> str:
