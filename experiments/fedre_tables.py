@@ -410,7 +410,7 @@ def _leakage(args, base: str, config: dict, iterations: int):
         **config), progress=False)
     runtime.renew()
   samples, originals, reconstructed = [], [], []
-  for client, region in enumerate(_leakage_regions(args)):
+  for client, region in enumerate(args.leakage_regions):
     out = os.path.join(base, "ig", f"client_{client}")
     samples += _attacked(args, run, out, client, region, iterations)["samples"]
     pairs = np.load(os.path.join(out, "reconstructions.npz"))
@@ -442,13 +442,14 @@ def _data(args) -> dict:
   return {"data_dir": args.data_dir, "data_kwargs": args.data_kwargs or {}}
 
 
-def _leakage_regions(args) -> list[np.ndarray]:
-  """Each Table 2 client's region, as FedRE computes it for that client."""
-  setting = args.setting
-  fed = data.load(setting.dataset, LEAKAGE_CLIENTS, seed=args.seeds[0],
-                  **_leakage_partition(setting), **_data(args))
-  return fedre.client_regions(args.region, LEAKAGE_CLIENTS,
-                              *setting.input_shape[:2], data=fed)
+def _leakage_regions(args, fed: data.FederatedData) -> list[np.ndarray]:
+  """Each Table 2 client's region in `fed` (Table 2's one-image clients),
+  as FedRE computes it for that client; ValueError if one is not valid."""
+  shape = args.setting.input_shape[:2]
+  regions = fedre.client_regions(args.region, LEAKAGE_CLIENTS, *shape, data=fed)
+  for region in regions:
+    evaluate.region_mask(region, *shape)
+  return regions
 
 
 def _attacked(args, run: str, out: str, client: int, region: np.ndarray,
@@ -736,14 +737,14 @@ def main() -> None:
       args.clients < 1 or args.fig5_iterations < 1:
     parser.error("--seeds must not be empty; --rounds, --clients, --client-lr, "
                  "--attack-iterations and --fig5-iterations must be > 0")
-  try:
-    data.load_source(args.dataset, args.data_dir, args.data_kwargs)
+  try:  # also checks the data set's files and options
+    fed = data.load(setting.dataset, LEAKAGE_CLIENTS, seed=args.seeds[0],
+                    **_leakage_partition(setting), **_data(args))
   except ValueError as e:
     parser.error(f"--dataset {args.dataset} (--data-dir, --data-kwargs): "
                  f"{' '.join(str(e).split())}")
   try:
-    for region in _leakage_regions(args):
-      evaluate.region_mask(region, *setting.input_shape[:2])
+    args.leakage_regions = _leakage_regions(args, fed)
   except ValueError as e:
     parser.error(f"--region: {' '.join(str(e).split())}")
   runtime.start()

@@ -80,3 +80,12 @@ def test_every_setting_makes_valid_leakage_run_configs(tmp_path):
     assert config.data_kwargs == {}
     assert config.partition == {"docs": "groups", "digits": "label_groups"}.get(
         name, "one_per_client")
+
+
+def test_bad_region_is_a_one_line_error(tmp_path):
+  result = _script("--dataset", "digits", "--region", "6,6,2,2", "--out", str(tmp_path))
+  assert result.returncode == 2
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("fedre_tables.py: error: --region: "), last
+  assert "Traceback" not in result.stderr
+  assert not os.path.exists(tmp_path / "table1")
