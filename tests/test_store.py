@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -122,3 +123,44 @@ def test_ground_truth_store_round_trip(tmp_path):
   np.testing.assert_array_equal(gy, y)
   with pytest.raises(UpdateStoreError, match="no ground truth"):
     g.read(1, 8)
+
+
+def _point_entry_at(s, relpath):
+  """Makes the manifest's entry of client 3 in round 1 name `relpath`, with
+  the checksum of the file it names (a consistent manifest)."""
+  from tff_privacy import io
+  manifest = s.manifest()
+  entry = manifest["rounds"]["1"]["clients"]["3"]
+  entry["file"] = relpath
+  entry["sha256"] = io.sha256(os.path.join(s.root, relpath))
+  json.dump(manifest, open(os.path.join(s.root, "manifest.json"), "w"))
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
+def test_manifest_paths_outside_the_store_are_refused(store, tmp_path, where):
+  s, *_ = store
+  outside = tmp_path / "elsewhere"
+  outside.mkdir()
+  # a valid record of this run, but not the store's own file
+  target = outside / "x.npz"
+  target.write_bytes(open(os.path.join(s.root, "round_0001", "client_0007.npz"),
+                          "rb").read())
+  if where == "parent":
+    relpath = "../elsewhere/x.npz"
+  elif where == "absolute":
+    relpath = str(target)
+  else:
+    relpath = "round_0001/client_0003.npz"
+    os.remove(os.path.join(s.root, relpath))
+    os.symlink(target, os.path.join(s.root, relpath))
+  _point_entry_at(s, relpath)
+  with pytest.raises(UpdateStoreError, match=f"{re.escape(relpath)}.*outside the store"):
+    s.read(1, 3)
+  s.read(1, 7)
+
+
+def test_a_store_reached_through_a_symlink_reads_its_own_files(store, tmp_path):
+  s, _, uploads = store
+  os.symlink(s.root, tmp_path / "link")
+  rec = UpdateStore(str(tmp_path / "link")).read(1, 7)
+  np.testing.assert_array_equal(rec.upload[0], uploads[1][2][0])

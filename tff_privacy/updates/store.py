@@ -21,7 +21,8 @@ method, upload kind, model builder and arguments, data set and its value range,
 learning rates, local epochs or steps, batch size. Records are `np.savez`
 files read with `allow_pickle=False`; every read checks the SHA-256, the
 tensor names, shapes and dtypes against the manifest and names the file that
-is wrong.
+is wrong, and reads no file outside the store (a manifest path with '..',
+an absolute one, or a symbolic link out of the store is refused).
 
 The clients' true samples (for scoring attacks only), and their sensitive
 attributes where the data set has them, live in a separate
@@ -114,15 +115,31 @@ class _ChecksummedDir:
             "arrays": {k: {"shape": list(np.shape(v)), "dtype": str(np.asarray(v).dtype)}
                        for k, v in arrays.items()}}
 
+  def _path(self, entry: dict[str, Any]) -> str:
+    """The file `entry` names, refused unless it resolves (symbolic links
+    followed) to a file inside the store: its checksum, kept in the same
+    manifest, cannot vouch for a file elsewhere."""
+    relpath = entry.get("file")
+    root = os.path.realpath(self.root)
+    inside = isinstance(relpath, str) and not os.path.isabs(relpath)
+    if inside:
+      resolved = os.path.realpath(os.path.join(root, relpath))
+      inside = os.path.commonpath([root, resolved]) == root
+    if not inside:
+      raise UpdateStoreError(f"{self.manifest_path}: entry {relpath!r} lies "
+                             "outside the store; a store reads its own files only")
+    return resolved
+
   def get(self, entry: dict[str, Any]) -> dict[str, np.ndarray]:
+    resolved = self._path(entry)
     path = os.path.join(self.root, entry["file"])
-    if not os.path.exists(path):
+    if not os.path.isfile(resolved):
       raise UpdateStoreError(f"{path}: file listed in the manifest is missing")
-    if io.sha256(path) != entry["sha256"]:
+    if io.sha256(resolved) != entry["sha256"]:
       raise UpdateStoreError(f"{path}: SHA-256 does not match the manifest "
                              "(file changed or truncated)")
     try:
-      with np.load(path, allow_pickle=False) as npz:
+      with np.load(resolved, allow_pickle=False) as npz:
         arrays = {k: npz[k] for k in npz.files}
     except (ValueError, OSError, zipfile.BadZipFile) as e:
       raise UpdateStoreError(f"{path}: not a readable npz file: {e}")
