@@ -5,9 +5,10 @@ import os
 import dp_accounting
 import numpy as np
 import pytest
+import scipy.special
 import tensorflow as tf
 
-from tff_privacy import io, models, runner
+from tff_privacy import data, io, models, runner
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
@@ -438,28 +439,99 @@ def test_fedavg_schedule_matches_the_attackers_simulation(tmp_path):
       np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
 
 
+def _plain_scores(spec, weights, x, y) -> dict[str, float]:
+  """The task's metrics in numpy from the Keras model's logits: accuracy or
+  the positive class's pixel scores (0 where undefined), and the mean
+  (positive-weighted, per pixel) cross-entropy."""
+  model = spec.keras()
+  for v, w in zip(model.trainable_variables, weights):
+    v.assign(w)
+  logits = model(x).numpy().astype(np.float64)
+  log_p = logits - scipy.special.logsumexp(logits, -1, keepdims=True)
+  ce = -np.take_along_axis(log_p, y[..., None].astype(np.int64), -1)[..., 0]
+  predicted = logits.argmax(-1)
+  if spec.task == "classification":
+    return {"accuracy": np.mean(predicted == y), "loss": ce.mean()}
+  weight = np.where(y == 1, spec.task_kwargs.get("positive_weight", 1.0), 1.0)
+  tp = np.sum((predicted == 1) & (y == 1))
+  fp = np.sum((predicted == 1) & (y != 1))
+  fn = np.sum((predicted != 1) & (y == 1))
+
+  def ratio(a, b):
+    return a / b if b else 0.0
+  precision, recall = ratio(tp, tp + fp), ratio(tp, tp + fn)
+  return {"iou": ratio(tp, tp + fp + fn), "precision": precision,
+          "recall": recall,
+          "f_score": ratio(2 * precision * recall, precision + recall),
+          "loss": (ce * weight).mean()}
+
+
 @pytest.mark.parametrize("spec", [
     models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": [6]}),
     models.ModelSpec("unet", (8, 8, 3), 2, {"widths": (2, 3)}, "segmentation",
                      {"positive_weight": 3.0})])
-def test_scores_by_group_equal_one_call_per_group(spec):
+def test_scores_by_group_score_each_group_and_none_without_samples(spec):
   # the per-client evaluation of a global model runs in one pass; each
-  # group's metrics must be what scoring the group alone gives
+  # group's metrics must be the metrics of its samples alone, and a group
+  # without samples has none
   rng = np.random.default_rng(0)
   x = rng.random((23,) + spec.input_shape, dtype=np.float32)
   y = rng.integers(0, spec.num_classes, (23,) + spec.task_object.label_shape(
       spec.input_shape)).astype(np.int32)
   groups = rng.integers(0, 3, 23)
-  groups[groups == 2] = 3  # group 2 is empty
+  groups[groups == 2] = 3  # groups 2 and 4 are empty
   evaluator = runner.Evaluator(spec)
   weights = spec.keras(1).get_weights()
   grouped = evaluator.scores_by_group(weights, x, y, groups, 5)
-  for g in range(5):
-    alone = evaluator.scores(weights, x[groups == g], y[groups == g])
-    assert grouped[g].keys() == alone.keys()
-    for name in alone:
-      np.testing.assert_allclose(grouped[g][name], alone[name], rtol=1e-5,
+  assert grouped[2] is None and grouped[4] is None
+  for g in (0, 1, 3):
+    want = _plain_scores(spec, weights, x[groups == g], y[groups == g])
+    assert grouped[g].keys() == want.keys()
+    for name in want:
+      np.testing.assert_allclose(grouped[g][name], want[name], rtol=1e-5,
                                  atol=1e-6, err_msg=f"group {g} {name}")
+  with pytest.raises(ValueError, match="no samples to score"):
+    evaluator.scores(weights, x[:0], y[:0])
+
+
+def _client_models(config, spec) -> list[list[np.ndarray]]:
+  """Each client's final model, read from the run's model file."""
+  if os.path.exists(os.path.join(config.out, runner.MODEL_WEIGHTS)):
+    return [runner.load_model_weights(config.out, spec)] * config.clients
+  with np.load(os.path.join(config.out, runner.PERSONAL_MODELS)) as f:
+    return [[f[f"{data.client_id(c)}/{n}"] for n in spec.variable_names()]
+            for c in range(config.clients)]
+
+
+@pytest.mark.parametrize("kwargs", [
+    # digits: clients 0 and 5 of this Dirichlet split hold no test sample
+    dict(SMALL, clients=15, seed=2, partition="dirichlet", alpha=0.1,
+         method="fedavg"),
+    dict(SMALL, clients=15, seed=2, partition="dirichlet", alpha=0.1,
+         method="local_only"),
+    # 2 test documents dealt among 4 clients
+    dict(dataset="docs", data_kwargs={"num": 10}, model="unet",
+         model_kwargs={"widths": [2, 4]}, clients=4, batch_size=4,
+         method="local_only")], ids=["global", "personal", "segmentation"])
+def test_clients_without_test_data_are_left_out_of_personal_metrics(tmp_path,
+                                                                   kwargs):
+  config = runner.RunConfig(out=str(tmp_path), rounds=1, **kwargs)
+  last = runner.run(config, progress=False)[-1]
+  run = runner.Run(config)
+  tested = [c for c in range(config.clients)
+            if len(run.fed.client_test_arrays(c)[1])]
+  models_ = _client_models(config, run.spec)
+  scores = [_plain_scores(run.spec, models_[c], *run.fed.client_test_arrays(c))
+            for c in tested]
+  primary = run.spec.task_object.primary_metric
+  for name in scores[0]:
+    values = [s[name] for s in scores]
+    assert last[f"personal_{name}_mean"] == pytest.approx(np.mean(values),
+                                                          abs=1e-5), name
+  values = [s[primary] for s in scores]
+  assert last[f"personal_{primary}_min"] == pytest.approx(min(values), abs=1e-5)
+  assert last[f"personal_{primary}_std"] == pytest.approx(np.std(values), abs=1e-5)
+  assert last["clients_without_test_data"] == config.clients - len(tested) > 0
 
 
 def test_many_evaluators_log_no_retracing_warning_and_others_still_do(caplog):

@@ -8,8 +8,10 @@
   global model on the test set for every metric of the data set's task:
   `test_accuracy` and `test_loss` for classification, `test_iou`,
   `test_precision`, `test_recall`, `test_f_score` and `test_loss` for
-  segmentation; `personal_<primary metric>_mean` / `_std` / `_min` and
-  `personal_loss_mean` of each client's own model on its own test split;
+  segmentation; `personal_<metric>_mean` for every metric, with
+  `personal_<primary metric>_std` / `_min`, of each client's own model on
+  its own test split, over the clients that have test samples, and
+  `clients_without_test_data`, how many were left out;
   `train_loss`, `seconds`, ...), rewritten atomically each round;
 * `tensorboard/`: the numeric metrics as TensorBoard scalars;
 * `checkpoints/`: the algorithm state after each round, with every client's
@@ -337,21 +339,25 @@ class Evaluator:
 
   def scores(self, weights: Sequence[np.ndarray], x: np.ndarray,
              y: np.ndarray) -> dict[str, float]:
-    """Every metric of the task on (x, y)."""
+    """Every metric of the task on (x, y), which must hold samples."""
+    if not len(y):
+      raise ValueError("no samples to score: a model has no metrics on an "
+                       "empty set")
     sums = self._sums([tf.constant(w) for w in weights], x, y)
     return self.task.scores([float(v) for v in sums.numpy()], len(y))
 
   def scores_by_group(self, weights: Sequence[np.ndarray], x: np.ndarray,
                       y: np.ndarray, groups: np.ndarray,
-                      num_groups: int) -> list[dict[str, float]]:
+                      num_groups: int) -> list[Optional[dict[str, float]]]:
     """Every metric of the task on each group of (x, y) (`groups` holds each
     sample's group in [0, num_groups)), one model, in one pass: the same as
-    `scores` on each group's samples, without a call per group."""
+    `scores` on each group's samples, without a call per group; None for a
+    group without samples."""
     sums = self._group_sums([tf.constant(w) for w in weights], x, y,
                             groups.astype(np.int32), num_groups).numpy()
     counts = np.bincount(groups, minlength=num_groups)
     return [self.task.scores([float(v) for v in sums[g]], int(counts[g]))
-            for g in range(num_groups)]
+            if counts[g] else None for g in range(num_groups)]
 
   def __call__(self, weights: Sequence[np.ndarray], x: np.ndarray,
                y: np.ndarray) -> tuple[float, float]:
@@ -540,20 +546,25 @@ class Run:
 
   def evaluate(self, evaluator: Evaluator, state) -> dict[str, float]:
     """Personalised evaluation (each client's own model on its own test
-    split: mean, spread and minimum over clients) and, for methods with one
-    global model, that model on the whole test set."""
+    split: mean, spread and minimum over the clients that have test samples,
+    and how many have none) and, for methods with one global model, that
+    model on the whole test set."""
     entry = {}
+    tested = [c for c, idx in enumerate(self.fed.client_test_indices) if len(idx)]
     if not self.personalized:
       entry.update({f"test_{k}": v for k, v in evaluator.scores(
           self.server_weights(state), *self.fed.test).items()})
     if self.personalized:
-      per_client = [evaluator.scores(w, *self.fed.client_test_arrays(c))
-                    for c, w in enumerate(self.personal_weights(state))]
+      weights = self.personal_weights(state)
+      per_client = [evaluator.scores(weights[c], *self.fed.client_test_arrays(c))
+                    for c in tested]
     else:
-      per_client = evaluator.scores_by_group(self.server_weights(state),
-                                             *self._client_tests())
+      by_client = evaluator.scores_by_group(self.server_weights(state),
+                                            *self._client_tests())
+      per_client = [by_client[c] for c in tested]
+    entry["clients_without_test_data"] = self.config.clients - len(tested)
     primary = evaluator.task.primary_metric
-    for name in per_client[0]:
+    for name in per_client[0] if per_client else ():
       values = np.array([s[name] for s in per_client])
       entry[f"personal_{name}_mean"] = float(values.mean())
       if name == primary:
@@ -744,7 +755,7 @@ def _shown_metrics(primary: str, entry: dict) -> dict[str, str]:
   """The progress bar's view of an evaluated round: the primary metric of
   the global model, else of the clients' own models."""
   value = entry.get(f"test_{primary}", entry.get(f"personal_{primary}_mean"))
-  return {primary: f"{value:.4f}"}
+  return {} if value is None else {primary: f"{value:.4f}"}
 
 
 def server_step_measurements(metrics) -> dict:
