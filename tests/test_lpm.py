@@ -1,7 +1,10 @@
 """HyperFL-LPM: the frozen backbone, its weights files, the adapters, and
 the method on the runner."""
 
+import dataclasses
+import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -167,6 +170,24 @@ def test_bad_weights_files_are_named(tmp_path):
       "single.npy", "text.npz", "truncated.npz", "wrong.npz"]
 
 
+def test_a_spec_refuses_a_backbone_file_replaced_after_it_was_recorded(tmp_path):
+  backbone = backbone_lib.Backbone(1, (4, 8))
+  path = str(tmp_path / "backbone.npz")
+  first = _random_weights(backbone, 1)
+  pretrained.save(path, first, {})
+  spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10,
+                          {"widths": (4, 8), "backbone_weights": path}).pinned()
+  assert spec.kwargs["backbone_fingerprint"] == pretrained.fingerprint(first)
+  recorded = spec.to_json()  # as the update store and config.json keep it
+  models.ModelSpec.from_json(recorded).keras()
+  pretrained.save(path, _random_weights(backbone, 2), {})  # same shapes
+  with pytest.raises(ValueError, match=f"backbone_weights='{re.escape(path)}': the weights "
+                     "file's fingerprint [0-9a-f]+ differs from "
+                     f"{pretrained.fingerprint(first)}, the one the run or record "
+                     "was made with"):
+    models.ModelSpec.from_json(recorded).keras()
+
+
 def test_training_errors_reach_the_caller_and_nothing_is_cached(tmp_path):
   def train():
     raise ArithmeticError("diverged")
@@ -202,15 +223,16 @@ def test_hyperfl_lpm_refuses_other_models_and_pretraining_on_the_task(tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
-def test_hyperfl_lpm_run_uploads_the_adapter_hypernetwork(tmp_path):
+def test_hyperfl_lpm_run_uploads_the_adapter_hypernetwork_and_records_its_backbone(
+    tmp_path, monkeypatch):
   spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, TINY)
-  history = runner.run(runner.RunConfig(
+  config = runner.RunConfig(
       out=str(tmp_path), method="hyperfl_lpm", dataset="digits",
       model="lpm_resnet", model_kwargs=TINY, clients=3, rounds=1, batch_size=16,
       partition="label_groups", samples_per_client=32, seed=0,
       method_kwargs={"hidden_dim": 8, "embedding_dim": 4,
-                     "hypernetwork_epochs": 1}, capture_rounds=(1,)),
-      progress=False)
+                     "hypernetwork_epochs": 1}, capture_rounds=(1,))
+  history = runner.run(config, progress=False)
   assert 0 <= history[0]["personal_accuracy_mean"] <= 1
   hyper = Hypernetwork.for_model(spec.keras(), embedding_dim=4, hidden_dim=8)
   records = UpdateStore(str(tmp_path / "updates")).records(1)
@@ -218,3 +240,20 @@ def test_hyperfl_lpm_run_uploads_the_adapter_hypernetwork(tmp_path):
   for record in records:
     assert record.upload_kind == "hypernetwork_weights"
     assert [u.shape for u in record.upload] == hyper.shapes
+  # the default backbone's fingerprint is recorded with the run and its uploads
+  [cached] = os.listdir(tmp_path / "cache" / "backbones")
+  cached = str(tmp_path / "cache" / "backbones" / cached)
+  used = pretrained.fingerprint(backbone_lib.load(cached,
+                                                  backbone_lib.Backbone(1, (4, 8))))
+  saved = json.load(open(tmp_path / "config.json"))["model_kwargs"]
+  assert saved["backbone_fingerprint"] == used
+  assert records[0].model_spec.kwargs["backbone_fingerprint"] == used
+  # the cache rebuilt with another backbone: resuming and attacking refuse it
+  pretrained.save(cached, _random_weights(backbone_lib.Backbone(1, (4, 8))), {})
+  monkeypatch.setattr(pretrained, "_MEMO", {})
+  message = (f"{re.escape(cached)}: the weights file's fingerprint [0-9a-f]+ "
+             f"differs from {used}")
+  with pytest.raises(ValueError, match=message):
+    runner.run(dataclasses.replace(config, rounds=2), progress=False)
+  with pytest.raises(ValueError, match=message):
+    records[0].model_spec.keras()

@@ -176,3 +176,18 @@ def fingerprint(weights: Weights) -> str:
     digest.update(name.encode())
     digest.update(np.ascontiguousarray(weights[name], np.float32).tobytes())
   return digest.hexdigest()[:16]
+
+
+class FingerprintMismatch(ValueError):
+  """Weights other than those a run or record was made with."""
+
+
+def check_fingerprint(weights: Weights, expected: Optional[str],
+                      origin: str) -> None:
+  """Raises `FingerprintMismatch` naming `origin` (the weights' file) unless
+  `expected` is None or the `fingerprint` of `weights`."""
+  actual = fingerprint(weights)
+  if expected is not None and actual != expected:
+    raise FingerprintMismatch(
+        f"{origin}: the weights file's fingerprint {actual} differs from "
+        f"{expected}, the one the run or record was made with")

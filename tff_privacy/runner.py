@@ -3,7 +3,9 @@
 `run(config)` trains one federated method and writes, under `config.out`:
 
 * `config.json`: the run's configuration, written once every argument has been
-  checked (a re-run with another config into the same folder is refused);
+  checked (a re-run with another config into the same folder is refused),
+  with HyperFL-LPM's backbone pinned by its fingerprint (model_kwargs
+  `backbone_fingerprint`: a resume refuses a replaced backbone file);
 * `metrics.json`: one entry per finished round (`test_<metric>` of the
   global model on the test set for every metric of the data set's task:
   `test_accuracy` and `test_loss` for classification, `test_iou`,
@@ -395,7 +397,6 @@ class Run:
   """A configured run: data, model, algorithm and output folders."""
 
   def __init__(self, config: RunConfig):
-    self.config = config
     self.fed = data.load(config.dataset, config.clients, config.partition,
                          config.alpha, config.seed, config.data_dir,
                          config.samples_per_client, config.data_kwargs)
@@ -405,10 +406,13 @@ class Run:
         raise ValueError(f"positive_weight applies to segmentation data sets; "
                          f"{config.dataset!r} is {self.fed.source.task}")
       task_kwargs["positive_weight"] = config.positive_weight
-    self.spec = models.ModelSpec(config.model, self.fed.source.input_shape,
-                                 self.fed.source.num_classes, config.model_kwargs,
-                                 self.fed.source.task, task_kwargs)
-    self.spec.check_builds()
+    spec = models.ModelSpec(config.model, self.fed.source.input_shape,
+                            self.fed.source.num_classes, config.model_kwargs,
+                            self.fed.source.task, task_kwargs)
+    spec.check_builds()
+    self.spec = spec.pinned()
+    # with the backbone's fingerprint, for config.json
+    self.config = dataclasses.replace(config, model_kwargs=self.spec.kwargs)
     defense = (defenses.build(config.defense, self.spec, self.fed, config.out,
                               **config.defense_kwargs)
                if config.defense else None)
@@ -677,11 +681,26 @@ def _check_config(config: RunConfig) -> None:
                        f"{', '.join(changed)}); choose another --out or delete it")
 
 
+def _pinned_as_saved(config: RunConfig) -> RunConfig:
+  """`config` with the backbone fingerprint that the run in its folder
+  recorded (config.json's model_kwargs), unless it gives its own: a resumed
+  run refuses another backbone file."""
+  path = os.path.join(config.out, "config.json")
+  if "backbone_fingerprint" in config.model_kwargs or not os.path.isfile(path):
+    return config
+  saved = io.read_json(path).get("model_kwargs", {}).get("backbone_fingerprint")
+  if config.model not in LPM_MODELS or saved is None:
+    return config
+  return dataclasses.replace(
+      config, model_kwargs={**config.model_kwargs, "backbone_fingerprint": saved})
+
+
 def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   """Trains (or resumes) the run described by `config`; returns its metrics.
 
   Nothing is written under `config.out` until the data, model, defence and
   method's processes have been built from the config without error."""
+  config = _pinned_as_saved(config)
   _check_config(config)
   r = Run(config)
   if (config.infer_attributes
@@ -698,7 +717,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     # Keras layers invalidates Keras models made earlier in eager mode.
     runtime.check_mergeable(r.process(capture=True).next, what + " and capture")
   os.makedirs(config.out, exist_ok=True)
-  io.write_json(os.path.join(config.out, "config.json"), config.to_json())
+  io.write_json(os.path.join(config.out, "config.json"), r.config.to_json())
   manager = tff.program.FileProgramStateManager(
       os.path.join(config.out, "checkpoints"), keep_total=2, keep_first=False)
   initial = r.initial_state()

@@ -225,15 +225,26 @@ def pretrain(backbone: Backbone, input_shape: Sequence[int], dataset: str,
   return folded, meta
 
 
+def _default_key(backbone: Backbone, input_shape, dataset: str,
+                 epochs: int) -> dict:
+  return {"format": _FORMAT, "input_shape": [int(d) for d in input_shape],
+          "widths": list(backbone.widths), "dataset": dataset, "epochs": epochs}
+
+
+def default_path(backbone: Backbone, input_shape, dataset: str = "digits",
+                 epochs: int = 10) -> str:
+  """Where `default_weights` caches the default backbone."""
+  return pretrained.cache_path(
+      "backbones", _default_key(backbone, input_shape, dataset, epochs))
+
+
 def default_weights(backbone: Backbone, input_shape, dataset: str = "digits",
                     epochs: int = 10) -> dict[str, np.ndarray]:
   """The default backbone: pre-trained on bundled `dataset` (seed 0) on
   first use, then read from the cache (`tff_privacy.pretrained.cached`)."""
   pretrained.check_dataset("pretrain_dataset", dataset, None)
-  key = {"format": _FORMAT, "input_shape": [int(d) for d in input_shape],
-         "widths": list(backbone.widths), "dataset": dataset, "epochs": epochs}
   weights = pretrained.cached(
-      "backbones", key,
+      "backbones", _default_key(backbone, input_shape, dataset, epochs),
       lambda: pretrain(backbone, input_shape, dataset, epochs))
   backbone.check(weights, "the cached default backbone")
   return weights

@@ -27,11 +27,13 @@ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), g = b = 0.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import inspect
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from tff_privacy import pretrained
 from tff_privacy.models import backbone as backbone_lib
 
 LPM_MODELS = ("lpm_resnet",)  # builders of adapter models on a frozen backbone
@@ -101,21 +103,45 @@ class FrozenStage(tf.keras.layers.Layer):
 
 def frozen_weights(backbone: backbone_lib.Backbone, input_shape,
                    path: Optional[str], pretrain_dataset: str,
-                   pretrain_epochs: int) -> dict[str, np.ndarray]:
-  """The frozen weights: from `path`, or the cached default."""
+                   pretrain_epochs: int,
+                   fingerprint: Optional[str] = None) -> dict[str, np.ndarray]:
+  """The frozen weights: from `path`, or the cached default; with
+  `fingerprint`, refused (`pretrained.FingerprintMismatch`, naming the
+  file) unless they are the weights it identifies."""
   if path is not None:
-    return backbone_lib.load(path, backbone)
-  if pretrain_epochs < 1:
-    raise ValueError(f"pretrain_epochs must be >= 1, got {pretrain_epochs}")
-  return backbone_lib.default_weights(backbone, input_shape, pretrain_dataset,
-                                      pretrain_epochs)
+    weights, origin = backbone_lib.load(path, backbone), f"backbone_weights={path!r}"
+  else:
+    if pretrain_epochs < 1:
+      raise ValueError(f"pretrain_epochs must be >= 1, got {pretrain_epochs}")
+    weights = backbone_lib.default_weights(backbone, input_shape, pretrain_dataset,
+                                           pretrain_epochs)
+    origin = "the default backbone " + backbone_lib.default_path(
+        backbone, input_shape, pretrain_dataset, pretrain_epochs)
+  pretrained.check_fingerprint(weights, fingerprint, origin)
+  return weights
+
+
+def pinned_kwargs(input_shape, kwargs: dict[str, Any]) -> dict[str, Any]:
+  """`lpm_resnet`'s keyword `kwargs` with `backbone_fingerprint` set to the
+  fingerprint of the backbone they select (the file's, or the cached
+  default's), so that a model built from them later or elsewhere refuses
+  another backbone."""
+  bound = inspect.signature(lpm_resnet).bind(input_shape, 2, **kwargs)
+  bound.apply_defaults()
+  args = bound.arguments
+  backbone = backbone_lib.Backbone(int(input_shape[-1]), tuple(args["widths"]))
+  weights = frozen_weights(backbone, input_shape, args["backbone_weights"],
+                           args["pretrain_dataset"], args["pretrain_epochs"],
+                           args["backbone_fingerprint"])
+  return {**kwargs, "backbone_fingerprint": pretrained.fingerprint(weights)}
 
 
 def lpm_resnet(input_shape, num_classes, seed: int = 0,
                backbone_weights: Optional[str] = None,
                widths: tuple[int, ...] = (16, 32, 64), adapters: bool = True,
                adapter_reduction: int = 4, pretrain_dataset: str = "digits",
-               pretrain_epochs: int = 10) -> tf.keras.Model:
+               pretrain_epochs: int = 10,
+               backbone_fingerprint: Optional[str] = None) -> tf.keras.Model:
   """HyperFL-LPM's client model (see the module docstring).
 
   Args:
@@ -134,20 +160,24 @@ def lpm_resnet(input_shape, num_classes, seed: int = 0,
     pretrain_dataset, pretrain_epochs: the default backbone is pre-trained
       on this bundled data set (which must not be the federated task's; the
       runner checks) for this many epochs.
+    backbone_fingerprint: the `tff_privacy.pretrained.fingerprint` of the
+      backbone a run or record was made with (`pinned_kwargs`; runs record
+      it in their config.json and update store); other weights are refused.
 
   Returns:
     An uncompiled Keras model producing logits whose trainable variables
     are the adapters' (in stage order, `ADAPTER_TENSORS` each) and `fc`'s.
 
   Raises:
-    ValueError: for a weights file that is missing, unreadable or of another
-      architecture, or a bad width, reduction or pre-training setting.
+    ValueError: for a weights file that is missing, unreadable, of another
+      architecture or fingerprint, or a bad width, reduction or pre-training
+      setting.
   """
   if adapter_reduction < 1:
     raise ValueError(f"adapter_reduction must be >= 1, got {adapter_reduction}")
   backbone = backbone_lib.Backbone(int(input_shape[-1]), tuple(widths))
   weights = frozen_weights(backbone, input_shape, backbone_weights,
-                           pretrain_dataset, pretrain_epochs)
+                           pretrain_dataset, pretrain_epochs, backbone_fingerprint)
   layers = [tf.keras.layers.InputLayer(input_shape)]
   for j, width in enumerate(backbone.widths, start=1):
     layers.append(FrozenStage(backbone, weights, j, name=f"stage{j}"))

@@ -10,8 +10,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_privacy import tasks
-from tff_privacy.models import builders
+from tff_privacy import pretrained, tasks
+from tff_privacy.models import builders, lpm
 
 
 def loss_fn() -> tf.keras.losses.Loss:
@@ -57,9 +57,21 @@ class ModelSpec:
     try:
       with tf.Graph().as_default():  # no eager Keras state before TFF traces
         self.keras()
+    except pretrained.FingerprintMismatch:
+      raise  # the file, not the arguments, is wrong
     except (TypeError, ValueError) as e:
       raise ValueError(f"model_kwargs {self.kwargs}: model {self.name!r} cannot "
                        f"be built from them ({' '.join(str(e).split())})") from None
+
+  def pinned(self) -> "ModelSpec":
+    """This spec with the fingerprint of the weights file its model reads
+    (HyperFL-LPM's frozen backbone) in its kwargs, so that the model rebuilt
+    from it later or elsewhere (a resumed run, an attack on its records)
+    refuses other weights; the spec itself for other models."""
+    if self.name not in lpm.LPM_MODELS:
+      return self
+    return dataclasses.replace(
+        self, kwargs=lpm.pinned_kwargs(self.input_shape, self.kwargs))
 
   def initial_weights(self, seed: int) -> list[np.ndarray]:
     """Trainable weights of a freshly initialised model, fixed by `seed`."""
