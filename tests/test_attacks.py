@@ -304,7 +304,7 @@ def test_compiled_functions_are_shared_only_within_one_value_range(digits):
 def test_uploads_beyond_max_examples_are_refused_unless_raised(digits):
   x, y = digits
   record = _record(x[:70], y[:70])
-  with pytest.raises(ValueError, match="stands for 70 examples, more than "
+  with pytest.raises(attacks.UploadRefused, match="stands for 70 examples, more than "
                      "max_examples=64"):
     attacks.InvertingGradients(iterations=1)([record])
   attack = attacks.InvertingGradients(iterations=1, max_examples=70)
@@ -377,12 +377,13 @@ def test_label_knowledge_decides_the_labels_held_fixed(digits):
     attacks.InvertingGradients(label_knowledge="true").targets([target.record])
   with pytest.raises(ValueError, match=r"labels have shape \(1,\)"):
     Target.from_record(target.record, np.zeros(1))
-  with pytest.raises(ValueError, match="attack 'rog' inverts uploads of classification"):
+  with pytest.raises(attacks.UploadRefused,
+                     match="attack 'rog' inverts uploads of classification"):
     attacks.build("rog", prior=False).check_records([target.record])
 
 
 def test_adam_deltas_refuse_analytic_label_recovery():
   from tff_privacy.attacks.labels import mean_gradient
   protocol = {"batch_size": 2, "learning_rate": 0.1, "client_optimizer": "adam"}
-  with pytest.raises(ValueError, match="Adam client's model delta"):
+  with pytest.raises(attacks.UploadRefused, match="Adam client's model delta"):
     mean_gradient([np.ones(3)], "model_delta", protocol, 4)

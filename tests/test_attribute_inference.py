@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 from sklearn.ensemble import RandomForestClassifier
 
-from tff_privacy import evaluate, runner
+from tff_privacy import attacks, evaluate, runner
 from tff_privacy.attacks import attribute
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
@@ -228,7 +228,8 @@ def test_uploads_that_are_not_the_models_weights_are_refused():
   record = record_of(x, np.array([1, 2]))
   record = dataclasses.replace(record, metadata={
       **record.metadata, "method": "hyperfl", "upload_kind": "hypernetwork_weights"})
-  with pytest.raises(ValueError, match="'hyperfl' uploads hypernetwork_weights"):
+  with pytest.raises(attacks.UploadRefused,
+                     match="'hyperfl' uploads hypernetwork_weights"):
     attribute.infer_round([record], np.array([0]), x, np.array([1, 2]),
                           np.array([0, 1]))
 

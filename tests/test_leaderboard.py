@@ -1,6 +1,7 @@
 """The leaderboard: grids refused in one line, swept strengths routed to the
 defence or the method, the Pareto front and the utility-matched rows by
-hand, and a tiny leaderboard run end to end, resumed, and reported."""
+hand, a tiny leaderboard run end to end, resumed, and reported, and an attack's
+failure run again while a refusal is kept."""
 
 import json
 import os
@@ -8,9 +9,10 @@ import shutil
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import worker_children
 
-from tff_privacy import cli, leaderboard, models
+from tff_privacy import cli, evaluate, leaderboard, models, runner
 from tff_privacy.leaderboard import board, grid, report
 
 TINY = {
@@ -172,6 +174,74 @@ def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
   with pytest.raises(ValueError, match="holds a leaderboard with other protocol"):
     board.run(grid.parse(_with(protocol={**TINY["protocol"], "rounds": 3})), out,
               progress=False, log=lambda _: None)
+
+
+def test_a_failed_attack_runs_again_and_a_refusal_is_kept(tmp_path, monkeypatch, capsys):
+  # ig_body reads HyperFL's body uploads and refuses FedSGD's gradients
+  one = grid.parse(_with(
+      protocol={**TINY["protocol"], "rounds": 1, "clients": 8, "clients_per_round": 4},
+      attacks={**TINY["attacks"], "victims": 1},
+      entries=[{**TINY["entries"][0], "attacks": ["ig", "ig_body"]}]))
+  out = str(tmp_path / "board")
+  calls = []
+  short = {"ig": tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor"),
+           "attribute": MemoryError("no memory left")}  # each raised once
+  attack_round, infer = evaluate.attack_round, evaluate.infer_attributes_round
+
+  def attack(updates, round_num, out, name, **kwargs):
+    calls.append(name)
+    if name in short:
+      raise short.pop(name)
+    return attack_round(updates, round_num, out, name, **kwargs)
+
+  def attributes(*args, **kwargs):
+    calls.append("attribute")
+    if "attribute" in short:
+      raise short.pop("attribute")
+    return infer(*args, **kwargs)
+
+  monkeypatch.setattr(evaluate, "attack_round", attack)
+  monkeypatch.setattr(evaluate, "infer_attributes_round", attributes)
+  [first] = board.run(one, out, progress=False, log=lambda _: None)
+  assert first["inversion"]["ig"] == {
+      "error": "ResourceExhaustedError: OOM when allocating tensor"}
+  assert first["attribute"] == {"error": "MemoryError: no memory left"}
+  refusal = first["inversion"]["ig_body"]
+  assert refusal["refused"] and "handles body_weights, body_delta uploads" in refusal["error"]
+  err = capsys.readouterr().err
+  assert "FedSGD, ig: failed, run again by the next run: ResourceExhaustedError" in err
+  assert "FedSGD, attribute: failed, run again by the next run: MemoryError" in err
+  text = report.markdown(one, report.table_rows(one, board.read(out)[1]))
+  failed = text.split("## Attacks that failed")[1].split("##")[0]
+  refused = text.split("## Attacks that could not run")[1].split("##")[0]
+  assert "- FedSGD, ig: ResourceExhaustedError: OOM" in failed
+  assert "- FedSGD, attribute: MemoryError: no memory left" in failed
+  assert "ig_body" in refused and "ig_body" not in failed
+
+  # the next run attacks again; the refusal is a result and stays one. The
+  # training has finished: resuming it (test_runner's subject) would only
+  # trace its computations again
+  history = json.load(open(os.path.join(out, "rows", first["key"], "train",
+                                        "metrics.json")))
+  monkeypatch.setattr(runner, "run", lambda config, progress: history)
+  calls.clear()
+  logged = []
+  [second] = board.run(one, out, progress=False, log=logged.append)
+  assert not any("cached" in line for line in logged)
+  assert sorted(calls) == ["attribute", "ig", "ig_body"]
+  assert "error" not in second["inversion"]["ig"]
+  assert -1 <= second["inversion"]["ig"]["ssim"] <= 1
+  assert set(second["attribute"]["asr"]) == {"svm", "rf"}
+  assert second["inversion"]["ig_body"] == first["inversion"]["ig_body"]
+  assert "failed" not in capsys.readouterr().err
+  text = report.markdown(one, report.table_rows(one, [second]))
+  assert "## Attacks that failed" not in text and "ig_body" in text
+
+  # finished but for a refusal: cached
+  calls.clear()
+  logged = []
+  assert board.run(one, out, progress=False, log=logged.append) == [second]
+  assert calls == [] and any("cached" in line for line in logged)
 
 
 def test_the_cli_refuses_a_bad_config_and_an_empty_folder(tmp_path, capsys):

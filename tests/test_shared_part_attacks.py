@@ -87,11 +87,11 @@ def test_eq8_objective_equals_the_full_hypernetwork_cosine():
 
 def test_attacks_refuse_uploads_they_do_not_model():
   record = _record([np.zeros((64, 16))], [np.zeros((64, 16))], "body_weights")
-  with pytest.raises(ValueError, match="'tailored_hyperfl' handles "
+  with pytest.raises(attacks.UploadRefused, match="'tailored_hyperfl' handles "
                      "hypernetwork_weights uploads; method 'hyperfl' uploads "
                      "'body_weights': use 'ig_body'"):
     attacks.build("tailored_hyperfl").check_records([record])
-  with pytest.raises(ValueError, match="'ig' handles gradient, model_delta "
+  with pytest.raises(attacks.UploadRefused, match="'ig' handles gradient, model_delta "
                      "uploads; .* use 'ig_hyperfl' or 'tailored_hyperfl'"):
     attacks.build("ig").check_records([_record([], [])])
 

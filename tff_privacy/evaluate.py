@@ -295,10 +295,15 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   result.update(attribute=attribute, round=round_num, adaptive=adaptive,
                 classes=list(source.attributes.classes[attribute]))
   if out is not None:
-    io.write_json(os.path.join(
-        out, f"attribute_round_{round_num:04d}_{attribute}"
-        f"{'_adaptive' if adaptive else ''}.json"), result)
+    io.write_json(os.path.join(out, attributes_file(round_num, attribute, adaptive)),
+                  result)
   return result
+
+
+def attributes_file(round_num: int, attribute: str, adaptive: bool = False) -> str:
+  """The name of `infer_attributes_round`'s result file in its `out`."""
+  return (f"attribute_round_{round_num:04d}_{attribute}"
+          f"{'_adaptive' if adaptive else ''}.json")
 
 
 def adaptive_defense(record, seed: int = 0):

@@ -8,6 +8,7 @@ from tff_privacy.attacks.inversion import (DLG, IDLG, GradientInversion,
                                            InvertingGradients, Reconstruction,
                                            Target)
 from tff_privacy.attacks.labels import recover_labels
+from tff_privacy.attacks.refusal import UploadRefused
 from tff_privacy.attacks.rog import ROG
 from tff_privacy.attacks.shared_part import (ExtractorInversion,
                                              HyperFLInversion, TailoredHyperFL)

@@ -38,6 +38,7 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.svm import SVC
 
 from tff_privacy.attacks import functional
+from tff_privacy.attacks.refusal import UploadRefused
 
 ADVERSARIES = ("stru_nn", "unknown_nn", "svm", "rf")
 # the uploads the adversaries' shadow simulation can reproduce
@@ -186,25 +187,26 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
     classes present, 'victims', 'shadow_uploads', 'samples_per_upload'}.
 
   Raises:
-    ValueError: the records upload something other than a gradient or model
-      delta, were sent different models, or their uploads are not shaped
-      like the model's weights.
+    UploadRefused: the records upload something other than a gradient or
+      model delta, were sent different models, or their uploads are not
+      shaped like the model's weights.
+    ValueError: too few shadow samples for two shadow uploads.
   """
   first = records[0]
   if first.upload_kind not in UPLOAD_KINDS:
-    raise ValueError(f"attribute inference simulates uploads of the model's "
-                     f"weights (a gradient or model delta); method "
-                     f"{first.metadata['method']!r} uploads {first.upload_kind}")
+    raise UploadRefused(f"attribute inference simulates uploads of the model's "
+                        f"weights (a gradient or model delta); method "
+                        f"{first.metadata['method']!r} uploads {first.upload_kind}")
   shapes = [w.shape for w in first.broadcast]
   for r in records:
     if [u.shape for u in r.upload] != shapes:
-      raise ValueError(f"attribute inference needs uploads shaped like the "
-                       f"model's weights; client {r.client_index}'s are not "
-                       f"(method {r.metadata['method']!r})")
+      raise UploadRefused(f"attribute inference needs uploads shaped like the "
+                          f"model's weights; client {r.client_index}'s are not "
+                          f"(method {r.metadata['method']!r})")
     if any(not np.array_equal(a, b) for a, b in zip(r.broadcast, first.broadcast)):
-      raise ValueError(f"attribute inference trains its adversaries at one "
-                       f"broadcast model; round {r.round_num}'s clients were "
-                       "sent different models")
+      raise UploadRefused(f"attribute inference trains its adversaries at one "
+                          f"broadcast model; round {r.round_num}'s clients were "
+                          "sent different models")
   group = max(1, int(np.median([r.num_examples for r in records])))
   if len(shadow_y) < 2 * group:
     raise ValueError(f"{len(shadow_y)} shadow samples make fewer than 2 shadow "

@@ -54,6 +54,7 @@ from tensorflow_probability.python.optimizer import lbfgs as tfp_lbfgs
 from tff_privacy import tasks
 from tff_privacy.attacks import functional
 from tff_privacy.attacks.labels import recover_labels
+from tff_privacy.attacks.refusal import UploadRefused
 from tff_privacy.params import Param, Params
 from tff_privacy.updates import UpdateRecord
 
@@ -76,9 +77,9 @@ class Target:
   def from_record(cls, record: UpdateRecord,
                   true_labels: Optional[np.ndarray] = None) -> "Target":
     if record.num_examples < 1:
-      raise ValueError(f"record round {record.round_num} client "
-                       f"{record.client_index} stands for {record.num_examples} "
-                       "examples: nothing to reconstruct")
+      raise UploadRefused(f"record round {record.round_num} client "
+                          f"{record.client_index} stands for {record.num_examples} "
+                          "examples: nothing to reconstruct")
     if true_labels is not None:
       true_labels = np.asarray(true_labels, np.int32)
     target = cls(record, record.model_spec.keras(),
@@ -120,9 +121,9 @@ class Target:
   def recovered_labels(self) -> np.ndarray:
     """Labels inferred analytically from the upload (`recover_labels`)."""
     if not self.task.labels_recoverable:
-      raise ValueError(f"{self.task.name} labels cannot be recovered from an "
-                       "upload; give the attack label_knowledge 'true' or "
-                       "'background'")
+      raise UploadRefused(f"{self.task.name} labels cannot be recovered from an "
+                          "upload; give the attack label_knowledge 'true' or "
+                          "'background'")
     return recover_labels(self.model, self.record.broadcast, self.record.upload,
                           self.num_examples, self.record.upload_kind,
                           self.record.metadata["protocol"], self.value_range)
@@ -297,22 +298,22 @@ class GradientInversion(abc.ABC):
     return np.zeros(target.label_shape, np.int32)
 
   def check_records(self, records: Sequence[UpdateRecord]) -> None:
-    """Raises `ValueError` for an upload of a kind the attack does not
-    handle, or of more than `max_examples` examples."""
+    """Raises `UploadRefused` for an upload of a kind or a model's task the
+    attack does not handle, or of more than `max_examples` examples."""
     for record in records:
       if record.model_spec.task not in self.TASKS:
-        raise ValueError(
+        raise UploadRefused(
             f"attack {self.name!r} inverts uploads of {' and '.join(self.TASKS)} "
             f"models; round {record.round_num} client {record.client_index} "
             f"trained a {record.model_spec.task} model: use 'dlg', 'idlg' or 'ig'")
       if record.upload_kind not in self.UPLOAD_KINDS:
-        raise ValueError(
+        raise UploadRefused(
             f"attack {self.name!r} handles {', '.join(self.UPLOAD_KINDS)} "
             f"uploads; method {record.metadata['method']!r} uploads "
             f"{record.upload_kind!r}: use "
             f"{_ATTACKS_BY_KIND.get(record.upload_kind, 'none here')}")
       if record.num_examples > self.max_examples:
-        raise ValueError(
+        raise UploadRefused(
             f"round {record.round_num} client {record.client_index}: the upload "
             f"stands for {record.num_examples} examples, more than "
             f"max_examples={self.max_examples} (inverting that many images is "

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tff_privacy.attacks import functional
+from tff_privacy.attacks.refusal import UploadRefused
 from tff_privacy.protocol import local_batch_sizes
 
 
@@ -40,10 +41,10 @@ def mean_gradient(upload, upload_kind: str, protocol: dict, num_examples: int):
   if upload_kind == "gradient":
     return upload
   if protocol.get("client_optimizer") == "adam":
-    raise ValueError("labels cannot be recovered analytically from an Adam "
-                     "client's model delta (its steps are not a multiple of "
-                     "the gradient); give the attack label_knowledge 'true' "
-                     "or 'background'")
+    raise UploadRefused("labels cannot be recovered analytically from an Adam "
+                        "client's model delta (its steps are not a multiple of "
+                        "the gradient); give the attack label_knowledge 'true' "
+                        "or 'background'")
   steps = len(local_batch_sizes(num_examples, protocol["batch_size"],
                                 protocol.get("local_epochs", 1)))
   mu = protocol.get("client_momentum", protocol.get("momentum", 0.0))

@@ -3,10 +3,14 @@
 Each row lives in OUT/rows/<key>/: `settings.json` (what the folder was
 made with), `train/` (the run, which resumes), one folder per inversion
 attack, `attributes/`, and `row.json`, written last: a row with row.json
-is finished and is not run again while its settings are unchanged. A row
-whose settings changed starts again in an emptied folder. An attack that
-cannot run on a method's uploads is recorded with its one-line reason
-instead of a number.
+is finished and is not run again while its settings are unchanged, unless
+one of its attacks failed. A row whose settings changed starts again in an
+emptied folder. An attack that refuses a method's uploads
+(`tff_privacy.attacks.UploadRefused`: it would refuse them on every try)
+is recorded with its one-line reason instead of a number. Any other
+failure of an attack (out of memory, say) is printed to stderr and kept in
+row.json as failed, and the next run runs the row again: training resumes
+where it ended and only the attacks without a result run.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import shutil
+import sys
 import time
 from concurrent import futures
 from typing import Any, Callable, Optional
@@ -22,6 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from tff_privacy import evaluate, io, runner
+from tff_privacy.attacks import UploadRefused
 from tff_privacy.leaderboard.grid import Grid, Row
 from tff_privacy.updates import UpdateStore
 
@@ -50,7 +56,7 @@ def run(grid: Grid, out: str, progress: bool = True,
   results, pending = {}, []
   for i, row in enumerate(rows, start=1):
     results[row.key] = _cached(row, out)
-    if results[row.key]:
+    if results[row.key] and not failures(results[row.key]):
       log(f"[{i}/{len(rows)}] {row.label}: cached")
     else:
       pending.append((i, row))
@@ -99,7 +105,8 @@ def _start_process() -> None:
 
 
 def read(out: str) -> tuple[Grid, list[dict[str, Any]]]:
-  """The grid of the leaderboard in `out` and its finished rows."""
+  """The grid of the leaderboard in `out` and its rows that have a
+  row.json (with the attacks that failed, if any)."""
   from tff_privacy.leaderboard import grid as grids
   path = os.path.join(out, "grid.json")
   if not os.path.exists(path):
@@ -124,6 +131,23 @@ def _claim(grid: Grid, out: str) -> None:
       raise ValueError(f"{out} holds a leaderboard with other "
                        f"{' and '.join(changed)}; choose another --out or delete it")
   io.write_json(path, new)
+
+
+def failures(result: dict[str, Any]) -> dict[str, str]:
+  """The row's attacks that failed, and why; a refusal is a result, not a
+  failure."""
+  return {name: cell["error"] for name, cell in _cells(result).items()
+          if "error" in cell and not cell.get("refused")}
+
+
+def refusals(result: dict[str, Any]) -> dict[str, str]:
+  """The row's attacks that refused its uploads, and why."""
+  return {name: cell["error"] for name, cell in _cells(result).items()
+          if cell.get("refused")}
+
+
+def _cells(result: dict[str, Any]) -> dict[str, dict]:
+  return {**result["inversion"], "attribute": result["attribute"] or {}}
 
 
 def _cached(row: Row, out: str) -> Optional[dict[str, Any]]:
@@ -163,6 +187,9 @@ def run_row(row: Row, grid: Grid, out: str, progress: bool = True,
             "upload_bytes": upload_bytes(updates, capture),
             "concurrent_rows": jobs, "inversion": inversion, "attribute": attribute}
   io.write_json(os.path.join(folder, ROW_FILE), result)
+  for name, why in failures(result).items():
+    print(f"{row.label}, {name}: failed, run again by the next run: {why}",
+          file=sys.stderr, flush=True)
   return result
 
 
@@ -221,8 +248,8 @@ def _inversion(updates: str, round_num: int, victims: list[int], name: str,
       evaluate.attack_round(updates, round_num, out, name, clients=victims,
                             attack_kwargs={"iterations": attacks["iterations"]},
                             seed=seed, progress=progress)
-    except Exception as e:  # noqa: BLE001 -- one attack's failure is a result
-      return {"error": _one_line(e)}
+    except Exception as e:  # noqa: BLE001 -- recorded, see `_failed`
+      return _failed(e)
   result = io.read_json(path)
   return {"ssim": result["mean"]["ssim"], "psnr": result["mean"]["psnr"],
           "mse": result["mean"]["mse"],
@@ -235,16 +262,26 @@ def _inversion(updates: str, round_num: int, victims: list[int], name: str,
 
 def _attribute(updates: str, round_num: int, attacks: dict, out: str,
                seed: int) -> dict[str, Any]:
+  path = os.path.join(out, evaluate.attributes_file(round_num, attacks["attribute"]))
   try:
-    result = evaluate.infer_attributes_round(
-        updates, round_num, attacks["attribute"], out=out,
-        adversaries=attacks["adversaries"], shadow_samples=attacks["shadow_samples"],
-        seed=seed)
-  except Exception as e:  # noqa: BLE001 -- one attack's failure is a result
-    return {"error": _one_line(e)}
+    result = io.read_json(path) if os.path.exists(path) else (
+        evaluate.infer_attributes_round(
+            updates, round_num, attacks["attribute"], out=out,
+            adversaries=attacks["adversaries"],
+            shadow_samples=attacks["shadow_samples"], seed=seed))
+  except Exception as e:  # noqa: BLE001 -- recorded, see `_failed`
+    return _failed(e)
   return {"attribute": attacks["attribute"], "asr": result["asr"],
           "balanced_asr": result["balanced_asr"], "chance": result["chance"],
           "balanced_chance": result["balanced_chance"], "victims": result["victims"]}
+
+
+def _failed(error: Exception) -> dict[str, Any]:
+  """An attack's cell for `error`: a refusal is final, any other failure
+  is retried."""
+  if isinstance(error, UploadRefused):
+    return {"error": _one_line(error), "refused": True}
+  return {"error": _one_line(error)}
 
 
 def _one_line(error: Exception) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from tff_privacy import io
-from tff_privacy.leaderboard.board import GLOBAL_UTILITY
+from tff_privacy.leaderboard.board import GLOBAL_UTILITY, failures, refusals
 from tff_privacy.leaderboard.grid import Grid
 
 FIGURES = ("tradeoff.png", "reconstructions.png", "asr.png")
@@ -73,8 +73,7 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
                        if reference else None),
         "upload_bytes": r["upload_bytes"],
         "concurrent_rows": r.get("concurrent_rows", 1),
-        "errors": {**{n: v["error"] for n, v in r["inversion"].items() if "error" in v},
-                   **({"attribute": attribute["error"]} if "error" in attribute else {})}})
+        "errors": refusals(r), "failures": failures(r)})
   front = pareto_front([(x["utility"], x["ssim"]) for x in rows])
   for x, on in zip(rows, front):
     x["pareto"] = on
@@ -173,11 +172,9 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
         f"the reference's {reference['utility_kind']} "
         f"({grid.utility_target * reference['utility']:.4f})", matched)
   lines += section("Every row (P: on the Pareto front of utility against leakage)", rows)
-  errors = [(r["label"], k, v) for r in rows for k, v in r["errors"].items()]
-  if errors:
-    lines += ["## Attacks that could not run", ""]
-    lines += [f"- {label}, {attack}: {why}" for label, attack, why in errors]
-    lines.append("")
+  lines += _listed("Attacks that could not run", rows, "errors")
+  lines += _listed("Attacks that failed (the next run of the leaderboard runs "
+                   "them again)", rows, "failures")
   lines += ["## Figures", "",
             "- tradeoff.png: utility against leakage, one point per row; the "
             "Pareto front is the line.",
@@ -190,6 +187,14 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
     lines += ["```", " ".join(command), "```", ""]
   lines += [f"- {name}: {version}" for name, version in versions().items()]
   return "\n".join(lines) + "\n"
+
+
+def _listed(title: str, rows: Sequence[dict], key: str) -> list[str]:
+  """A section listing the rows' attacks under `key` and why; none when
+  there are none."""
+  items = [f"- {r['label']}, {attack}: {why}" for r in rows
+           for attack, why in r[key].items()]
+  return [f"## {title}", "", *items, ""] if items else []
 
 
 def section(title: str, rows: Sequence[dict]) -> list[str]:
