@@ -132,6 +132,8 @@ def _train_argv(out, *extra):
      "model_kwargs: model 'mlp' takes no hiden; its arguments: hidden, activation"),
 ])
 def test_bad_values_exit_2_with_one_line_naming_the_parameter(capsys, tmp_path,
+    (["--method", "fedre", "--rounds", "3", "--budget-rounds", "2"],
+     "budget_rounds=2 plans epsilon=50 over 2 rounds and the run has rounds=3"),
                                                               extra, message):
   out = tmp_path / "run"
   code, _, err = _main(capsys, *_train_argv(out, *extra))
@@ -254,6 +256,18 @@ def test_config_file_and_flags_merge(tmp_path):
 
 def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(
     capsys, tmp_path):
+def test_a_boolean_flag_alone_means_true(tmp_path):
+  from tff_privacy import cli
+  parser = cli._parser()
+  base = ["train", "--out", str(tmp_path), "--method", "fedre"]
+  for extra, expected in (([], None), (["--allow-over-budget"], True),
+                          (["--allow-over-budget", "false"], False),
+                          (["--allow-over-budget", "true"], True)):
+    args = parser.parse_args(base + extra)
+    assert cli._config_from_args(args).method_kwargs.get(
+        "allow_over_budget") == expected
+
+
   out = tmp_path / "run"
   code, _, err = _main(capsys, *_train_argv(out, "--method", "fedsgd", "--rounds",
                                             "1", "--defense", "ldp_gaussian",

@@ -195,10 +195,24 @@ def fedre_run(tmp_path_factory):
   return config, runner.run(config, progress=False)
 
 
+def _eq9_paper_epsilon(planned_rounds, rounds, layer_epsilons, delta=1e-5):
+  """Eq. 9's sigma_l for a budget planned over `planned_rounds` rounds,
+  solved back for the epsilon_l that `rounds` rounds of that noise spend
+  (eq. 9 at T = rounds), summed over the tensors (Theorem 1)."""
+  layer_delta = delta / len(layer_epsilons)
+  sigmas = [np.sqrt(2 * planned_rounds * np.log(1 / layer_delta)) / e
+            for e in layer_epsilons]
+  return sum(np.sqrt(2 * rounds * np.log(1 / layer_delta)) / s for s in sigmas)
+
+
 def test_run_reports_both_epsilons(fedre_run):
   config, history = fedre_run
   final = history[-1]
   assert final["paper_epsilon"] == 500.0 and final["paper_delta"] == 1e-5
+  # after round 1 of 2 the paper's epsilon is what eq. 9 gives for one round
+  # (the same for every split: the tensors' shares add up to 500)
+  assert history[0]["paper_epsilon"] == pytest.approx(
+      _eq9_paper_epsilon(2, 1, [50.0, 150.0, 100.0, 200.0]), rel=1e-9)
   num_layers = 4
   z = np.sqrt(2 * 2 * np.log(num_layers / 1e-5)) / (2 * 500.0)
   accountant = dp_accounting.rdp.RdpAccountant()
@@ -241,6 +255,32 @@ def test_even_split_reports_the_exact_epsilon_of_its_noise(tmp_path):
   accountant.compose(dp_accounting.ComposedDpEvent(
       [dp_accounting.GaussianDpEvent(sigma / 2)] * 4), 2)
   assert history[-1]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
+  for entry in history:  # 2 of the 10 planned rounds spend part of the budget
+    assert entry["paper_epsilon"] == pytest.approx(
+        _eq9_paper_epsilon(10, entry["round"], [125.0] * 4), rel=1e-9)
+    assert entry["paper_epsilon"] < 500.0
+
+
+def test_training_past_the_planned_rounds_needs_allow_over_budget(tmp_path):
+  refused = _config(str(tmp_path / "refused"), budget_rounds=1)
+  with pytest.raises(ValueError, match=r"budget_rounds=1 .* rounds=2; .*"
+                     "allow_over_budget"):
+    runner.run(refused, progress=False)
+  assert not (tmp_path / "refused").exists()  # refused before writing
+  config = _config(str(tmp_path / "over"), budget_rounds=1, budget_split="even",
+                   aggregation="mean", allow_over_budget=True)
+  history = runner.run(runner.RunConfig(**{**vars(config), "capture_rounds": ()}),
+                       progress=False)
+  sigma = np.sqrt(2 * 1 * np.log(4 / 1e-5)) / (500.0 / 4)  # eq. 9, T = 1
+  for entry in history:
+    # round 2 spends past the budget: eq. 9 gives 500 sqrt(2) for it
+    assert entry["paper_epsilon"] == pytest.approx(
+        _eq9_paper_epsilon(1, entry["round"], [125.0] * 4), rel=1e-9)
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(sigma / 2)] * 4), entry["round"])
+    assert entry["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
+  assert history[-1]["paper_epsilon"] > 500.0
 
 
 def test_regions_without_pixels_are_refused(tmp_path):

@@ -96,7 +96,9 @@ class ComponentFlags:
         default = default if default in ("required", "optional") else (
             "default " + default)
       text = f"({', '.join(owners)}) {param.help}; {param.accepted()}; {default}"
-      extra: dict[str, Any] = {"type": _boolean if param.kind is bool else param.kind}
+      extra: dict[str, Any] = {"type": param.kind}
+      if param.kind is bool:  # the flag alone means true
+        extra.update(type=_boolean, nargs="?", const=True)
       if param.choices:
         extra["choices"] = param.choices
       group.add_argument("--" + flag, dest=_dest(flag), help=text,

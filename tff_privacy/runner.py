@@ -639,7 +639,8 @@ class Run:
                                            round_event.neighboring_relation)
     return {"epsilon": eps, "delta": delta, "dp_relation": round_event.relation,
             "dp_sampling": round_event.sampling,
-            **(self.algorithm.stated_privacy or {})}
+            **(self.algorithm.stated_privacy(rounds)
+               if self.algorithm.stated_privacy else {})}
 
   def run_metadata(self) -> dict[str, Any]:
     src = self.fed.source

@@ -128,9 +128,9 @@ class Algorithm:
     aggregates_uploads: whether the server's next model is the model
       aggregator's result (False for pFedHN, whose server turns each upload
       into a hypernetwork step; server-side defences cannot apply).
-    stated_privacy: what the method's paper states the whole run spends, by
-      its own accounting (e.g. FedRE's eq. 9 with simple composition),
-      reported beside the accountant's epsilon.
+    stated_privacy: maps the rounds done to what the method states of its
+      privacy after them, written into metrics beside the accountant's
+      epsilon (e.g. FedRE's paper epsilon by eq. 9 with simple composition).
   """
 
   name: str
@@ -146,7 +146,7 @@ class Algorithm:
   pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
   private_state: Optional[PrivateState] = None
   aggregates_uploads: bool = True
-  stated_privacy: Optional[dict[str, Any]] = None
+  stated_privacy: Optional[Callable[[int], dict[str, Any]]] = None
 
   def __post_init__(self):
     if self.upload_kind not in UPLOAD_KINDS:

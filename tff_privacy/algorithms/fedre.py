@@ -31,9 +31,11 @@ image's content, so every pass and round sees the same noisy copy, as a
 sanitised data set would) and not clipped to the pixel range. No DP
 guarantee is claimed for it, so such runs report no epsilon.
 
-The client's total delta is the run's `dp_delta`. Privacy reported per run:
-the paper's epsilon (eq. 9 and simple
-composition over layers: epsilon itself after T rounds) and what
+The client's total delta is the run's `dp_delta`. Privacy reported per round:
+the paper's epsilon spent so far (eq. 9 and simple composition over layers:
+epsilon sqrt(t / T) after t rounds of a budget planned over T, epsilon
+itself after T; a run longer than `budget_rounds` is refused unless
+`allow_over_budget`) and what
 `dp_accounting` computes for the noise added under the local-DP relation:
 for 'paper' the bound that holds for every split eq. 6 can produce, for
 'accountant' the exact target. Both treat the split as fixed in advance,
@@ -114,6 +116,9 @@ PARAMETERS = params.Params(
     params.Param("budget_rounds", int, None, "rounds the budget covers "
                  "(eq. 9's T; default: the run's rounds), for runs that stop "
                  "early, e.g. to attack round 1 of a longer plan", minimum=1),
+    params.Param("allow_over_budget", bool, False, "train past "
+                 "budget_rounds, spending more than epsilon (paper_epsilon "
+                 "reports how much)"),
     params.Param("psi_samples", int, 10, "samples per client and round whose "
                  "PSI scores are averaged", minimum=1),
     params.Param("psi_pixels", int, None, "region pixels per sample for the "
@@ -435,17 +440,25 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
               public_samples: int, client_learning_rate: float,
               server_learning_rate: float, local_epochs: int,
               client_optimizer: str, perturbation: str,
-              pixel_noise: Optional[float]) -> Algorithm:
+              pixel_noise: Optional[float], allow_over_budget: bool) -> Algorithm:
   """FedRE as the runner drives it."""
   refuse_defense("fedre", defense)
   check_positive(batch_size=batch_size)
   federation = federation or Federation(rounds=1, client_sizes=(0,))
+  planned = budget_rounds or federation.rounds
+  if (perturbation == "gradient" and federation.rounds > planned
+      and not allow_over_budget):
+    raise ValueError(
+        f"budget_rounds={planned} plans epsilon={epsilon:g} over {planned} "
+        f"rounds and the run has rounds={federation.rounds}; set "
+        "allow_over_budget (--allow-over-budget) to spend more than epsilon, "
+        "or plan the budget over the run")
   delta = federation.dp_delta
   masks = client_regions(regions, len(federation.client_sizes),
                          *spec.input_shape[:2], data=federation.data)
   mechanism = FedREMechanism(
       spec, epsilon=epsilon, delta=delta,
-      rounds=budget_rounds or federation.rounds, clip=clip,
+      rounds=planned, clip=clip,
       budget_split=budget_split, noise_calibration=noise_calibration,
       psi_samples=psi_samples, psi_pixels=psi_pixels,
       perturbation=perturbation, pixel_noise=pixel_noise, seed=seed)
@@ -473,10 +486,12 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           PROFILE_KEY: np.int32(client)},
       defense={"name": mechanism.name, **mechanism.params()},
       dp_event=mechanism.dp_event, dp_relation=mechanism.dp_relation,
-      stated_privacy=None if perturbation == "pixels" else {
-          "paper_epsilon": epsilon, "paper_delta": delta,
+      stated_privacy=None if perturbation == "pixels" else lambda rounds: {
+          "paper_epsilon": budget.paper_epsilon_spent(epsilon, planned, rounds),
+          "paper_delta": delta,
           "paper_accounting": "eq. 9 per tensor, simple composition over "
-          "tensors (Theorem 1, Corollary 1)"})
+          f"tensors (Theorem 1, Corollary 1), noise planned for {planned} "
+          "rounds"})
 
 
 METHOD = Method("fedre", PARAMETERS, algorithm,

@@ -11,7 +11,11 @@ of its L model tensors:
          (layer l is clipped to C_l and gets N(0, (C_l sigma_l)^2), eq. 8)
 
 The paper's epsilon is then sum_l epsilon_l = epsilon by simple composition
-(Theorem 1). What `dp_accounting` says of the same noise, under the local-DP
+(Theorem 1). Over rounds, eq. 9 composes inside its square root, not by
+adding the rounds' epsilons: t rounds of noise sigma_l give eq. 9's
+epsilon_l at T = t, sqrt(2 t ln(1 / delta_l)) / sigma_l, so noise planned for
+T rounds has spent epsilon sqrt(t / T) after t of them
+(`paper_epsilon_spent`), more than epsilon past round T. What `dp_accounting` says of the same noise, under the local-DP
 relation (any two uploads of the client are neighbours, so layer l's
 sensitivity is 2 C_l and its Gaussian event has noise multiplier sigma_l / 2),
 is `layerwise_event` composed over rounds. Gaussian events compose like one
@@ -85,6 +89,17 @@ def paper_noise_multipliers(layer_epsilons, layer_delta: float,
   """Eq. 9: sigma_l = sqrt(2 T ln(1 / delta_l)) / epsilon_l."""
   return (math.sqrt(2 * rounds * math.log(1 / layer_delta))
           / tf.cast(layer_epsilons, tf.float32))
+
+
+def paper_epsilon_spent(epsilon: float, planned_rounds: int,
+                        rounds: int) -> float:
+  """The paper's epsilon after `rounds` rounds of eq. 9's noise for a budget
+  `epsilon` over `planned_rounds`: eq. 9 solved for each epsilon_l at T =
+  `rounds`, summed over tensors, epsilon sqrt(rounds / planned_rounds)."""
+  if planned_rounds < 1 or rounds < 1:
+    raise ValueError(f"planned_rounds and rounds must be >= 1, got "
+                     f"{planned_rounds} and {rounds}")
+  return epsilon * math.sqrt(rounds / planned_rounds)
 
 
 def round_multiplier(epsilon: float, delta: float, rounds: int) -> float:
