@@ -8,11 +8,55 @@ import pytest  # noqa: E402
 
 
 def worker_children(pid: int | None = None) -> list[psutil.Process]:
-  """Live `worker_binary` processes whose parent is `pid` (default: this one)."""
+  """Live `worker_binary` processes descending from `pid` (default: this
+  one)."""
   parent = psutil.Process(pid or os.getpid())
   return [p for p in parent.children(recursive=True)
           if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-          and "worker_binary" in " ".join(p.cmdline())]
+          and os.path.basename(p.cmdline()[0]) == "worker_binary"]
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int, str]]:
+  """(address, port, network namespace) of every TCP socket that process
+  `pid` listens on, as the kernel shows them in /proc: the socket inodes of
+  its open files, looked up in the TCP tables of its own network namespace
+  and of this process's (a socket stays in the namespace it was made in)."""
+  inodes = set()
+  for fd in os.listdir(f"/proc/{pid}/fd"):
+    try:
+      target = os.readlink(f"/proc/{pid}/fd/{fd}")
+    except FileNotFoundError:
+      continue
+    if target.startswith("socket:["):
+      inodes.add(target[len("socket:["):-1])
+  found = set()
+  for viewer in {pid, os.getpid()}:
+    namespace = os.readlink(f"/proc/{viewer}/ns/net")
+    for table in ("tcp", "tcp6"):
+      with open(f"/proc/{viewer}/net/{table}") as f:
+        for line in f.readlines()[1:]:
+          fields = line.split()
+          local, state, inode = fields[1], fields[3], fields[9]
+          if state == "0A" and inode in inodes:  # 0A: TCP_LISTEN
+            address, port = local.split(":")
+            found.add((_address_from_proc(address), int(port, 16), namespace))
+  return sorted(found)
+
+
+def _address_from_proc(hex_address: str) -> str:
+  """/proc/net/tcp's hex address (host-order 32-bit words) as text."""
+  import ipaddress
+  import socket
+  words = bytes.fromhex(hex_address)
+  packed = b"".join(words[i:i + 4][::-1] for i in range(0, len(words), 4))
+  family = socket.AF_INET if len(packed) == 4 else socket.AF_INET6
+  return str(ipaddress.ip_address(socket.inet_ntop(family, packed)))
+
+
+def network_interfaces(pid: int) -> list[str]:
+  """The interfaces of process `pid`'s network namespace (/proc/PID/net/dev)."""
+  with open(f"/proc/{pid}/net/dev") as f:
+    return [line.split(":")[0].strip() for line in f.readlines()[2:]]
 
 
 def pytest_configure(config):

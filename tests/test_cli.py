@@ -26,9 +26,11 @@ def _train(out, *extra, **kwargs):
 
 
 def _orphaned_workers(since: float) -> list[int]:
-  return [p.pid for p in psutil.process_iter(["name", "ppid", "create_time"])
-          if p.info["name"] == "worker_binary" and p.info["ppid"] == 1
-          and p.info["create_time"] >= since]
+  """TFF workers and their private_worker hosts adopted by init."""
+  return [p.pid for p in psutil.process_iter(["cmdline", "ppid", "create_time"])
+          if p.info["ppid"] == 1 and p.info["create_time"] >= since
+          and any(os.path.basename(part) in ("worker_binary", "private_worker.py")
+                  for part in (p.info["cmdline"] or [])[:3])]
 
 
 def _metrics(out):
@@ -130,10 +132,10 @@ def _train_argv(out, *extra):
      "test_fraction"),
     (["--model-kwargs", '{"hiden": [8]}'],
      "model_kwargs: model 'mlp' takes no hiden; its arguments: hidden, activation"),
-])
-def test_bad_values_exit_2_with_one_line_naming_the_parameter(capsys, tmp_path,
     (["--method", "fedre", "--rounds", "3", "--budget-rounds", "2"],
      "budget_rounds=2 plans epsilon=50 over 2 rounds and the run has rounds=3"),
+])
+def test_bad_values_exit_2_with_one_line_naming_the_parameter(capsys, tmp_path,
                                                               extra, message):
   out = tmp_path / "run"
   code, _, err = _main(capsys, *_train_argv(out, *extra))
@@ -254,8 +256,6 @@ def test_config_file_and_flags_merge(tmp_path):
   assert cli._config_from_args(args).data_kwargs == {}
 
 
-def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(
-    capsys, tmp_path):
 def test_a_boolean_flag_alone_means_true(tmp_path):
   from tff_privacy import cli
   parser = cli._parser()
@@ -268,6 +268,8 @@ def test_a_boolean_flag_alone_means_true(tmp_path):
         "allow_over_budget") == expected
 
 
+def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(
+    capsys, tmp_path):
   out = tmp_path / "run"
   code, _, err = _main(capsys, *_train_argv(out, "--method", "fedsgd", "--rounds",
                                             "1", "--defense", "ldp_gaussian",

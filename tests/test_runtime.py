@@ -10,7 +10,7 @@ import psutil
 import pytest
 import tensorflow_federated as tff
 
-from conftest import worker_children
+from conftest import listening_sockets, network_interfaces, worker_children
 from tff_privacy import runtime
 
 
@@ -25,7 +25,7 @@ def test_worker_starts_on_first_use_and_restarts_after_stop():
   assert _mean([1.0, 2.0, 6.0]) == 3.0
   first = runtime.start()
   assert runtime.start() is first
-  assert [p.pid for p in worker_children()] == [first.process.pid]
+  assert [p.parent().pid for p in worker_children()] == [first.process.pid]
   runtime.stop()
   assert first.process.poll() is not None and not worker_children()
   assert _mean([1.0, 3.0]) == 2.0  # a fresh worker
@@ -52,25 +52,69 @@ def test_worker_dies_with_a_sigkilled_parent():
   script = textwrap.dedent("""
       import sys, time
       from tff_privacy import runtime
-      print(runtime.start().process.pid, flush=True)
+      runtime.start()
+      print(flush=True)
       time.sleep(600)
   """)
   parent = subprocess.Popen([sys.executable, "-c", script],
                             stdout=subprocess.PIPE, text=True)
-  worker = psutil.Process(int(parent.stdout.readline()))
-  assert worker.is_running()
+  parent.stdout.readline()
+  [worker] = worker_children(parent.pid)
+  processes = [worker.parent(), worker]  # private_worker's host and the binary
   parent.send_signal(signal.SIGKILL)
   parent.wait()
-  worker.wait(timeout=15)
-  assert not worker.is_running()
+  gone, alive = psutil.wait_procs(processes, timeout=15)
+  assert not alive
 
 
-def test_a_workers_end_is_described_by_port_and_signal():
+def test_a_workers_end_is_described_by_pid_and_signal():
   assert runtime.describe_exit(-9, 4242).startswith(
-      "the TFF worker_binary on port 4242 was killed by SIGKILL (most often the "
+      "the local TFF worker (pid 4242) was killed by SIGKILL (most often the "
       "kernel's out-of-memory killer")
-  assert runtime.describe_exit(-15) == "the TFF worker_binary was killed by SIGTERM"
-  assert runtime.describe_exit(3, 7) == "the TFF worker_binary on port 7 exited with code 3"
+  assert runtime.describe_exit(-15) == "the local TFF worker was killed by SIGTERM"
+  assert runtime.describe_exit(1, 7) == "the local TFF worker (pid 7) exited with code 1"
+
+
+def _is_loopback(address: str) -> bool:
+  return address == "::1" or address.startswith("127.")
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_no_worker_listens_where_another_machine_can_reach_it(count):
+  """The kernel's view of every TCP socket that the run's processes listen
+  on: each is on loopback, or in a network namespace whose only interface
+  is loopback (TFF's worker_binary listens on every interface)."""
+  runtime.stop()
+  runtime.start(workers=count)
+  assert _mean([1.0, 2.0, 6.0]) == 3.0
+  here = os.readlink("/proc/self/ns/net")
+  workers = [p.pid for p in worker_children()]
+  sockets, interfaces = {}, {}
+  for process in [psutil.Process()] + psutil.Process().children(recursive=True):
+    try:
+      sockets[process.pid] = listening_sockets(process.pid)
+      interfaces[process.pid] = network_interfaces(process.pid)
+    except (FileNotFoundError, ProcessLookupError):
+      pass  # a short-lived helper process that has ended
+  runtime.stop()
+  assert len(workers) == count and all(sockets[pid] for pid in workers)
+  for pid, found in sockets.items():
+    for address, port, namespace in found:
+      assert _is_loopback(address) or (
+          namespace != here and interfaces[pid] == ["lo"]), (pid, address, port)
+
+
+def test_the_shared_network_escape_listens_on_every_interface(monkeypatch):
+  """`SHARED_NETWORK_VARIABLE`=1 does what its message says: the worker
+  listens on a wildcard address of this machine's network."""
+  runtime.stop()
+  monkeypatch.setenv(runtime.SHARED_NETWORK_VARIABLE, "1")
+  runtime.start()
+  [worker] = worker_children()
+  found = listening_sockets(worker.pid)
+  runtime.stop()
+  here = os.readlink("/proc/self/ns/net")
+  assert found and all(a in ("0.0.0.0", "::") and ns == here for a, _, ns in found)
 
 
 @pytest.mark.slow  # it can block for minutes when the kill lands inside a
@@ -89,8 +133,10 @@ def test_a_killed_worker_stops_the_program_instead_of_hanging():
       def mean(x):
         return tff.federated_mean(x)
 
+      import psutil
       worker = runtime.start()
-      threading.Timer(3.0, os.kill, (worker.process.pid, signal.SIGKILL)).start()
+      [binary] = psutil.Process(worker.pid).children()
+      threading.Timer(3.0, os.kill, (binary.pid, signal.SIGKILL)).start()
       try:
         while True:
           mean([1.0, 2.0])
@@ -99,7 +145,7 @@ def test_a_killed_worker_stops_the_program_instead_of_hanging():
   """)
   result = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=120)
-  assert re.search(r"interrupted: the TFF worker_binary on port \d+ was killed by "
+  assert re.search(r"interrupted: the local TFF worker \(pid \d+\) was killed by "
                    "SIGKILL", result.stdout), result.stdout
   assert "out-of-memory" in result.stderr
 

@@ -4,17 +4,20 @@ client order, methods TFF cannot split refused by name, a dead worker named,
 and the run resumed."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
+import portpicker
 import psutil
 import pytest
 import tensorflow_federated as tff
 
-from conftest import worker_children
+from conftest import listening_sockets, worker_children
 from tff_privacy import runner, runtime
 from tff_privacy.updates import UpdateStore
 
@@ -107,16 +110,19 @@ def test_worker_addresses_are_loopback_unless_allowed(address, match):
 
 def test_workers_started_elsewhere_train_like_local_ones(workers, tmp_path):
   """Two `tff-privacy worker` processes, reached by their addresses."""
-  ports = [runtime.portpicker.pick_unused_port() for _ in "ab"]
+  ports = [portpicker.pick_unused_port() for _ in "ab"]
   servers = [subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker",
                                "--port", str(p)], stderr=subprocess.PIPE, text=True)
              for p in ports]
   try:
-    assert "plaintext, unauthenticated gRPC" in servers[0].stderr.readline()
+    assert "loopback only" in servers[0].stderr.readline()
     runtime.stop()
     runtime.start(addresses=[f"localhost:{p}" for p in ports])
     remote = runner.run(runner.RunConfig(out=str(tmp_path / "remote"), **FEDAVG),
                         progress=False)
+    here = os.readlink("/proc/self/ns/net")
+    for server, port in zip(servers, ports):  # the kernel's view
+      assert listening_sockets(server.pid) == [("127.0.0.1", port, here)]
   finally:
     runtime.stop()
     for s in servers:
@@ -126,6 +132,23 @@ def test_workers_started_elsewhere_train_like_local_ones(workers, tmp_path):
   local = runner.run(runner.RunConfig(out=str(tmp_path / "local"), **FEDAVG),
                      progress=False)
   _equal(local, remote)
+
+
+def test_a_worker_serves_every_interface_only_when_asked():
+  port = portpicker.pick_unused_port()
+  server = subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker",
+                             "--port", str(port), "--listen-on-every-interface"],
+                            stderr=subprocess.PIPE, text=True)
+  try:
+    assert "every interface: anyone who reaches" in server.stderr.readline()
+    deadline = time.monotonic() + 60
+    while not listening_sockets(server.pid) and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert listening_sockets(server.pid) == [
+        ("::", port, os.readlink("/proc/self/ns/net"))]
+  finally:
+    server.terminate()
+    server.wait(timeout=30)
 
 
 def _train(out, *flags):
@@ -141,7 +164,7 @@ def _train(out, *flags):
 @pytest.mark.parametrize("sigint", ["default", "ignored"])
 def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path, sigint):
   """One of two workers is SIGKILLed after round 2's checkpoint: the run
-  stops with a message naming the worker's port and leaves no worker
+  stops with a message naming the worker's process and leaves no worker
   behind, also when SIGINT is ignored (a background job of a shell script);
   the same command then resumes from the last finished round."""
   script = textwrap.dedent(f"""
@@ -150,10 +173,12 @@ def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path, sigint):
       def kill_after_round_two():
         while not os.path.exists({str(tmp_path / "run" / "checkpoints" / "program_state_2")!r}):
           time.sleep(0.05)
+        import psutil
         first, second = runtime._workers
-        print("pids", first.process.pid, second.process.pid, flush=True)
-        os.kill(second.process.pid, signal.SIGKILL)
-        print("killed port", second.port, flush=True)
+        print("pids", first.pid, second.pid, flush=True)
+        [binary] = psutil.Process(second.pid).children()
+        os.kill(binary.pid, signal.SIGKILL)
+        print("killed worker", second.pid, flush=True)
       threading.Thread(target=kill_after_round_two, daemon=True).start()
       sys.exit(cli.main(sys.argv[1:]))
   """)
@@ -163,10 +188,10 @@ def test_a_killed_worker_is_named_and_the_rerun_resumes(tmp_path, sigint):
   killed = subprocess.run([sys.executable, "-c", script, *command[3:]],
                           capture_output=True, text=True, timeout=600,
                           preexec_fn=ignore)
-  assert "killed port" in killed.stdout, killed.stderr[-2000:]
-  port = killed.stdout.split("killed port ")[1].split()[0]
+  assert "killed worker" in killed.stdout, killed.stderr[-2000:]
+  pid = killed.stdout.split("killed worker ")[1].split()[0]
   assert killed.returncode == 1, killed.stderr[-2000:]
-  assert (f"error: the TFF worker_binary on port {port} was killed by SIGKILL"
+  assert (f"error: the local TFF worker (pid {pid}) was killed by SIGKILL"
           in killed.stderr)
   for pid in killed.stdout.split("pids ")[1].split()[:2]:
     assert not psutil.pid_exists(int(pid)) or psutil.Process(

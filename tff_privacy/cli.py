@@ -184,10 +184,12 @@ def _train_parser(sub) -> None:
                        "('tff-privacy worker --port P'), instead of --workers")
   workers.add_argument("--allow-remote-workers", action="store_true",
                        help="accept worker addresses off this machine: a worker "
-                       "serves plaintext, unauthenticated gRPC on every "
-                       "interface, so anyone who reaches its port can run "
-                       "computations on it and read the data sent to it; use "
-                       "SSH tunnels or a private network")
+                       "serves plaintext, unauthenticated gRPC, so anyone who "
+                       "reaches its port can run code on it and read the data "
+                       "sent to it, and this run trusts what the workers "
+                       "return: a peer in the path can forge the model, the "
+                       "metrics and the captured uploads; use SSH tunnels to "
+                       "workers serving on loopback ('tff-privacy worker')")
   _method_flags().add_to(p)
   _defense_flags().add_to(p)
 
@@ -508,21 +510,33 @@ def _positive_int(text: str) -> int:
 
 
 def _worker_parser(sub) -> None:
-  p = sub.add_parser("worker", help="serve TFF's worker on this machine for "
-                     "'train --worker-addresses' elsewhere")
+  p = sub.add_parser(
+      "worker", help="serve TFF's worker on this machine for "
+      "'train --worker-addresses' elsewhere",
+      description="Serves TFF's worker on 127.0.0.1:PORT; reach it from the "
+      "driver's machine through an SSH tunnel. The worker runs in a network "
+      "namespace of its own. A peer that reaches the port can run any "
+      "TensorFlow graph on it, which reads and writes files as the user who "
+      "started it, and sees every value sent to it.")
   p.add_argument("--port", type=_positive_int, required=True)
   p.add_argument("--max-concurrent-computation-calls", type=int, default=-1)
+  p.add_argument("--listen-on-every-interface", action="store_true",
+                 help="serve on every network interface of this machine "
+                 "instead of loopback: anyone who reaches the port, on any "
+                 "network this machine is on, can then run code as you")
 
 
 def _worker(args) -> int:
   from tff_privacy import runtime
-  print(f"TFF worker on port {args.port}: plaintext, unauthenticated gRPC on "
-        "every interface; reach it through an SSH tunnel or a private network",
-        file=sys.stderr, flush=True)
-  path = runtime.worker_binary_path()
-  os.execv(path, [path, f"--port={args.port}",
-                  f"--max_concurrent_computation_calls="
-                  f"{args.max_concurrent_computation_calls}"])
+  host = "[::]" if args.listen_on_every_interface else "127.0.0.1"
+  reach = ("every interface: anyone who reaches the port can run code as you"
+           if args.listen_on_every_interface else
+           "loopback only: reach it through an SSH tunnel")
+  print(f"TFF worker at {host}:{args.port}: plaintext, unauthenticated gRPC on "
+        f"{reach}", file=sys.stderr, flush=True)
+  command = runtime.private_worker_command(f"{host}:{args.port}",
+                                           args.max_concurrent_computation_calls)
+  os.execv(command[0], command)
 
 
 def _client_index(text: str) -> int:

@@ -2,10 +2,13 @@
 
 TFF 0.87 starts its ``worker_binary`` lazily and stops it from a ``__del__`` that
 runs after ``subprocess`` is torn down at interpreter exit, so the worker outlives
-the program (and keeps a pipe on our stdout open). This module starts the worker
-itself, from the main thread, with the kernel's parent-death signal set, so that
-the worker ends with its parent even when the parent is killed with SIGKILL; an
-``atexit`` hook stops it on a normal exit.
+the program (and keeps a pipe on our stdout open), and its worker serves on
+every network interface of the machine, to anyone who reaches the port. This
+module starts the worker itself, through `private_worker`: in a network
+namespace of its own, reached through a Unix socket that only this user can
+open, with the kernel's parent-death signal set, so that the worker ends with
+its parent even when the parent is killed with SIGKILL; an ``atexit`` hook
+stops it on a normal exit.
 
 The other way round, TFF's remote executor retries a dead worker forever. A
 watcher thread notices when the worker exits unasked (the kernel's
@@ -29,17 +32,18 @@ mergeable-computation context, which splits each round's clients between
 the workers and merges their partial aggregates. That form allows one
 logical aggregation per computation: `check_mergeable` names a computation
 that has more. A worker that ends (local) or stops answering (remote) stops
-the program with a message naming its port or address.
+the program with a message naming its process or address.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Sequence
@@ -47,7 +51,6 @@ from typing import Sequence
 import asyncio
 
 import grpc
-import portpicker
 import tensorflow_federated as tff
 from tensorflow_federated.python.common_libs import async_utils
 from tensorflow_federated.python.common_libs import structure
@@ -68,7 +71,8 @@ from tensorflow_federated.python.core.impl.types import placements
 from tensorflow_federated.python.core.impl.types import type_analysis
 from tensorflow_federated.python.core.impl.types import type_conversions
 
-_PR_SET_PDEATHSIG = 1
+from tff_privacy import private_worker
+
 _GRPC_OPTIONS = [
     ("grpc.max_message_length", 2 * 10**9),
     ("grpc.max_receive_message_length", 2 * 10**9),
@@ -76,6 +80,7 @@ _GRPC_OPTIONS = [
 ]
 _STARTUP_TIMEOUT_S = 60.0
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
+SHARED_NETWORK_VARIABLE = "TFF_PRIVACY_WORKER_SHARED_NETWORK"
 
 _workers: "list[LocalWorker | RemoteWorker]" = []
 
@@ -84,14 +89,12 @@ class WorkerError(RuntimeError):
   """A worker did not start, or does not answer."""
 
 
-def _die_with_parent() -> None:
-  libc = ctypes.CDLL("libc.so.6", use_errno=True)
-  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def describe_exit(returncode: int, port: "int | None" = None) -> str:
-  """Why the worker (on `port`, if given) ended, for an error message."""
-  worker = "the TFF worker_binary" + (f" on port {port}" if port else "")
+def describe_exit(returncode: int, pid: "int | None" = None) -> str:
+  """Why the local worker (process `pid`, if given) ended, for an error
+  message."""
+  worker = "the local TFF worker" + (f" (pid {pid})" if pid else "")
+  if returncode == private_worker.EXIT_NO_PRIVATE_NETWORK:
+    return f"{worker} could not start: no private network for it"
   if returncode >= 0:
     return f"{worker} exited with code {returncode}"
   name = signal.Signals(-returncode).name
@@ -131,26 +134,40 @@ def worker_binary_path() -> str:
   return os.path.join(os.path.dirname(tff.__file__), "data", "worker_binary")
 
 
-class LocalWorker:
-  """A ``worker_binary`` child process serving TFF's executor API on loopback."""
+def private_worker_command(listen: str, max_concurrent_computation_calls: int = -1
+                           ) -> list[str]:
+  """The command that serves TFF's worker at `listen` (``unix:PATH`` or
+  ``HOST:PORT``) from a private network (see `private_worker`). Python's
+  isolated mode (-I) runs the file alone: its standard-library imports start
+  no thread, which the namespace needs."""
+  return [sys.executable, "-I", private_worker.__file__, "--listen", listen,
+          "--worker", worker_binary_path(),
+          f"--max-concurrent-computation-calls={max_concurrent_computation_calls}"]
 
-  def __init__(self, max_concurrent_computation_calls: int = -1,
-               port: "int | None" = None):
-    self.port = port or portpicker.pick_unused_port()
-    self.address = f"localhost:{self.port}"
+
+class LocalWorker:
+  """A ``worker_binary`` started by `private_worker` in a network namespace of
+  its own, reached through a Unix socket in a directory only this user can
+  enter: nothing listens on this machine's network. The environment
+  variable `SHARED_NETWORK_VARIABLE` set to 1 keeps the machine's network
+  instead (the worker then listens on every interface), for kernels that
+  allow no namespace."""
+
+  def __init__(self, max_concurrent_computation_calls: int = -1):
     self.max_concurrent_computation_calls = max_concurrent_computation_calls
-    args = [
-        worker_binary_path(),
-        f"--port={self.port}",
-        f"--max_concurrent_computation_calls={max_concurrent_computation_calls}",
-    ]
+    self._directory = tempfile.mkdtemp(prefix="tff-privacy-worker-")
+    self.address = f"unix:{os.path.join(self._directory, 'worker.sock')}"
+    self._stderr = open(os.path.join(self._directory, "stderr"), "w+")
+    args = private_worker_command(self.address, max_concurrent_computation_calls)
+    args.append(f"--parent-pid={os.getpid()}")
+    if os.environ.get(SHARED_NETWORK_VARIABLE) == "1":
+      args.append("--shared-network")
+    # No preexec_fn: Python then spawns without fork handlers, which gRPC
+    # would run (and complain about) in this multi-threaded process.
     self.process = subprocess.Popen(
-        args,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-    )
+        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=self._stderr)
+    self.pid = self.process.pid
     self._closing = False
     self.failure: str | None = None  # set when the worker ends unasked
     threading.Thread(target=self._watch, daemon=True,
@@ -158,19 +175,28 @@ class LocalWorker:
 
   def connect(self) -> None:
     """Waits until the worker serves; separate from starting it so that
-    several workers are forked before any gRPC thread runs."""
-    channel = grpc.insecure_channel(f"localhost:{self.port}", _GRPC_OPTIONS)
+    several workers are started before any gRPC thread runs."""
+    channel = grpc.insecure_channel(self.address, _GRPC_OPTIONS)
     self.stub = remote_executor_grpc_stub.RemoteExecutorGrpcStub(channel)
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     while not self.stub.is_ready:
       if self.process.poll() is not None:
-        raise WorkerError(describe_exit(self.process.returncode, self.port)
-                           + " while starting")
+        raise WorkerError(self._startup_failure())
       if time.monotonic() > deadline:
         self.close()
-        raise WorkerError(f"the TFF worker_binary on port {self.port} did not "
-                           "become ready in time")
+        raise WorkerError(f"the local TFF worker (pid {self.pid}) did not "
+                          "become ready in time")
       time.sleep(0.05)
+
+  def _startup_failure(self) -> str:
+    self._stderr.seek(0)
+    said = " ".join(self._stderr.read().split())
+    if self.process.returncode == private_worker.EXIT_NO_PRIVATE_NETWORK:
+      return (f"{said}; set {SHARED_NETWORK_VARIABLE}=1 to run it on this "
+              "machine's network instead, where it listens on every interface "
+              "and anyone who reaches its port can run code as you")
+    return describe_exit(self.process.returncode, self.pid) + " while starting" + (
+        f": {said}" if said else "")
 
   @property
   def alive(self) -> bool:
@@ -180,7 +206,7 @@ class LocalWorker:
     returncode = self.process.wait()
     if self._closing:
       return
-    self.failure = describe_exit(returncode, self.port)
+    self.failure = describe_exit(returncode, self.pid)
     _stop_main_thread(self.failure)
 
   def close(self) -> None:
@@ -192,6 +218,8 @@ class LocalWorker:
       except subprocess.TimeoutExpired:
         self.process.kill()
         self.process.wait()
+    self._stderr.close()
+    shutil.rmtree(self._directory, ignore_errors=True)
 
 
 class RemoteWorker:

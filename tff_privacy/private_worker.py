@@ -1,0 +1,213 @@
+"""TFF's worker in a network of its own, reached through one socket.
+
+TFF 0.87's ``worker_binary`` serves its executor API on every interface
+(``[::]:PORT``) and has no flag to bind another address. Whoever reaches that
+port can run any TensorFlow graph on it, file operations included, as the user
+who started it. This program starts the worker in a new network namespace,
+whose only interface is its own loopback, and forwards to it the connections
+made to one listening socket opened before the namespace was entered:
+
+- ``unix:PATH``: a Unix socket (`runtime`'s local workers, under a directory
+  only the user can enter);
+- ``HOST:PORT``: a TCP socket (``tff-privacy worker``; ``127.0.0.1`` by default,
+  reached from elsewhere through an SSH tunnel; ``[::]`` only when asked).
+
+A user without root gets the namespace through a user namespace that maps
+their own ids onto themselves, so files keep their owners. Where the kernel
+allows neither, the program says so in one line on stderr and exits with code
+`EXIT_NO_PRIVATE_NETWORK`, unless `--shared-network` asks for the worker to
+listen on every interface of this machine.
+
+It exits as the worker exits: with the worker's code, or killed by the same
+signal, so the caller can say why the worker ended. With `--parent-pid` it
+ends with that process, and the worker with it.
+
+Standard library only, and run as ``python -m tff_privacy.private_worker``:
+``unshare(CLONE_NEWUSER)`` refuses a process that has started threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+EXIT_NO_PRIVATE_NETWORK = 3
+_CLONE_NEWNET = 0x40000000
+_CLONE_NEWUSER = 0x10000000
+_PR_SET_PDEATHSIG = 1
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_CHUNK = 1 << 20
+_CONNECT_TIMEOUT_S = 60.0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with(signum: int) -> None:
+  """The kernel sends `signum` to this process when its parent ends."""
+  _libc.prctl(_PR_SET_PDEATHSIG, signum)
+
+
+def listen(address: str) -> socket.socket:
+  """A listening socket at ``unix:PATH`` (mode 0600) or ``HOST:PORT``.
+
+  Raises:
+    ValueError: `address` is neither form.
+    OSError: the address cannot be bound.
+  """
+  if address.startswith("unix:"):
+    path = address[len("unix:"):]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_mask = os.umask(0o177)
+    try:
+      sock.bind(path)
+    finally:
+      os.umask(old_mask)
+  else:
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+      raise ValueError(f"--listen takes unix:PATH or HOST:PORT, got {address!r}")
+    family, kind, proto, _, where = socket.getaddrinfo(
+        host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6 and host == "::":
+      sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind(where)
+  sock.listen(16)
+  return sock
+
+
+def enter_private_network() -> None:
+  """Moves this process into a new network namespace and brings its loopback
+  up. Without the privilege for that, first into a user namespace that maps
+  the user's own uid and gid.
+
+  Raises:
+    OSError: the kernel allows neither.
+  """
+  if _libc.unshare(_CLONE_NEWNET) != 0:
+    uid, gid = os.getuid(), os.getgid()
+    if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+      code = ctypes.get_errno()
+      raise OSError(code, f"unshare: {os.strerror(code)}")
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                       ("gid_map", f"{gid} {gid} 1")):
+      with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    request = struct.pack("16sH", b"lo", 0)
+    flags = struct.unpack("16sH", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
+    fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | _IFF_UP))
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+  """Copies `source` to `sink` until `source` ends, then ends `sink`'s
+  sending side."""
+  try:
+    while chunk := source.recv(_CHUNK):
+      sink.sendall(chunk)
+  except OSError:
+    pass
+  finally:
+    try:
+      sink.shutdown(socket.SHUT_WR)
+    except OSError:
+      pass
+
+
+def _connect_inward(port: int, worker: subprocess.Popen) -> socket.socket | None:
+  """A connection to the worker, retried while it starts; None once it
+  has ended or not answered in time."""
+  deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+  while worker.poll() is None and time.monotonic() < deadline:
+    try:
+      return socket.create_connection(("127.0.0.1", port))
+    except ConnectionRefusedError:
+      time.sleep(0.02)
+  return None
+
+
+def _serve(outer: socket.socket, port: int, worker: subprocess.Popen) -> None:
+  """Forwards every connection accepted on `outer` to the worker's port."""
+  while True:
+    client, _ = outer.accept()
+    inner = _connect_inward(port, worker)
+    if inner is None:
+      client.close()
+      continue
+    for source, sink in ((client, inner), (inner, client)):
+      threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+
+
+def _exit_like(returncode: int) -> None:
+  """Ends this process as the worker ended."""
+  if returncode < 0:
+    if -returncode != signal.SIGKILL:  # whose handler cannot be changed
+      signal.signal(-returncode, signal.SIG_DFL)
+    os.kill(os.getpid(), -returncode)
+  sys.exit(returncode)
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m tff_privacy.private_worker",
+      description="TFF's worker_binary in a private network namespace, "
+      "reached through one listening socket.")
+  p.add_argument("--listen", required=True, help="unix:PATH or HOST:PORT")
+  p.add_argument("--worker", required=True, help="path of worker_binary")
+  p.add_argument("--max-concurrent-computation-calls", type=int, default=-1)
+  p.add_argument("--parent-pid", type=int,
+                 help="end when this process (the caller) ends")
+  p.add_argument("--shared-network", action="store_true",
+                 help="keep this machine's network: the worker then listens "
+                 "on every interface")
+  return p
+
+
+def main(argv=None) -> None:
+  args = _parser().parse_args(argv)
+  if args.parent_pid:
+    _die_with(signal.SIGTERM)
+    if os.getppid() != args.parent_pid:  # the caller ended before prctl
+      sys.exit(1)
+  try:
+    outer = listen(args.listen)
+  except (ValueError, OSError) as e:
+    sys.exit(f"cannot listen at {args.listen}: {e}")
+  if not args.shared_network:
+    try:
+      enter_private_network()
+    except OSError as e:
+      print(f"cannot give the TFF worker a private network ({e.strerror or e}; "
+            "the kernel allows no network or user namespace here)",
+            file=sys.stderr, flush=True)
+      sys.exit(EXIT_NO_PRIVATE_NETWORK)
+  port = _free_port()
+  worker = subprocess.Popen(
+      [args.worker, f"--port={port}", "--max_concurrent_computation_calls="
+       f"{args.max_concurrent_computation_calls}"],
+      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL, preexec_fn=lambda: _die_with(signal.SIGKILL))
+  signal.signal(signal.SIGTERM, lambda *_: worker.terminate())
+  threading.Thread(target=_serve, args=(outer, port, worker), daemon=True).start()
+  _exit_like(worker.wait())
+
+
+if __name__ == "__main__":
+  main()
