@@ -1,6 +1,7 @@
 import glob
 import json
 import os
+import shutil
 
 import dp_accounting
 import numpy as np
@@ -120,6 +121,49 @@ def test_other_config_in_same_folder_is_refused(fedsgd_run):
                              {"server_learning_rate": 0.1}})
   assert same.to_json() == config.to_json()
   assert config.to_json()["method_kwargs"] == {"server_learning_rate": 0.1}
+
+
+def _files(out, names) -> dict[str, bytes]:
+  return {n: open(os.path.join(out, n), "rb").read() for n in names}
+
+
+def test_fewer_rounds_than_done_are_refused_and_leave_the_run_as_it_was(
+    fedsgd_run, tmp_path):
+  config, _ = fedsgd_run
+  out = str(tmp_path / "run")
+  shutil.copytree(config.out, out)
+  names = ("config.json", "metrics.json", runner.MODEL_WEIGHTS)
+  before = _files(out, names)
+  with pytest.raises(ValueError, match=r"differs in rounds: 3 there, 2 now "
+                     r"\(3 done: a run resumes to more rounds only\)"):
+    runner.run(runner.RunConfig(**{**vars(config), "out": out, "rounds": 2}),
+               progress=False)
+  assert _files(out, names) == before
+  # stopped after round 2's checkpoint: 2 rounds are done, not 3
+  shutil.rmtree(os.path.join(out, "checkpoints", "program_state_3"))
+  with pytest.raises(ValueError, match=r"rounds: 3 there, 2 now \(2 done"):
+    runner.run(runner.RunConfig(**{**vars(config), "out": out, "rounds": 2}),
+               progress=False)
+  assert _files(out, names) == before
+
+
+def test_a_refused_config_names_every_differing_key_with_both_values(
+    fedsgd_run, tmp_path):
+  config, _ = fedsgd_run
+  changed = runner.RunConfig(**{**vars(config), "seed": 4, "method_kwargs":
+                                {"server_learning_rate": 0.2}})
+  with pytest.raises(ValueError, match=(
+      r"differs in method_kwargs.server_learning_rate: 0.1 there, 0.2 now; "
+      r"seed: 3 there, 4 now\); choose another --out")):
+    runner.run(changed, progress=False)
+  # a key this config does not have, e.g. written by another version
+  out = str(tmp_path / "run")
+  shutil.copytree(config.out, out)
+  saved = io.read_json(os.path.join(out, "config.json"))
+  io.write_json(os.path.join(out, "config.json"), {**saved, "extra": [1, 2]})
+  with pytest.raises(ValueError, match=r"differs in extra: \[1, 2\] there, "
+                     r"unset now\)"):
+    runner.run(runner.RunConfig(**{**vars(config), "out": out}), progress=False)
 
 
 def test_data_options_at_their_defaults_leave_config_json_as_before(fedsgd_run):

@@ -37,6 +37,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
@@ -661,25 +662,66 @@ _LOCAL_SAMPLING = ("none assumed: every round counts for every client (an upper 
 
 def _check_config(config: RunConfig) -> None:
   """Refuses an output path that is a file, or a folder holding a run made
-  with another config (`rounds` may grow, except for methods sized by the
-  run, `Method.needs_federation`)."""
+  with another config, naming every differing key with both values. The
+  exception is `rounds` above the rounds done, which resumes (except for
+  methods sized by the run, `Method.needs_federation`); fewer would leave
+  metrics.json and the final models at the rounds done."""
   if os.path.exists(config.out) and not os.path.isdir(config.out):
     raise ValueError(f"out={config.out!r} is a file; give a folder (new or "
                      "holding this run)")
   path = os.path.join(config.out, "config.json")
-  if os.path.exists(path):
-    old, new = io.read_json(path), config.to_json()
-    if (old.get("rounds") != new["rounds"]
-        and algorithms.method(config.method).needs_federation):
-      raise ValueError(
-          f"rounds: {config.out} holds a run of {old.get('rounds')} rounds and "
-          f"method {config.method!r} sizes itself by them (its noise spends "
-          "its budget over the run); keep --rounds or choose another --out")
-    if {**old, "rounds": None} != {**new, "rounds": None}:
-      changed = sorted(k for k in set(new) | set(old)
-                       if old.get(k) != new.get(k) and k != "rounds")
-      raise ValueError(f"{config.out} holds a run with another config (differs in "
-                       f"{', '.join(changed)}); choose another --out or delete it")
+  if not os.path.exists(path):
+    return
+  old, new = io.read_json(path), config.to_json()
+  done = _rounds_done(config.out)
+  sized = algorithms.method(config.method).needs_federation
+  resumes = new["rounds"] > done and not sized
+  changed = _differences({**old, "rounds": None} if resumes else old,
+                         {**new, "rounds": None} if resumes else new)
+  if changed:
+    why = (f" (method {config.method!r} sizes itself by them: its noise spends "
+           "its budget over the run)" if sized else
+           f" ({done} done: a run resumes to more rounds only)")
+    raise ValueError(
+        f"{config.out} holds a run with another config (differs in "
+        + "; ".join(d + (why if d.startswith("rounds:") else "") for d in changed)
+        + "); choose another --out or delete it")
+
+
+_UNSET = object()  # a key that one config lacks
+
+
+def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """'key: OLD there, NEW now' for every key whose value differs between
+  `old` and `new`, in key order; JSON objects on both sides compared key by
+  key ('method_kwargs.local_epochs: ...')."""
+  out = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+    if a == b:
+      continue
+    if isinstance(a, dict) and isinstance(b, dict):
+      out.extend(_differences(a, b, f"{prefix}{key}."))
+    else:
+      out.append(f"{prefix}{key}: {_shown(a)} there, {_shown(b)} now")
+  return out
+
+
+def _shown(value: Any) -> str:
+  return "unset" if value is _UNSET else json.dumps(value)
+
+
+def _checkpoints(out: str) -> tff.program.FileProgramStateManager:
+  """The state manager of run folder `out` (it makes its folder)."""
+  return tff.program.FileProgramStateManager(
+      os.path.join(out, "checkpoints"), keep_total=2, keep_first=False)
+
+
+def _rounds_done(out: str) -> int:
+  """The last round checkpointed in run folder `out`; 0 for none."""
+  if not os.path.isdir(os.path.join(out, "checkpoints")):
+    return 0
+  return max(asyncio.run(_checkpoints(out).get_versions()) or [0])
 
 
 def _pinned_as_saved(config: RunConfig) -> RunConfig:
@@ -719,8 +761,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     runtime.check_mergeable(r.process(capture=True).next, what + " and capture")
   os.makedirs(config.out, exist_ok=True)
   io.write_json(os.path.join(config.out, "config.json"), r.config.to_json())
-  manager = tff.program.FileProgramStateManager(
-      os.path.join(config.out, "checkpoints"), keep_total=2, keep_first=False)
+  manager = _checkpoints(config.out)
   initial = r.initial_state()
   saved, done = asyncio.run(manager.load_latest(r.checkpoint_form(initial)))
   state = initial if saved is None else r.from_checkpoint(saved)
