@@ -167,3 +167,26 @@ def test_importing_the_package_changes_no_global_state():
   result = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300, env=env)
   assert "unchanged" in result.stdout, result.stderr[-2000:]
+
+
+def test_renewing_workers_prints_nothing():
+  """Starting a worker while gRPC's threads run (`renew`) must not fork
+  this process: gRPC's fork handlers print warnings a user did not ask for."""
+  script = textwrap.dedent("""
+      import numpy as np
+      import tensorflow_federated as tff
+      from tff_privacy import runtime
+
+      @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+      def mean(x):
+        return tff.federated_mean(x)
+
+      runtime.start(workers=2)
+      for _ in range(3):
+        assert mean([1.0, 2.0]) == 1.5
+        runtime.renew()
+      runtime.stop()
+  """)
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
