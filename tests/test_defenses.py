@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_privacy import defenses
+from tff_privacy import data, defenses, leaderboard
 from tff_privacy.models import ModelSpec, functional
 
 SHAPES = [(30, 40), (40,), (40, 10)]
@@ -93,7 +93,7 @@ def test_defenses_trace_into_graphs_with_the_same_result(defense):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
-def _lenet_gradient(spec, x, y):
+def _gradient(spec, x, y):
   model = spec.keras(seed=1)
   weights = [tf.constant(v) for v in model.trainable_variables]
   with tf.GradientTape() as tape:
@@ -109,7 +109,7 @@ def lenet_client():
   rng = np.random.default_rng(0)
   x = tf.constant(rng.uniform(0, 1, (3, 12, 12, 1)), tf.float32)
   y = tf.constant([0, 3, 1], tf.int32)
-  model, weights, grads = _lenet_gradient(spec, x, y)
+  model, weights, grads = _gradient(spec, x, y)
   view = defenses.ClientView(
       weights, tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(2))
   return spec, model, x, grads, view
@@ -149,6 +149,59 @@ def test_soteria_prunes_the_features_with_the_largest_iota(lenet_client):
   mask = soteria.mask(view).numpy()
   # pruned: smallest s, i.e. largest iota = r / ||d r / d x||
   assert s[mask == 0].max() <= s[mask == 1].min()
+
+
+def test_soteria_defends_the_first_dense_layer_that_reads_a_representation():
+  mlp = ModelSpec("mlp", (28, 28, 1), 2, {"hidden": [64, 32]})
+  layers = mlp.keras().layers
+  assert [type(l).__name__ for l in layers] == ["Flatten", "Dense", "Dense", "Dense"]
+  # the first dense layer reads the flattened image; the second, the first's
+  # 64 units
+  assert defenses.Soteria(mlp).layer == layers[2].name
+  assert defenses.Soteria(mlp, layer=layers[3].name).layer == layers[3].name
+  cnn = ModelSpec("cnn", (28, 28, 1), 2)
+  layers = cnn.keras().layers
+  assert [type(l).__name__ for l in layers] == [
+      "Conv2D", "MaxPooling2D", "Conv2D", "MaxPooling2D", "Flatten", "Dense", "Dense"]
+  assert defenses.Soteria(cnn).layer == layers[5].name
+
+
+def test_soteria_refuses_a_layer_that_reads_the_input():
+  mlp = ModelSpec("mlp", (28, 28, 1), 2, {"hidden": [64]})
+  with pytest.raises(ValueError, match="layer='fc1' reads mlp's input, not a learned "
+                     r"representation .* choose one of \['fc2'\]"):
+    defenses.Soteria(mlp, layer="fc1")
+  with pytest.raises(ValueError, match=r"layer: mlp has no dense layer that reads a "
+                     r"learned representation \(dense layers: \['fc1'\]\)"):
+    defenses.Soteria(ModelSpec("mlp", (28, 28, 1), 2, {"hidden": []}))
+
+
+def test_a_representation_is_what_learned_weights_computed():
+  L = tf.keras.layers
+  with tf.Graph().as_default():
+    x = tf.keras.Input((6, 6, 1))
+    raw = L.Dense(3, name="raw")(L.Flatten()(x))
+    features = L.Dense(3, name="features")(L.GlobalAveragePooling2D()(L.Conv2D(2, 3)(x)))
+    head = L.Dense(2, name="head")(L.Concatenate()([raw, features]))
+    model = tf.keras.Model(x, head)
+    assert functional.representation_dense_layers(model) == ["features", "head"]
+
+
+def test_soteria_strengths_give_different_uploads_on_the_leaderboards_mlp():
+  protocol = leaderboard.defaults.COMPACT["protocol"]
+  source = data.load_source(protocol["dataset"])
+  spec = ModelSpec(protocol["model"], source.input_shape, source.num_classes,
+                   protocol["model_kwargs"])
+  x, y = tf.constant(source.x_train[:1]), tf.constant(source.y_train[:1], tf.int32)
+  model, weights, grads = _gradient(spec, x, y)
+  view = defenses.ClientView(
+      weights, tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(1))
+  uploads = {p: [u.numpy() for u in defenses.Soteria(spec, p=p).apply(grads, None, view)]
+             for p in (0.8, 0.95)}
+  assert not all(np.array_equal(a, b) for a, b in zip(uploads[0.8], uploads[0.95]))
+  k = functional.kernel_index(model, "fc2")  # reads the 64 hidden units
+  for p, pruned in ((0.8, 64 - 13), (0.95, 64 - 4)):  # 64 - ceil((1 - p) 64)
+    assert np.count_nonzero(~uploads[p][k].any(axis=1)) >= pruned  # ReLU zeros too
 
 
 def test_ldp_fed_outputs_the_ordinal_cldp_distribution():

@@ -16,9 +16,16 @@ Reading of the details:
   close to 0); the largest iota are the smallest s.
 * Exactly l - ceil((1 - p) l) rows are pruned, the same rounding as
   `Sparsification`.
-* The defended layer defaults to the model's first dense layer, whose input
-  is the convolutional representation (Soteria's choice on LeNet); the
-  Jacobian is taken under the broadcast model the client received.
+* The defended layer defaults to the model's first dense layer whose input
+  is a learned representation (`functional.representation_dense_layers`):
+  on a CNN the first dense layer, which reads the convolutional features
+  (Soteria's choice on LeNet); on an MLP the second, since the first reads
+  the flattened image: there s_i = 1 / (x_i + 0.1) ranks the pixels by
+  brightness, and at any usual p the pruning removes the rows of all the
+  image's bright pixels (a dark background's rows are zero already), so
+  strengths would not differ. A layer that reads the input is refused, and
+  so is a model without a representation to defend. The Jacobian is taken
+  under the broadcast model the client received.
 """
 
 from __future__ import annotations
@@ -42,17 +49,28 @@ class Soteria(UpdateDefense):
       Param("p", float, 0.8, "fraction of the defended layer's representation "
             "pruned", minimum=0, maximum=1, exclusive_maximum=True,
             flag="prune-rate"),
-      Param("layer", str, None, "dense layer to defend (default: the first)",
+      Param("layer", str, None, "dense layer to defend, one whose input is a "
+            "learned representation (default: the first such)",
             flag="defended-layer"))
 
   def __init__(self, model: ModelSpec, p: float = 0.8, layer: Optional[str] = None):
     p, layer = self.PARAMETERS.check(p=p, layer=layer).values()
     with tf.Graph().as_default():  # no eager Keras state before TFF traces
-      dense = functional.dense_layers(model.keras())
-    layer = layer or dense[0]
+      keras = model.keras()
+      dense = functional.dense_layers(keras)
+      defensible = functional.representation_dense_layers(keras)
+    if not defensible:
+      raise ValueError(f"layer: {model.name} has no dense layer that reads a "
+                       f"learned representation (dense layers: {dense or 'none'}); "
+                       "soteria needs a hidden layer before a dense one")
+    layer = layer or defensible[0]
     if layer not in dense:
       raise ValueError(f"layer={layer!r} is not a dense layer of {model.name}; "
-                       f"choose one of {dense}")
+                       f"choose one of {defensible}")
+    if layer not in defensible:
+      raise ValueError(f"layer={layer!r} reads {model.name}'s input, not a "
+                       "learned representation (soteria would prune input "
+                       f"pixels); choose one of {defensible}")
     self.model, self.p, self.layer = model, p, layer
 
   def params(self):

@@ -241,6 +241,24 @@ def dense_layers(model: tf.keras.Model) -> list[str]:
   return [layer.name for layer in model.layers if isinstance(layer, L.Dense)]
 
 
+def representation_dense_layers(model: tf.keras.Model) -> list[str]:
+  """Names of the fully connected layers, input to output, whose input is a
+  learned representation: computed by an earlier layer with learned weights
+  (trainable, or a frozen pretrained stage), not by layers without weights
+  (Flatten, pooling, activations) from the model's input alone."""
+  learned, names = set(), []  # ids of the tensors that learned weights shaped
+  for layer in model.layers:
+    if isinstance(layer, L.InputLayer):
+      continue
+    node = layer.inbound_nodes[0]
+    reads = any(id(t) in learned for t in tf.nest.flatten(node.keras_inputs))
+    if reads and isinstance(layer, L.Dense):
+      names.append(layer.name)
+    if reads or layer.weights or isinstance(layer, FrozenStage):
+      learned.update(id(t) for t in tf.nest.flatten(node.outputs))
+  return names
+
+
 def kernel_index(model: tf.keras.Model, layer_name: str) -> int:
   """Position of `layer_name`'s kernel among the trainable weights."""
   i = 0
