@@ -3,10 +3,12 @@ implementation with linear softmax defenders, whose input gradients are
 written out by hand."""
 
 import os
+import re
 
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tff_privacy import models, runner
 from tff_privacy.algorithms.defended import client_seed
@@ -220,6 +222,34 @@ def test_saved_zoo_is_read_by_the_graph_and_stays_out_of_it(tmp_path):
   assert not [f for f in os.listdir(tmp_path) if f.startswith(".zoo-")]
 
 
+def test_a_stale_zoo_of_the_same_shapes_is_refused_when_read(tmp_path):
+  folder = str(tmp_path / "zoo")
+  widths = ((4, 2), (4, 2), (4, 2))
+  built = _saved_zoo(folder, widths, seed=1)
+  recorded = defender_zoo.read_index(folder)["fingerprint"]
+  stale = str(tmp_path / "stale")
+  _saved_zoo(stale, widths, seed=2)
+  assert defender_zoo.read_index(stale)["shapes"] == defender_zoo.read_index(
+      folder)["shapes"]
+
+  # as the client work reads it on a TFF worker: the expected fingerprint
+  # is an input, the files are read each time the computation runs
+  @tff.tensorflow.computation(tff.TensorType(np.int64))
+  def read_mean(expected):
+    return defender_zoo.load_zoo(folder, in_graph=True,
+                                 fingerprint=expected).mean
+
+  np.testing.assert_array_equal(read_mean(recorded), built.mean)
+  for name in os.listdir(stale):  # another zoo's files, as on a worker's disk
+    if name.endswith(".tensor"):
+      os.replace(os.path.join(stale, name), os.path.join(folder, name))
+  refused = "other weights than the zoo built for this round"
+  with pytest.raises(Exception, match=f"zoo=.*{refused}"):
+    read_mean(recorded)
+  with pytest.raises(ValueError, match=f"zoo='{re.escape(folder)}'.*{refused}"):
+    defender_zoo.load_zoo(folder)  # checked against its zoo.json
+
+
 def test_zoo_errors_name_what_is_wrong(tmp_path):
   with pytest.raises(ValueError, match="zoo=.*nowhere.*holds no readable zoo.json"):
     defender_zoo.load_zoo(str(tmp_path / "nowhere"))
@@ -312,6 +342,9 @@ def test_clients_protect_what_their_json_says_with_their_own_class(tmp_path):
   path.write_text('{"default": "race", "clients": {"1": "sex=0.5", "3": "sex=0.5"}}')
   run = runner.Run(_adult_config(tmp_path / "run", protect=str(path)))
   defense, fed = run.client_defense, run.fed
+  # the round's zoos first: the clients' inputs name the weights they read
+  defense.prepare_round(1, run.spec.initial_weights(3), run.algorithm.upload_kind,
+                        run.algorithm.protocol)
   for client in range(4):
     inputs = defense.client_inputs(client, 1)
     gammas = (inputs["recupfl_gamma_race"], inputs["recupfl_gamma_sex"])

@@ -778,11 +778,11 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   for round_num in bar:
     start = time.perf_counter()
     capture = round_num in config.capture_rounds
-    clients = r.round_data(round_num)
     broadcast = r.server_weights(state)
-    if r.client_defense is not None:
+    if r.client_defense is not None:  # first: it may write the clients' inputs
       r.client_defense.prepare_round(round_num, broadcast, r.algorithm.upload_kind,
                                      r.algorithm.protocol)
+    clients = r.round_data(round_num)
     sent = r.sent_models(state, clients) if capture else None
     state, metrics = r.step(state, clients, capture)
     entry = {"round": round_num}

@@ -15,7 +15,10 @@ A zoo is saved as a folder of `tf.io.serialize_tensor` files (data, never
 pickle) with a `zoo.json` that names them, so that a TensorFlow graph can
 read it with `tf.io.read_file` and `tf.io.parse_tensor`: TFF's C++ workers
 run such ops, so the zoo's tens of megabytes stay out of the serialized
-computation, which only holds the folder's path.
+computation, which only holds the folder's path. `zoo.json` also records
+the fingerprint of the weights (`weights_fingerprint`), which every read
+checks: a folder holding other weights of the same shapes (a stale copy) is
+refused.
 """
 
 from __future__ import annotations
@@ -125,22 +128,39 @@ def zoo_from_pipelines(pipelines, attribute: str, classes: Sequence[str]) -> Def
                      scaler.scale_.astype(np.float32), tuple(models))
 
 
+def _named_arrays(zoo: DefenderZoo) -> dict:
+  """The zoo's arrays by file name, in the order of its files."""
+  files = {"mean": zoo.mean, "scale": zoo.scale}
+  files.update({f"model{k:02d}_{name}": a for k, m in enumerate(zoo.models)
+                for name, a in zip(ARRAYS, m)})
+  return files
+
+
+def weights_fingerprint(zoo: DefenderZoo) -> tf.Tensor:
+  """A 64-bit fingerprint (int64) of the zoo's weights: farmhash
+  (`tf.fingerprint`) of each array's float32 bytes, then of those
+  fingerprints together. TensorFlow ops, so a graph computes it from the
+  arrays it reads."""
+  parts = [tf.fingerprint(tf.reshape(tf.cast(a, tf.float32), [1, -1]))
+           for a in _named_arrays(zoo).values()]
+  return tf.bitcast(tf.fingerprint(tf.concat(parts, 1))[0], tf.int64)
+
+
 def save_zoo(zoo: DefenderZoo, folder: str) -> None:
   """Writes `zoo` to `folder` (replaced whole: written beside it, then
-  renamed)."""
+  renamed), its `weights_fingerprint` in zoo.json."""
   parent = os.path.dirname(os.path.abspath(folder))
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(dir=parent, prefix=".zoo-")
   try:
-    files = {"mean": zoo.mean, "scale": zoo.scale}
-    files.update({f"model{k:02d}_{name}": a for k, m in enumerate(zoo.models)
-                  for name, a in zip(ARRAYS, m)})
+    files = _named_arrays(zoo)
     for name, array in files.items():
       tf.io.write_file(os.path.join(staging, f"{name}.tensor"),
                        tf.io.serialize_tensor(tf.constant(array, tf.float32)))
     with open(os.path.join(staging, INDEX), "w") as f:
       json.dump({"attribute": zoo.attribute, "classes": list(zoo.classes),
                  "models": len(zoo.models),
+                 "fingerprint": int(weights_fingerprint(zoo)),
                  "shapes": {n: list(a.shape) for n, a in files.items()}}, f, indent=1)
     if os.path.isdir(folder):
       shutil.rmtree(folder)
@@ -177,21 +197,57 @@ def zoo_index(attribute: str, classes: Sequence[str], widths, pool_length: int) 
           "shapes": shapes}
 
 
-def load_zoo(folder: str, in_graph: bool = False,
-             index: Optional[dict] = None) -> DefenderZoo:
-  """A saved zoo; with `in_graph`, its arrays are read by TensorFlow ops
-  (`tf.io.read_file`, `tf.io.parse_tensor`) in the current graph, so a
-  `tf.function` or TFF computation holds the path, not the weights, and
-  reads the files each time it runs. `index` (`zoo_index`) lets a graph be
-  built before the files exist."""
+def load_zoo(folder: str, in_graph: bool = False, index: Optional[dict] = None,
+             fingerprint=None) -> DefenderZoo:
+  """A saved zoo, refused unless its weights have `fingerprint` (default:
+  the one its zoo.json recorded when it was built).
+
+  With `in_graph`, its arrays are read by TensorFlow ops (`tf.io.read_file`,
+  `tf.io.parse_tensor`) in the current graph, so a `tf.function` or TFF
+  computation holds the path, not the weights, and reads and checks the
+  files each time it runs; `fingerprint` may then be a tensor (an input of
+  the computation). `index` (`zoo_index`) lets a graph be built before the
+  files exist.
+
+  Raises:
+    ValueError: naming the folder, for other weights (eagerly).
+    tf.errors.InvalidArgumentError: the same, when a graph runs.
+  """
   index = index or read_index(folder)
+  if fingerprint is None:
+    fingerprint = index.get("fingerprint")
 
   def array(name):
-    tensor = tf.ensure_shape(tf.io.parse_tensor(tf.io.read_file(
+    return tf.ensure_shape(tf.io.parse_tensor(tf.io.read_file(
         os.path.join(folder, f"{name}.tensor")), tf.float32), index["shapes"][name])
-    return tensor if in_graph else tensor.numpy()
 
-  return DefenderZoo(index["attribute"], tuple(index["classes"]), array("mean"),
-                     array("scale"),
-                     tuple(tuple(array(f"model{k:02d}_{n}") for n in ARRAYS)
-                           for k in range(index["models"])))
+  zoo = DefenderZoo(index["attribute"], tuple(index["classes"]), array("mean"),
+                    array("scale"),
+                    tuple(tuple(array(f"model{k:02d}_{n}") for n in ARRAYS)
+                          for k in range(index["models"])))
+  if fingerprint is not None:
+    zoo = _checked(zoo, folder, fingerprint)
+  return zoo if in_graph else _map_arrays(zoo, lambda a: a.numpy())
+
+
+def _map_arrays(zoo: DefenderZoo, fn) -> DefenderZoo:
+  """`zoo` with `fn` applied to each of its arrays."""
+  return dataclasses.replace(
+      zoo, mean=fn(zoo.mean), scale=fn(zoo.scale),
+      models=tuple(tuple(fn(a) for a in m) for m in zoo.models))
+
+
+def _checked(zoo: DefenderZoo, folder: str, fingerprint) -> DefenderZoo:
+  """`zoo` (tensors) whose arrays are used only once their weights are found
+  to have `fingerprint`."""
+  message = (f"zoo={folder!r} holds other weights than the zoo built for this "
+             "round (their fingerprint differs from the one recorded when it "
+             "was built): a stale copy")
+  if tf.executing_eagerly():
+    if int(weights_fingerprint(zoo)) != int(fingerprint):
+      raise ValueError(message)
+    return zoo
+  check = tf.debugging.assert_equal(
+      weights_fingerprint(zoo), tf.cast(fingerprint, tf.int64), message=message)
+  with tf.control_dependencies([check]):
+    return _map_arrays(zoo, tf.identity)

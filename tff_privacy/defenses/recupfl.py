@@ -263,9 +263,16 @@ class RecupFL(UpdateDefense):
   OUT/recupfl_zoo/<attribute>/; the paper pre-trains the zoo before
   training and does not say whether it follows the model. The client work
   reads the files when it runs (`defender_zoo.load_zoo(in_graph=True)`), so
-  the computation holds paths, not weights. A client's class of an
-  attribute is that of its samples (the most frequent one when they
-  differ); it reaches the client work with its gamma as client inputs.
+  the computation holds paths, not weights, and checks them against the
+  fingerprint the zoo was built with (a client input): a worker that reads
+  other files (a stale zoo) fails instead of perturbing against them. The
+  workers must therefore see this machine's files (`reads_run_files`; the
+  CLI refuses --worker-addresses). Shipping the zoo instead (about 96 MB per
+  attribute at 20 models on 1024 pooled entries, retrained every round)
+  would resend it to every client in every round, or recompile the
+  computation at every retraining. A client's class of an attribute is that
+  of its samples (the most frequent one when they differ); it reaches the
+  client work with its gamma as client inputs.
   Every attribute that some client protects has a zoo and is perturbed for
   on every client, with gamma 0 where the client does not protect it, so
   that all clients run one computation.
@@ -275,6 +282,7 @@ class RecupFL(UpdateDefense):
   needs_client_view = True
   needs_model_spec = True
   needs_data = True
+  reads_run_files = True
   PARAMETERS = Params(
       Param("protect", str, help="attributes to protect, with gamma: 'race', "
             "'race=0.5,sex=0.5', or a JSON file of them per client"),
@@ -328,6 +336,7 @@ class RecupFL(UpdateDefense):
     for a in self._names:
       self.client_input_types[f"recupfl_class_{a}"] = tff.TensorType(np.int32)
       self.client_input_types[f"recupfl_gamma_{a}"] = tff.TensorType(np.float32)
+      self.client_input_types[f"recupfl_zoo_{a}"] = tff.TensorType(np.int64)
 
   def params(self):
     return dict(self._settings, zoo_widths=[list(w) for w in self._widths])
@@ -336,11 +345,15 @@ class RecupFL(UpdateDefense):
     return os.path.join(self._folder, attribute)
 
   def client_inputs(self, client, round_num):
+    """The client's class and gamma of each attribute, and the fingerprint
+    its zoo was built with (its zoo.json, written by `prepare_round`)."""
     del round_num
     inputs = {}
     for a in self._names:
       inputs[f"recupfl_class_{a}"] = np.int32(self._classes[client][a])
       inputs[f"recupfl_gamma_{a}"] = np.float32(self._levels[client].get(a, 0.0))
+      inputs[f"recupfl_zoo_{a}"] = np.int64(
+          defender_zoo.read_index(self.zoo_folder(a))["fingerprint"])
     return inputs
 
   def _index(self, attribute):
@@ -354,7 +367,7 @@ class RecupFL(UpdateDefense):
     source, n = self._data.source, self._settings["shadow_samples"]
     features = None
     for a in self._names:
-      if not due and os.path.isfile(os.path.join(self.zoo_folder(a), defender_zoo.INDEX)):
+      if not due and self._has_zoo(a):
         continue
       if features is None:  # one-sample shadow uploads at the broadcast model
         features = attribute.shadow_features(
@@ -367,13 +380,21 @@ class RecupFL(UpdateDefense):
       defender_zoo.save_zoo(defender_zoo.zoo_from_pipelines(
           pipelines, a, source.attributes.classes[a]), self.zoo_folder(a))
 
+  def _has_zoo(self, attribute: str) -> bool:
+    """Whether the attribute's zoo is saved with its fingerprint (one saved
+    without, by an older version, is retrained)."""
+    index = os.path.join(self.zoo_folder(attribute), defender_zoo.INDEX)
+    return (os.path.isfile(index)
+            and "fingerprint" in defender_zoo.read_index(self.zoo_folder(attribute)))
+
   def apply(self, update, seed, client: Optional[ClientView] = None):
     if client is None:
       raise ValueError("recupfl needs the client's inputs (a ClientView)")
     protections = []
     for k, a in enumerate(self._names):
       zoo = defender_zoo.load_zoo(self.zoo_folder(a), in_graph=True,
-                                  index=self._index(a))
+                                  index=self._index(a),
+                                  fingerprint=client.inputs[f"recupfl_zoo_{a}"])
       protections.append((client.inputs[f"recupfl_class_{a}"],
                           defender_zoo.defenders(zoo),
                           client.inputs[f"recupfl_gamma_{a}"],

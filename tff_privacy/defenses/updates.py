@@ -81,6 +81,9 @@ class UpdateDefense(abc.ABC):
   needs_model_spec = False
   # built with the run's `FederatedData` (`data`) and output folder (`out`)
   needs_data = False
+  # the client work reads files that the server writes under `out`, so the
+  # run's workers must share this machine's file system
+  reads_run_files = False
   # per-client inputs beyond the noise seed: {name: tff.TensorType}, given
   # by the method's `client_inputs` and read from `ClientView.inputs`
   client_input_types: dict = {}
