@@ -257,6 +257,15 @@ def test_config_file_and_flags_merge(tmp_path):
                                                      "test_fraction": 0.3}
   args = parser.parse_args(["train", "--config", str(config), "--dataset", "digits"])
   assert cli._config_from_args(args).data_kwargs == {}
+  # a data set of another task changes the default model: the file's model
+  # parameters were the old model's
+  config.write_text(json.dumps({"out": str(tmp_path / "run"),
+                                "model_kwargs": {"filters": 4}}))
+  args = parser.parse_args(["train", "--config", str(config), "--model", "cnn"])
+  assert cli._config_from_args(args).model_kwargs == {"filters": 4}
+  args = parser.parse_args(["train", "--config", str(config), "--dataset", "docs"])
+  run = cli._config_from_args(args)
+  assert run.model == "unet" and run.model_kwargs == {}
 
 
 def test_a_boolean_flag_alone_means_true(tmp_path):
@@ -301,19 +310,32 @@ def test_fedem_flags_reach_the_method(capsys, tmp_path):
       2, 0.05, "l2")
 
 
-def test_segmentation_run_prints_its_scores(capsys, tmp_path):
+def test_segmentation_run_takes_the_unet_by_default_and_prints_its_scores(
+    capsys, tmp_path):
   # a task with several personal metrics, only the primary one with a spread
   code, out, err = _main(capsys, "train", "--out", str(tmp_path), "--quiet",
-                         "--dataset", "docs", "--model", "unet", "--model-kwargs",
+                         "--dataset", "docs", "--model-kwargs",
                          '{"widths": [4, 8]}', "--clients", "2", "--partition",
                          "groups", "--samples-per-client", "2", "--batch-size",
                          "2", "--rounds", "1")
   assert code == 0, err
+  with open(os.path.join(tmp_path, "config.json")) as f:
+    assert json.load(f)["model"] == "unet"
   with open(os.path.join(tmp_path, "metrics.json")) as f:
     last = json.load(f)[-1]
   assert f"test_f_score={last['test_f_score']:.4f}" in out
   assert (f"personal_f_score={last['personal_f_score_mean']:.4f}"
           f"+-{last['personal_f_score_std']:.4f}") in out
+
+
+def test_train_help_names_each_tasks_default_model(capsys):
+  code, out, _ = _main(capsys, "train", "--help")
+  assert code == 0
+  text = " ".join(out.split())
+  for default in ("unet for segmentation (docs, doctamper, tsroie)",
+                  "mlp for binary_mse (adult)",
+                  "cnn for classification (the other data sets)"):
+    assert default in text
 
 
 def test_unknown_method_is_rejected_by_the_parser(capsys, tmp_path):

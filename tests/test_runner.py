@@ -166,6 +166,19 @@ def test_a_refused_config_names_every_differing_key_with_both_values(
     runner.run(runner.RunConfig(**{**vars(config), "out": out}), progress=False)
 
 
+@pytest.mark.parametrize("dataset,data_kwargs,model", [
+    ("digits", {}, "cnn"), ("docs", {"num": 10}, "unet"), ("adult", {}, "mlp")])
+def test_the_default_model_follows_the_data_sets_task(tmp_path, dataset,
+                                                      data_kwargs, model):
+  config = runner.RunConfig(out=str(tmp_path), dataset=dataset,
+                            data_kwargs=data_kwargs)
+  assert config.model == model and config.to_json()["model"] == model
+  # the task the data set's loader gives its samples: the model fits it
+  source = data.sources.load_source(dataset, data_kwargs=data_kwargs)
+  models.ModelSpec(config.model, source.input_shape, source.num_classes, {},
+                   source.task).check_builds()
+
+
 def test_data_options_at_their_defaults_leave_config_json_as_before(fedsgd_run):
   config, _ = fedsgd_run
   with open(os.path.join(config.out, "config.json")) as f:

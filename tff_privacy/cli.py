@@ -217,6 +217,21 @@ def _read_config(path: str) -> dict[str, Any]:
   return fields
 
 
+# the components of a run, with the field of their parameters
+_COMPONENTS = {"model": "model_kwargs", "dataset": "data_kwargs",
+               "method": "method_kwargs", "defense": "defense_kwargs"}
+
+
+def _components(fields: dict[str, Any]) -> dict[str, Any]:
+  """The components that RunConfig `fields` name, defaults filled in (the
+  model's is the data set's task's)."""
+  from tff_privacy.runner import RUN_PARAMETERS, default_model
+  out = {c: fields.get(c, RUN_PARAMETERS[c].default) for c in _COMPONENTS}
+  if out["model"] is None:
+    out["model"] = default_model(RUN_PARAMETERS["dataset"].check(out["dataset"]))
+  return out
+
+
 def _config_from_args(args):
   """The RunConfig of `tff-privacy train`: the --config file's fields,
   overridden by single flags, dict fields merged key by key."""
@@ -227,14 +242,15 @@ def _config_from_args(args):
   if unknown:
     raise ValueError(f"--config {args.config}: unknown fields {', '.join(unknown)}; "
                      f"accepted: {', '.join(sorted(accepted))}")
-  for name in ("model_kwargs", "data_kwargs", "method_kwargs", "defense_kwargs"):
+  for name in _COMPONENTS.values():
     if not isinstance(fields.get(name, {}), dict):
       raise ValueError(f"--config {args.config}: {name} must be a JSON object")
-  for component, kwargs in (("model", "model_kwargs"), ("dataset", "data_kwargs"),
-                            ("method", "method_kwargs"), ("defense", "defense_kwargs")):
-    # a flag naming another component drops the file's parameters of the old one
-    before = fields.get(component, RUN_PARAMETERS[component].default)
-    if getattr(args, component) not in (None, before):
+  flags = {c: getattr(args, c) for c in _COMPONENTS if getattr(args, c) is not None}
+  before, after = _components(fields), _components({**fields, **flags})
+  for component, kwargs in _COMPONENTS.items():
+    # a flag that changes a component (the default model also through the
+    # data set) drops the file's parameters of the old one
+    if after[component] != before[component]:
       fields.pop(kwargs, None)
   for name in ["out", "capture_rounds", "infer_attributes",
                "attribute_adversaries", *RUN_PARAMETERS.names]:

@@ -49,7 +49,7 @@ import tensorflow_federated as tff
 import tqdm
 
 from tff_privacy import (algorithms, data, defenses, evaluate, io, models,
-                         params, pretrained, runtime)
+                         params, pretrained, runtime, tasks)
 from tff_privacy.aggregation import wide_sum
 from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.dp import accounting
@@ -60,6 +60,24 @@ from tff_privacy.updates import CaptureFactory, GroundTruthStore, UpdateStore
 _EVAL_BATCH = 1000
 
 
+def default_model(dataset: str) -> str:
+  """The model of a run on `dataset` that names none: its task's
+  (`tff_privacy.tasks.Task.default_model`)."""
+  return tasks.get(data.sources.task_of(dataset)).default_model
+
+
+def _model_help() -> str:
+  """--model's help, with each task's default model and data sets."""
+  by_task = collections.defaultdict(list)
+  for name, task in sorted(data.sources.DATASET_TASKS.items()):
+    by_task[task].append(name)
+  return ("model builder; default by the data set's task: " + ", ".join(
+      f"{tasks.get(t).default_model} for {t} ({', '.join(names)})"
+      for t, names in sorted(by_task.items()))
+      + f", {tasks.get('classification').default_model} for classification "
+      "(the other data sets)")
+
+
 RUN_PARAMETERS = params.Params(
     params.Param("method", str, "fedavg", "federated method",
                  choices=tuple(sorted(algorithms.METHODS))),
@@ -67,7 +85,7 @@ RUN_PARAMETERS = params.Params(
     params.Param("data_dir", str, None, "tensorflow_datasets data directory, or "
                  "the folder of a data set read from its published files "
                  "(audiomnist, lfw)"),
-    params.Param("model", str, "cnn", "model builder",
+    params.Param("model", str, None, _model_help(),
                  choices=tuple(sorted(models.MODELS))),
     params.Param("clients", int, 10, "number of clients", minimum=1),
     params.Param("clients_per_round", int, None,
@@ -110,13 +128,14 @@ def _run_default(name: str):
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """One training run. Defaults: FedAvg on the bundled MNIST digits; the
-  scalar fields are declared in `RUN_PARAMETERS`."""
+  """One training run. Defaults: FedAvg on the bundled MNIST digits with
+  the data set's task's model (`default_model`); the scalar fields are
+  declared in `RUN_PARAMETERS`."""
 
   out: str
   method: str = _run_default("method")
   dataset: str = _run_default("dataset")
-  model: str = _run_default("model")
+  model: Optional[str] = None  # None: `default_model(dataset)`
   model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
   clients: int = _run_default("clients")
   clients_per_round: Optional[int] = None  # None: every client, every round
@@ -153,6 +172,8 @@ class RunConfig:
         **{name: getattr(self, name) for name in RUN_PARAMETERS.names})
     for name, value in checked.items():
       object.__setattr__(self, name, value)
+    if self.model is None:
+      object.__setattr__(self, "model", default_model(self.dataset))
     if not isinstance(self.out, str) or not self.out:
       raise ValueError(f"out must name a folder, got {self.out!r}")
     for name in ("model_kwargs", "data_kwargs", "method_kwargs", "defense_kwargs"):

@@ -38,6 +38,7 @@ TASKS = ("binary_mse", "classification", "segmentation")
 class Task(abc.ABC):
   name = "task"
   primary_metric = "accuracy"
+  default_model = "cnn"  # a run's model when it names none (`models.MODELS`)
   labels_recoverable = False
   sum_names: tuple[str, ...] = ()
 
@@ -120,6 +121,7 @@ class _WeightedCrossEntropy(tf.keras.losses.Loss):
 class Segmentation(Task):
   name = "segmentation"
   primary_metric = "f_score"
+  default_model = "unet"
   labels_recoverable = False
   sum_names = ("loss", "true_positive", "false_positive", "false_negative")
 
@@ -187,6 +189,7 @@ class _TaskLoss(tf.keras.losses.Loss):
 
 class BinaryMSE(Classification):
   name = "binary_mse"
+  default_model = "mlp"  # tabular features
   labels_recoverable = False
 
   def output_units(self, num_classes):

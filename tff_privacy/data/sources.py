@@ -370,6 +370,10 @@ _ON_DISK: dict[str, Callable[..., Source]] = {"audiomnist": load_audiomnist,
 # tensorflow_datasets data sets with their own loaders
 _TFDS_LOADERS: dict[str, Callable[..., Source]] = {"celeba": load_celeba}
 SEGMENTATION_DATASETS = ("docs", "doctamper", "tsroie")
+# the data sets whose task (`Source.task`) is not classification
+DATASET_TASKS: dict[str, str] = {
+    **{name: "segmentation" for name in SEGMENTATION_DATASETS},
+    "adult": "binary_mse"}
 
 DATASETS = (tuple(sorted(_BUNDLED)) + tuple(sorted({**_TFDS_SOURCES, **_TFDS_LOADERS}))
             + tuple(sorted(_ON_DISK)))
@@ -426,6 +430,13 @@ def data_parameters(name: str) -> params.Params:
     raise ValueError(
         f"dataset={name!r} is unknown; choose one of {', '.join(DATASETS)}")
   return DATA_PARAMETERS[name]
+
+
+def task_of(name: str) -> str:
+  """The task (`tff_privacy.tasks`) of data set `name`, known before its
+  data are read."""
+  data_parameters(name)  # refuses an unknown name
+  return DATASET_TASKS.get(name, "classification")
 
 
 def resolve_data_kwargs(name: str, data_kwargs: dict | None) -> dict:
