@@ -6,8 +6,12 @@ failure run again while a refusal is kept."""
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
+import psutil
 import pytest
 import tensorflow as tf
 from conftest import worker_children
@@ -261,3 +265,28 @@ def test_the_built_in_grids_parse():
   for scale in leaderboard.defaults.GRIDS:
     rows = grid.parse(leaderboard.defaults.grid(scale)).rows()
     assert len({r.key for r in rows}) == len(rows)
+
+
+def test_a_pools_processes_and_workers_end_with_the_leaderboard():
+  """SIGKILL the program running rows in processes: its pool's processes
+  (and their TFF workers) must not go on training."""
+  script = textwrap.dedent("""
+      import multiprocessing, os, time
+      from concurrent import futures
+      from tff_privacy.leaderboard import board
+      context = multiprocessing.get_context("spawn")
+      pool = futures.ProcessPoolExecutor(1, mp_context=context,
+                                         initializer=board._start_process)
+      print(pool.submit(os.getpid).result(), flush=True)
+      pool.submit(time.sleep, 600)
+      time.sleep(600)
+  """)
+  parent = subprocess.Popen([sys.executable, "-c", script],
+                            stdout=subprocess.PIPE, text=True)
+  row_process = psutil.Process(int(parent.stdout.readline()))
+  processes = [row_process] + row_process.children(recursive=True)
+  assert any(p.name() == "worker_binary" for p in processes)
+  parent.kill()
+  parent.wait()
+  _, alive = psutil.wait_procs(processes, timeout=30)
+  assert not alive, [p.cmdline()[:2] for p in alive]

@@ -38,6 +38,7 @@ the program with a message naming its process or address.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import shutil
 import signal
@@ -73,6 +74,7 @@ from tensorflow_federated.python.core.impl.types import type_conversions
 
 from tff_privacy import private_worker
 
+_PR_SET_PDEATHSIG = 1
 _GRPC_OPTIONS = [
     ("grpc.max_message_length", 2 * 10**9),
     ("grpc.max_receive_message_length", 2 * 10**9),
@@ -128,6 +130,17 @@ def _stop_main_thread(failure: str) -> None:
   print(f"tff_privacy: {failure}; stopping", file=sys.stderr, flush=True)
   signal.pthread_kill(threading.main_thread().ident, _FAILURE_SIGNAL
                       if _failure_handler_installed else signal.SIGINT)
+
+
+def end_with_parent(parent_pid: int) -> None:
+  """Has the kernel end this process with SIGTERM when its parent
+  `parent_pid` ends (Linux), and ends it now if that has already happened:
+  for the processes of a pool, which would otherwise go on running their
+  tasks, each with its worker, after the program that started them died."""
+  if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+  if os.getppid() != parent_pid:
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def worker_binary_path() -> str:

@@ -99,6 +99,7 @@ def _in_processes(pending, grid: Grid, out: str, jobs: int):
 
 def _start_process() -> None:
   from tff_privacy import runtime
+  runtime.end_with_parent(multiprocessing.parent_process().pid)
   runtime.start()
   # a pool's process ends without atexit hooks; its finalizers do run
   multiprocessing.util.Finalize(None, runtime.stop, exitpriority=10)
