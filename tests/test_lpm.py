@@ -181,10 +181,10 @@ def test_a_spec_refuses_a_backbone_file_replaced_after_it_was_recorded(tmp_path)
   recorded = spec.to_json()  # as the update store and config.json keep it
   models.ModelSpec.from_json(recorded).keras()
   pretrained.save(path, _random_weights(backbone, 2), {})  # same shapes
-  with pytest.raises(ValueError, match=f"backbone_weights='{re.escape(path)}': the weights "
-                     "file's fingerprint [0-9a-f]+ differs from "
-                     f"{pretrained.fingerprint(first)}, the one the run or record "
-                     "was made with"):
+  with pytest.raises(ValueError, match=f"backbone_weights='{re.escape(path)}': "
+                     "the weights file's fingerprint [0-9a-f]+ differs from "
+                     f"{pretrained.fingerprint(first)}, the one the run or "
+                     "record was made with"):
     models.ModelSpec.from_json(recorded).keras()
 
 

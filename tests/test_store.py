@@ -154,7 +154,8 @@ def test_manifest_paths_outside_the_store_are_refused(store, tmp_path, where):
     os.remove(os.path.join(s.root, relpath))
     os.symlink(target, os.path.join(s.root, relpath))
   _point_entry_at(s, relpath)
-  with pytest.raises(UpdateStoreError, match=f"{re.escape(relpath)}.*outside the store"):
+  with pytest.raises(UpdateStoreError,
+                     match=f"{re.escape(relpath)}.*outside the store"):
     s.read(1, 3)
   s.read(1, 7)
 
