@@ -1,16 +1,20 @@
 """The HyperFL paper's baselines: DP-SGD pieces, each method's TFF round
 against a plain TensorFlow reference, accounting and the runner."""
 
+import json
 import shutil
 
+import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_privacy as tfp_privacy
 
-from tff_privacy import algorithms, models, runner
+from tff_privacy import algorithms, cli, models, runner
+from tff_privacy.algorithms import local_dp_sgd
 from tff_privacy.algorithms.defended import SEED_KEY
 from tff_privacy.dp import accounting, dp_sgd
+from tff_privacy.protocol import local_batch_sizes
 from tff_privacy.models.functional import forward
 from tff_privacy.updates import UpdateStore
 
@@ -45,6 +49,70 @@ def test_private_gradient_noise_has_std_sigma_c_over_b_and_follows_its_seed():
   assert not np.allclose(noisy, other)
 
 
+def test_private_gradient_divides_by_the_expected_batch_size_given():
+  grads = [tf.ones([3, 100, 100])]  # each example clipped to norm 2
+  mean = dp_sgd.private_gradient(grads, 2.0, 0.0, tf.constant([3, 4], tf.int64),
+                                 denominator=10.0)[0].numpy()
+  np.testing.assert_allclose(mean, 3 * 2.0 / 100 / 10, rtol=1e-6)
+  # an empty Poisson batch: the noise alone, std sigma C / 10
+  empty = dp_sgd.private_gradient([tf.ones([0, 100, 100])], 2.0, 3.0,
+                                  tf.constant([3, 4], tf.int64),
+                                  denominator=10.0)[0].numpy()
+  assert empty.std() == pytest.approx(3.0 * 2.0 / 10, rel=0.03)
+
+
+def _client_data(x, y, batch_size, epochs, seed):
+  """A client's round as the runner cuts it: `epochs` passes in batches."""
+  sizes = local_batch_sizes(len(y), batch_size, epochs)
+  return runner.client_dataset(np.concatenate([x] * epochs),
+                               np.concatenate([y] * epochs), sizes,
+                               {SEED_KEY: np.array(seed, np.int64)})
+
+
+def test_poisson_batches_take_each_example_with_probability_batch_over_n():
+  n, b, epochs = 50, 10, 200  # q = 0.2; 5 batches a pass: 1000 steps
+  x = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1)  # x: the index
+  batches = list(local_dp_sgd.poisson_batches(
+      _client_data(x, np.zeros(n, np.int32), b, epochs, [5, 6]),
+      epochs).as_numpy_iterator())
+  assert len(batches) == 1000
+  counts, sizes = np.zeros(n), []
+  for batch in batches:
+    index = batch["x"].reshape(-1).astype(int)
+    assert len(set(index)) == len(index)
+    counts[index] += 1
+    sizes.append(len(index))
+    assert batch[local_dp_sgd.EXPECTED_SIZE_KEY] == b
+    np.testing.assert_array_equal(batch[SEED_KEY], [5, 6])
+  # 50 000 independent draws at q = 0.2: the overall frequency has sd
+  # 0.0018, each example's (1000 draws) sd 0.0126; tolerances 5 sd
+  assert counts.sum() / (n * 1000) == pytest.approx(0.2, abs=0.009)
+  assert np.all(np.abs(counts / 1000 - 0.2) < 0.063)
+  # batch sizes Binomial(50, 0.2): variance 8 (fixed-size batches: 0); the
+  # sample variance of 1000 has sd 0.36, tolerance 5.5 sd
+  assert np.var(sizes) == pytest.approx(8.0, abs=2.0)
+  # the draws follow the round's seed
+  again = local_dp_sgd.poisson_batches(
+      _client_data(x, np.zeros(n, np.int32), b, epochs, [5, 6]), epochs)
+  other = local_dp_sgd.poisson_batches(
+      _client_data(x, np.zeros(n, np.int32), b, epochs, [5, 7]), epochs)
+  first = [batch["x"].reshape(-1) for batch in batches[:20]]
+  assert all(np.array_equal(a, c["x"].reshape(-1))
+             for a, c in zip(first, again.take(20).as_numpy_iterator()))
+  assert not all(np.array_equal(a, c["x"].reshape(-1))
+                 for a, c in zip(first, other.take(20).as_numpy_iterator()))
+
+
+def test_a_client_smaller_than_the_batch_takes_every_example_every_step():
+  x = np.arange(3, dtype=np.float32).reshape(3, 1, 1, 1)
+  batches = list(local_dp_sgd.poisson_batches(
+      _client_data(x, np.zeros(3, np.int32), 8, 4, [1, 2]), 4).as_numpy_iterator())
+  assert len(batches) == 4  # q = min(1, 8 / 3)
+  for batch in batches:
+    np.testing.assert_array_equal(np.sort(batch["x"].reshape(-1)), [0, 1, 2])
+    assert batch[local_dp_sgd.EXPECTED_SIZE_KEY] == 3
+
+
 def test_noise_calibration_matches_opacus_for_the_papers_setting():
   # the HyperFL authors' code: Opacus' get_noise_multiplier(4, 1e-5,
   # sample_rate=50/600, epochs=200 x 5) returns 10.63 (tolerance 0.01 in eps)
@@ -72,14 +140,32 @@ def _mean_grad(model, weights, wrt, x, y):
   return tape.gradient(loss, free)
 
 
-def _clipped_mean_grad(model, weights, wrt, x, y, clip):
-  """Noise-free DP-SGD gradient, one example at a time."""
-  total = None
+def _clipped_mean_grad(model, weights, wrt, x, y, clip, denominator=None):
+  """Noise-free DP-SGD gradient, one example at a time, divided by
+  `denominator` (default: the batch's size)."""
+  total = [tf.zeros_like(weights[i]) for i in wrt]
   for i in range(len(y)):
     g, _ = tf.clip_by_global_norm(
         _mean_grad(model, weights, wrt, x[i:i + 1], y[i:i + 1]), clip)
-    total = g if total is None else [a + b for a, b in zip(total, g)]
-  return [t / len(y) for t in total]
+    total = [a + b for a, b in zip(total, g)]
+  return [t / (denominator or len(y)) for t in total]
+
+
+def _poisson_reference(x, y, seed, batch_size, steps):
+  """The Poisson batches of a client's DP steps, drawn as documented: at
+  step s every example joins when its uniform draw from the round's seed
+  folded with `SAMPLING_STREAM`, then s (int64), lies below q = batch_size
+  / n."""
+  key = tf.random.experimental.stateless_fold_in(
+      tf.constant(seed, tf.int64), local_dp_sgd.SAMPLING_STREAM)
+  out = []
+  for s in range(steps):
+    draws = tf.random.stateless_uniform(
+        [len(y)], tf.random.experimental.stateless_fold_in(key, np.int64(s)),
+        dtype=tf.float64).numpy()
+    keep = draws < batch_size / len(y)
+    out.append((x[keep], y[keep]))
+  return out
 
 
 def _adam(params, grads, moments, step, lr, weight_decay, b1=0.9, b2=0.999,
@@ -100,9 +186,11 @@ def _zeros(ws):
   return [tf.zeros_like(w) for w in ws]
 
 
-def _reference(method, weights, batches, p):
+def _reference(method, weights, batches, p, sampled=None, denominator=None):
   """One client's round of `method`, written out directly; returns its new
-  weights (body + classifier)."""
+  weights (body + classifier). `sampled`: the batches of the DP steps, if
+  not `batches` (their DP part), and `denominator` their noisy sums'
+  divisor."""
   model = SPEC.keras()
   w = [tf.constant(a) for a in weights]
   body, head = list(range(2)), list(range(2, 4))
@@ -119,14 +207,17 @@ def _reference(method, weights, batches, p):
                      p["learning_rate"])
   elif method == "dp_sgd_fedavg":
     bufs = _zeros(w)
-    for x, y in batches:
-      w, bufs = _sgd(w, _clipped_mean_grad(model, w, range(4), x, y, clip),
+    for x, y in sampled or batches:
+      w, bufs = _sgd(w, _clipped_mean_grad(model, w, range(4), x, y, clip,
+                                           denominator),
                      bufs, p["learning_rate"])
   elif method == "ppsgd":
     hb, bb = _zeros(w[2:]), _zeros(w[:2])
-    for x, y in batches:
-      g_head = _mean_grad(model, w, head, x, y)
-      g_body = _clipped_mean_grad(model, w, body, x, y, clip)
+    for x, y in sampled or batches:
+      # an empty batch leaves the classifier's gradient 0
+      g_head = (_mean_grad(model, w, head, x, y) if len(y)
+                else _zeros(w[2:]))
+      g_body = _clipped_mean_grad(model, w, body, x, y, clip, denominator)
       new_head, hb = _sgd(w[2:], g_head, hb, p["classifier_learning_rate"])
       new_body, bb = _sgd(w[:2], g_body, bb, p["learning_rate"])
       w = new_body + new_head
@@ -137,8 +228,9 @@ def _reference(method, weights, batches, p):
       new_head, hb = _sgd(w[2:], _mean_grad(model, w, head, x, y), hb,
                           p["classifier_learning_rate"])
       w = w[:2] + new_head
-    for x, y in batches[per_epoch:]:
-      new_body, bb = _sgd(w[:2], _clipped_mean_grad(model, w, body, x, y, clip),
+    for x, y in sampled or batches[per_epoch:]:
+      new_body, bb = _sgd(w[:2], _clipped_mean_grad(model, w, body, x, y, clip,
+                                                    denominator),
                           bb, p["learning_rate"])
       w = new_body + w[2:]
   return [a.numpy() for a in w]
@@ -146,30 +238,56 @@ def _reference(method, weights, batches, p):
 
 @pytest.mark.parametrize("method,given", [
     ("local_only", {}), ("local_only", {"client_optimizer": "adam"}),
-    ("dp_sgd_fedavg", {}), ("ppsgd", {}), ("centaur", {})])
+    ("dp_sgd_fedavg", {}), ("ppsgd", {}), ("centaur", {}),
+    ("dp_sgd_fedavg", {"batch_sampling": "shuffle"}),
+    ("ppsgd", {"batch_sampling": "shuffle"}),
+    ("centaur", {"batch_sampling": "shuffle"})])
 def test_round_matches_a_plain_reference(method, given):
+  _check_round(method, given, batch_size=4)  # batches 4+2 and 4+4+1 per epoch
+
+
+@pytest.mark.parametrize("method", ["ppsgd", "centaur"])
+def test_poisson_round_with_empty_batches_matches_a_plain_reference(method):
+  # q = 1/6 and 1/9: about a third of the steps draw no example
+  _check_round(method, {}, batch_size=1, empty_batches=True)
+
+
+def _check_round(method, given, batch_size, empty_batches=False):
+  """One TFF round of `method` on two clients of 6 and 9 examples against
+  `_reference`."""
   epochs = 3  # centaur: 1 classifier epoch + 2 DP epochs
   given = {"local_epochs": 2 if method == "centaur" else 3, **given}
   if method != "local_only":
     given.update(l2_norm_clip=0.5, noise_multiplier=0.0)
   declared = algorithms.method(method).resolve(given)
-  alg = algorithms.get(method, SPEC, batch_size=4, seed=0, **declared)
+  alg = algorithms.get(method, SPEC, batch_size=batch_size, seed=0, **declared)
   assert alg.local_epochs == epochs
   process = alg.build_process(None)
   rng = np.random.default_rng(0)
-  clients, batches = [], []
-  for n in (6, 9):  # batches 4+2 and 4+4+1 per epoch
+  clients, batches, sampled = [], [], []
+  # the DP methods' default is Poisson sampling
+  poisson = method != "local_only" and given.get("batch_sampling") != "shuffle"
+  for n in (6, 9):
     x = rng.random((n, 8, 8, 1), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int32)
-    sizes = [4] * (n // 4) + ([n % 4] if n % 4 else [])
+    sizes = local_batch_sizes(n, batch_size)
     extra = {SEED_KEY: np.array([0, n], np.int64)} if alg.client_inputs else None
     clients.append(runner.client_dataset(np.concatenate([x] * epochs),
                                          np.concatenate([y] * epochs),
                                          sizes * epochs, extra))
     cuts = np.cumsum([0] + sizes)
     batches.append([(x[a:b], y[a:b]) for a, b in zip(cuts[:-1], cuts[1:])] * epochs)
+    # the DP steps: one per batch of the DP epochs (centaur: 2 of 3)
+    dp_steps = len(sizes) * given["local_epochs"]
+    sampled.append(_poisson_reference(x, y, [0, n], batch_size, dp_steps)
+                   if poisson else None)
+  if poisson:  # the draws give batches of varying size
+    drawn = [len(y) for s in sampled for _, y in s]
+    assert len(set(drawn)) > 2 and (0 in drawn) == empty_batches
   initial = SPEC.initial_weights(0)
-  results = [_reference(method, initial, b, declared) for b in batches]
+  results = [_reference(method, initial, b, declared, s,
+                        batch_size if poisson else None)
+             for b, s in zip(batches, sampled)]
   mean = [(6 * a + 9 * b) / 15 for a, b in zip(*results)]
 
   def close(got, expected):
@@ -182,6 +300,7 @@ def test_round_matches_a_plain_reference(method, given):
     return
   states = [alg.private_state.initial(c) for c in range(2)]
   out = process.next(process.initialize(), clients, states)
+  assert np.isfinite(out["metrics"]["client_work"]["train"]["loss"])
   shared = process.get_model_weights(out["state"])
   if method == "local_only":
     assert list(shared) == []
@@ -216,12 +335,16 @@ def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path
   with pytest.raises(ValueError, match="rounds: .* sizes itself by them"):
     runner.run(_config(tmp_path / "resumed", rounds=3, capture_rounds=(1,)),
                progress=False)
-  # sigma spends epsilon 4 over 2 rounds x 3 steps at rate 10 / 30
+  # sigma spends epsilon 4 over 2 rounds x 3 Poisson-sampled steps at rate
+  # 10 / 30, as dp_accounting prices them
   sigma = dp_sgd.noise_multiplier_for(4.0, 1e-5, 1 / 3, 6)
   for entry, rounds in zip(full, (1, 2)):
-    assert entry["epsilon"] == pytest.approx(accounting.epsilon(
-        dp_sgd.steps_event(sigma, 1 / 3, 3 * rounds), 1e-5), rel=1e-6)
+    rdp = dp_accounting.rdp.RdpAccountant()
+    rdp.compose(dp_accounting.PoissonSampledDpEvent(
+        1 / 3, dp_accounting.GaussianDpEvent(sigma)), 3 * rounds)
+    assert entry["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-6)
     assert entry["dp_relation"] == dp_sgd.RELATION
+    assert entry["batch_sampling"] == "poisson"
   assert full[-1]["epsilon"] <= 4.0
   records = UpdateStore(str(tmp_path / "full" / "updates")).records(1)
   assert len(records) == 3
@@ -229,6 +352,29 @@ def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path
     assert record.upload_kind == "body_weights"
     assert [u.shape for u in record.upload] == [(64, 16), (16,)]
     assert record.metadata["protocol"]["noise_multiplier"] == pytest.approx(sigma)
+
+
+def test_shuffled_batches_report_no_epsilon_and_say_why(tmp_path):
+  history = runner.run(_config(tmp_path, method="dp_sgd_fedavg", rounds=1,
+                               method_kwargs={"local_epochs": 1,
+                                              "batch_sampling": "shuffle"}),
+                       progress=False)
+  last = history[-1]
+  assert last["epsilon"] is None and "not accounted" in last["epsilon_note"]
+  assert last["batch_sampling"] == "shuffle" and "delta" not in last
+  with open(tmp_path / "metrics.json") as f:
+    assert json.load(f)[-1]["epsilon"] is None
+  assert cli.privacy_summary(last) == (
+      f"epsilon=none ({last['epsilon_note']}) batch_sampling=shuffle")
+
+
+def test_the_train_summary_names_the_batch_sampling():
+  last = {"epsilon": 3.98765, "delta": 1e-5, "batch_sampling": "poisson"}
+  assert cli.privacy_summary(last) == (
+      "epsilon=3.988 delta=1e-05 batch_sampling=poisson")
+  assert cli.privacy_summary({"epsilon": 2.0, "delta": 0.0}) == (
+      "epsilon=2 delta=0")
+  assert cli.privacy_summary({}) == ""
 
 
 def test_local_only_refuses_capture_and_shares_nothing(tmp_path):

@@ -287,8 +287,7 @@ def _train(args) -> int:
                 allow_remote=args.allow_remote_workers)
   history = runner.run(config, progress=not args.quiet)
   last = history[-1] if history else {}
-  privacy = (f" epsilon={last['epsilon']:.4g} delta={last['delta']:g}"
-             if "epsilon" in last else "")
+  privacy = privacy_summary(last)
   tested = {k: v for k, v in last.items() if k.startswith("test_")}
   global_model = "".join(f"{k}={v:.4f} " for k, v in tested.items())
   # the personal metrics reported with a spread over clients: the task's
@@ -298,12 +297,26 @@ def _train(args) -> int:
       for k in last if k.startswith("personal_") and k.endswith("_std"))
   print(" ".join(f"method={config.method} dataset={config.dataset} "
                  f"model={config.model} defense={config.defense} rounds="
-                 f"{last.get('round')} {global_model}{personal}{privacy}".split()))
+                 f"{last.get('round')} {global_model}{personal} {privacy}".split()))
   models_file = runner.MODEL_WEIGHTS if tested else runner.PERSONAL_MODELS
   print(f"results in {config.out}: config.json, metrics.json, {models_file}, "
         "tensorboard/, checkpoints/"
         + (", updates/manifest.json, ground_truth/" if config.capture_rounds else ""))
   return 0
+
+
+def privacy_summary(last: dict[str, Any]) -> str:
+  """The train summary's privacy fields of a run's last metrics: epsilon
+  and delta, or for a DP run that reports none 'epsilon=none' and why; the
+  DP-SGD batch sampling."""
+  fields = []
+  if last.get("epsilon") is not None:
+    fields.append(f"epsilon={last['epsilon']:.4g} delta={last['delta']:g}")
+  elif "epsilon" in last:
+    fields.append(f"epsilon=none ({last['epsilon_note']})")
+  if "batch_sampling" in last:
+    fields.append(f"batch_sampling={last['batch_sampling']}")
+  return " ".join(fields)
 
 
 def _attack_parser(sub) -> None:

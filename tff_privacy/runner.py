@@ -644,14 +644,18 @@ class Run:
     assume. Local DP: each client's mechanism composed over every round,
     see `accounting.rounds_epsilon`; pure-DP mechanisms outside
     `dp_accounting` (LDP-Fed) by the basic composition theorem, with delta
-    0. Central DP-FedAvg: user-level, see `DPFedAvg.round_event`. Empty for
-    runs without a DP mechanism."""
+    0. Central DP-FedAvg: user-level, see `DPFedAvg.round_event`. With what
+    the method states of its privacy (`Algorithm.stated_privacy`), which
+    may also be all there is (a null epsilon and why); empty for runs
+    without a DP mechanism."""
+    stated = (self.algorithm.stated_privacy(rounds)
+              if self.algorithm.stated_privacy else {})
     round_event = self.round_dp_event
     if round_event is None:
       pure = (self.algorithm.pure_epsilon(self._num_params)
               if self.algorithm.pure_epsilon else None)
       if pure is None:
-        return {}
+        return stated
       eps, delta = accounting.simple_composition([pure] * rounds)
       return {"epsilon": eps, "delta": delta,
               "dp_relation": self._defense_class.dp_relation,
@@ -660,9 +664,7 @@ class Run:
                                            self.config.dp_delta,
                                            round_event.neighboring_relation)
     return {"epsilon": eps, "delta": delta, "dp_relation": round_event.relation,
-            "dp_sampling": round_event.sampling,
-            **(self.algorithm.stated_privacy(rounds)
-               if self.algorithm.stated_privacy else {})}
+            "dp_sampling": round_event.sampling, **stated}
 
   def run_metadata(self) -> dict[str, Any]:
     src = self.fed.source

@@ -21,7 +21,9 @@ are local and never uploaded.
 The two phases split the client's batches of the round: the runner passes
 `classifier_epochs + local_epochs` epochs of batches, every epoch cut the
 same way, so the first `classifier_epochs` / total of them are the
-classifier's.
+classifier's; the DP phase steps through the rest, or as many Poisson
+samples of the client's examples (the default `batch_sampling`, see
+`tff_privacy.algorithms.local_dp_sgd`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def build_centaur(
     local_epochs: int = 5,
     momentum: float = 0.5,
     weight_decay: float = 5e-4,
+    batch_sampling: str = "poisson",
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
 ) -> personalized.PersonalizedProcess:
   """Builds CENTAUR's `PersonalizedProcess` (see the module docstring).
@@ -69,6 +72,8 @@ def build_centaur(
       1 epoch).
     learning_rate, local_epochs: the DP phase on the body (0.02, 5 epochs).
     momentum, weight_decay: both optimisers' (0.5, 5e-4).
+    batch_sampling: how the DP steps' batches are drawn, 'poisson' or
+      'shuffle' (see `tff_privacy.algorithms.local_dp_sgd`).
     model_aggregator: aggregates the uploaded bodies, weighted by examples.
 
   Returns:
@@ -85,7 +90,8 @@ def build_centaur(
                  l2_norm_clip=l2_norm_clip)
   if noise_multiplier < 0:
     raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-  dp = local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier)
+  dp = local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier,
+                          batch_sampling=batch_sampling)
   total_epochs = classifier_epochs + local_epochs
 
   def local_training(target, body, head, dataset):
@@ -116,7 +122,9 @@ def build_centaur(
     zeros = personalized.zeros_like
     head, _, sums = dataset.take(classifier_batches).reduce(
         (tuple(head), zeros(head), tf.zeros([3])), classifier_step)
-    body, _, sums, _ = dataset.skip(classifier_batches).reduce(
+    dp_part = local_dp_sgd.dp_batches(dataset.skip(classifier_batches), dp,
+                                      local_epochs)
+    body, _, sums, _ = dp_part.reduce(
         (tuple(body), zeros(body), sums, tf.constant(0, tf.int64)), body_step)
     return list(body), list(head), sums
 
@@ -138,7 +146,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       local_epochs=sgd["classifier_epochs"] + sgd["local_epochs"],
       build_process=lambda aggregator: build_centaur(
           lambda: spec.keras(seed), noise_multiplier=dp.noise_multiplier,
-          l2_norm_clip=dp.l2_norm_clip, model_aggregator=aggregator, **sgd),
+          l2_norm_clip=dp.l2_norm_clip, batch_sampling=dp.batch_sampling,
+          model_aggregator=aggregator, **sgd),
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},
       **local_dp_sgd.algorithm_fields(dp, seed),

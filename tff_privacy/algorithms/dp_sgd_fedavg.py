@@ -36,8 +36,9 @@ def build_dp_sgd_client_work(
     keras_model_fn: Callable[[], tf.keras.Model], weights_type, dp, *,
     learning_rate: float, local_epochs: int, momentum: float,
     weight_decay: float) -> tff.learning.templates.ClientWorkProcess:
-  """The clients' DP-SGD epochs; the update is the model delta, weighted by
-  the client's examples per epoch."""
+  """The clients' DP-SGD epochs (on `dp`'s batches,
+  `local_dp_sgd.dp_batches`); the update is the model delta, weighted by the
+  client's examples per epoch."""
   input_shape = tuple(keras_model_fn().input_shape[1:])
   data_type = local_dp_sgd.data_type(input_shape)
 
@@ -55,12 +56,14 @@ def build_dp_sgd_client_work(
                                          momentum, weight_decay)
       return w, buffers, sums + batch_sums, i + 1
 
-    w, _, sums, _ = dataset.reduce(
+    w, _, sums, _ = local_dp_sgd.dp_batches(dataset, dp, local_epochs).reduce(
         (tuple(start), personalized.zeros_like(start), tf.zeros([3]),
          tf.constant(0, tf.int64)), step)
     update = [s - e for s, e in zip(start, w)]
     return (tff.learning.templates.ClientResult(
-        update=update, update_weight=sums[2] / local_epochs), sums)
+        update=update,
+        update_weight=local_dp_sgd.examples_per_pass(dataset, local_epochs)),
+        sums)
 
   @tff.federated_computation
   def init_fn():
@@ -88,6 +91,7 @@ def build_dp_sgd_fedavg(
     momentum: float = 0.5,
     weight_decay: float = 5e-4,
     server_learning_rate: float = 1.0,
+    batch_sampling: str = "poisson",
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
 ) -> tff.learning.templates.LearningProcess:
   """Builds the DP-SGD FedAvg `LearningProcess` (see the module docstring).
@@ -100,6 +104,8 @@ def build_dp_sgd_fedavg(
       set a client receives holds them all).
     momentum, weight_decay: the clients' SGD (0.5, 5e-4).
     server_learning_rate: the server's step on the mean delta (1).
+    batch_sampling: how the DP steps' batches are drawn, 'poisson' or
+      'shuffle' (see `tff_privacy.algorithms.local_dp_sgd`).
     model_aggregator: aggregates the deltas, weighted by examples.
 
   Raises:
@@ -120,7 +126,8 @@ def build_dp_sgd_fedavg(
 
   client_work = build_dp_sgd_client_work(
       keras_model_fn, initial_model_weights_fn.type_signature.result,
-      local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier),
+      local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier,
+                         batch_sampling=batch_sampling),
       learning_rate=learning_rate, local_epochs=local_epochs,
       momentum=momentum, weight_decay=weight_decay)
   return defended.compose_from_weights(
@@ -142,7 +149,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       local_epochs=sgd["local_epochs"],
       build_process=lambda aggregator: build_dp_sgd_fedavg(
           lambda: spec.keras(seed), noise_multiplier=dp.noise_multiplier,
-          l2_norm_clip=dp.l2_norm_clip, model_aggregator=aggregator, **sgd),
+          l2_norm_clip=dp.l2_norm_clip, batch_sampling=dp.batch_sampling,
+          model_aggregator=aggregator, **sgd),
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "dp_sgd_momentum_coupled_weight_decay",
                 "delta_convention": "broadcast_minus_local"},

@@ -4,16 +4,32 @@ DP-FedAvg (`dp_sgd_fedavg`), PPSGD (`ppsgd`) and CENTAUR (`centaur`) run
 DP-SGD (`tff_privacy.dp.dp_sgd`) in their clients' local steps, as in the
 authors' code: each example's gradient clipped to `l2_norm_clip` (0.04),
 Gaussian noise of std `noise_multiplier * l2_norm_clip` added to the sum,
-divided by the batch size. Unless given, the noise multiplier is calibrated
-(RDP) so that a client spends `target_epsilon` (4) at `target_delta` (1e-5)
-over all its DP steps of the run: rounds x DP epochs per round x batches
-per epoch, each a Poisson sample at rate batch_size / n. Clients of unequal
-sizes share one noise multiplier, calibrated for the smallest client
-(the highest sampling rate); larger clients spend less, so the reported
-epsilon (the smallest client's) bounds every client's.
+divided by the batch size (the expected one for Poisson batches, below).
+Unless given, the noise multiplier is calibrated (RDP) so that a client
+spends `target_epsilon` (4) at `target_delta` (1e-5) over all its DP steps
+of the run: rounds x DP epochs per round x batches per epoch, each a
+Poisson sample at rate batch_size / n. Clients of unequal sizes share one
+noise multiplier, calibrated for the smallest client (the highest sampling
+rate), whose epsilon is reported. Larger clients mostly spend less, but not
+always: one whose epoch ends in a short batch takes an extra step at nearly
+the same rate (batches of 10, one epoch, two rounds, the noise for
+epsilon 4 at 30 examples: a client of 31 spends 4.39).
 
-Every DP step draws its noise from a seed of (run, round, client, step), so
-runs are reproducible and a resumed run equals an uninterrupted one.
+How a DP step's batch is drawn (`batch_sampling`):
+
+* 'poisson' (default), what the accountant assumes: a client with n
+  examples takes as many steps as its batches of size B (`poisson_batches`),
+  and every one of its n examples joins each step's batch independently
+  with probability q = B / n, so batch sizes vary (a batch may be empty); the
+  noisy sum is divided by the expected batch size q n = B;
+* 'shuffle', the papers' code: the fixed-size batches of a shuffled pass.
+  The accountant's Poisson sampling does not describe them, so such runs
+  report no epsilon (null, with the reason); the noise is calibrated as for
+  'poisson'.
+
+Every DP step draws its noise and its Poisson sample from a seed of (run,
+round, client, step), so runs are reproducible and a resumed run equals an
+uninterrupted one.
 
 Also here: the plumbing of the two methods that share a DP-trained feature
 extractor (the "body": every tensor but the last dense layer) and keep the
@@ -42,6 +58,17 @@ from tff_privacy.dp import dp_sgd
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import num_extractor_tensors
 
+BATCH_SAMPLINGS = ("poisson", "shuffle")
+# why a run on shuffled batches reports no epsilon (metrics' epsilon_note)
+SHUFFLE_NOTE = ("not accounted: the DP steps ran on fixed-size batches of a "
+                "shuffled pass, which the accountant's Poisson sampling does "
+                "not describe; batch_sampling 'poisson' is accounted")
+# every Poisson batch carries its expected size, the noisy sum's divisor
+EXPECTED_SIZE_KEY = "expected_batch_size"
+# folded into the round's seed for the Poisson draws (noise folds in step
+# numbers, which stay far below it)
+SAMPLING_STREAM = 2**31 - 1
+
 PARAMETERS = (
     params.Param("l2_norm_clip", float, 0.04, "C, the bound on each example's "
                  "gradient", minimum=0, exclusive_minimum=True, flag="dp-clip"),
@@ -53,7 +80,12 @@ PARAMETERS = (
                  exclusive_minimum=True),
     params.Param("target_delta", float, 1e-5, "delta of target_epsilon",
                  minimum=0, maximum=1, exclusive_minimum=True,
-                 exclusive_maximum=True))
+                 exclusive_maximum=True),
+    params.Param("batch_sampling", str, "poisson", "how a DP step's batch is "
+                 "drawn: poisson (each example joins with probability "
+                 "batch_size / n, what the epsilon accounts for) or shuffle "
+                 "(fixed-size batches of a shuffled pass, as the papers' "
+                 "code; reported without an epsilon)", choices=BATCH_SAMPLINGS))
 
 # declared alike by the HyperFL paper's baselines (one help text per flag)
 LEARNING_RATE = params.Param(
@@ -83,32 +115,52 @@ class DPSGD:
     noise_multiplier: sigma.
     sample_rate: batch_size / n of the smallest client (None outside a run).
     steps_per_round: that client's DP steps per round (None outside a run).
+    batch_sampling: one of `BATCH_SAMPLINGS` (see the module docstring).
   """
 
   l2_norm_clip: float
   noise_multiplier: float
   sample_rate: Optional[float] = None
   steps_per_round: Optional[int] = None
+  batch_sampling: str = "poisson"
+
+  def __post_init__(self):
+    if self.batch_sampling not in BATCH_SAMPLINGS:
+      raise ValueError(f"batch_sampling={self.batch_sampling!r}; choose one "
+                       f"of {BATCH_SAMPLINGS}")
+
+  @property
+  def poisson(self) -> bool:
+    return self.batch_sampling == "poisson"
 
   def round_event(self) -> Optional[dp_accounting.DpEvent]:
-    """One round's DP event of the smallest client (None outside a run or
-    without noise)."""
-    if self.sample_rate is None or self.noise_multiplier == 0:
+    """One round's DP event of the smallest client (None outside a run,
+    without noise or on shuffled batches)."""
+    if self.sample_rate is None or self.noise_multiplier == 0 or not self.poisson:
       return None
     return dp_sgd.steps_event(self.noise_multiplier, self.sample_rate,
                               self.steps_per_round)
+
+  def stated_privacy(self) -> dict:
+    """What metrics report beside the epsilon: the batch sampling, and for
+    noised shuffled batches a null epsilon with the reason."""
+    if self.poisson or self.noise_multiplier == 0:
+      return {"batch_sampling": self.batch_sampling}
+    return {"batch_sampling": self.batch_sampling, "epsilon": None,
+            "epsilon_note": SHUFFLE_NOTE}
 
   def protocol(self) -> dict:
     return {"l2_norm_clip": self.l2_norm_clip,
             "noise_multiplier": self.noise_multiplier,
             "dp_sample_rate": self.sample_rate,
-            "dp_steps_per_round": self.steps_per_round}
+            "dp_steps_per_round": self.steps_per_round,
+            "batch_sampling": self.batch_sampling}
 
 
 def configure(method: str, federation: Optional[Federation], batch_size: int,
               dp_epochs: int, *, l2_norm_clip: float,
               noise_multiplier: Optional[float], target_epsilon: float,
-              target_delta: float) -> DPSGD:
+              target_delta: float, batch_sampling: str) -> DPSGD:
   """The run's `DPSGD` (see the module docstring).
 
   Raises:
@@ -119,22 +171,24 @@ def configure(method: str, federation: Optional[Federation], batch_size: int,
       raise ValueError(f"method {method!r} outside a run needs "
                        "noise_multiplier (it calibrates from the run's rounds "
                        "and client sizes otherwise)")
-    return DPSGD(l2_norm_clip, noise_multiplier)
+    return DPSGD(l2_norm_clip, noise_multiplier, batch_sampling=batch_sampling)
   n = min(federation.client_sizes)
   sample_rate = min(1.0, batch_size / n)
   steps = math.ceil(n / batch_size) * dp_epochs
   if noise_multiplier is None:
     noise_multiplier = dp_sgd.noise_multiplier_for(
         target_epsilon, target_delta, sample_rate, steps * federation.rounds)
-  return DPSGD(l2_norm_clip, noise_multiplier, sample_rate, steps)
+  return DPSGD(l2_norm_clip, noise_multiplier, sample_rate, steps, batch_sampling)
 
 
 def algorithm_fields(dp: DPSGD, run_seed: int) -> dict:
   """The `Algorithm` fields of a method whose clients run `dp`: their noise
-  seeds, the DP event of a round and its neighbouring relation."""
+  seeds, the DP event of a round, its neighbouring relation and the batch
+  sampling."""
   return {"client_inputs": seed_inputs(run_seed),
           "dp_event": lambda num_params: dp.round_event(),
-          "dp_relation": dp_sgd.RELATION}
+          "dp_relation": dp_sgd.RELATION,
+          "stated_privacy": lambda rounds: dp.stated_privacy()}
 
 
 def split_declared(declared: dict) -> tuple[dict, dict]:
@@ -163,12 +217,58 @@ def step_seed(batch, step: tf.Tensor) -> tf.Tensor:
   return tf.random.experimental.stateless_fold_in(batch[SEED_KEY], step)
 
 
+def examples_per_pass(dataset: tf.data.Dataset, passes: int) -> tf.Tensor:
+  """A client's n (float32): the examples in `dataset`, which holds
+  `passes` passes over them, divided by `passes`."""
+  total = dataset.reduce(tf.constant(0.0), lambda count, batch: count + tf.cast(
+      tf.shape(batch["y"])[0], tf.float32))
+  return total / passes
+
+
+def dp_batches(dataset: tf.data.Dataset, dp: DPSGD,
+               passes: int) -> tf.data.Dataset:
+  """The batches of a client's DP steps: `dataset`'s own (shuffled, fixed
+  size) or, for 'poisson', `poisson_batches` in their place."""
+  return poisson_batches(dataset, passes) if dp.poisson else dataset
+
+
+def poisson_batches(dataset: tf.data.Dataset, passes: int) -> tf.data.Dataset:
+  """Poisson-sampled batches in place of `dataset`'s.
+
+  `dataset` holds `passes` passes over a client's n examples in batches of
+  B (its first batch holds min(B, n)), every batch with the round's seed.
+  The result has as many batches; into each, every one of the n examples
+  enters independently with probability q = min(B, n) / n
+  (`dp_sgd.poisson_sample`, step s drawn from the round's seed folded with
+  `SAMPLING_STREAM`, then s as int64). Each batch carries the round's seed
+  and its expected size q n (`EXPECTED_SIZE_KEY`).
+  """
+  first = dataset.take(1).get_single_element()
+  steps = dataset.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1)
+  n = tf.cast(examples_per_pass(dataset, passes), tf.int64)
+  x, y = dataset.map(lambda b: (b["x"], b["y"])).unbatch().take(n).batch(
+      n).get_single_element()
+  expected = tf.cast(tf.shape(first["y"])[0], tf.float32)
+  key = tf.random.experimental.stateless_fold_in(first[SEED_KEY], SAMPLING_STREAM)
+
+  def draw(step):
+    keep = dp_sgd.poisson_sample(
+        n, expected / tf.cast(n, tf.float32),
+        tf.random.experimental.stateless_fold_in(key, step))
+    return collections.OrderedDict(
+        x=tf.boolean_mask(x, keep), y=tf.boolean_mask(y, keep),
+        **{SEED_KEY: first[SEED_KEY], EXPECTED_SIZE_KEY: expected})
+
+  return tf.data.Dataset.range(steps).map(draw)
+
+
 def private_gradient(model: tf.keras.Model, weights: Sequence[tf.Tensor],
                      wrt: Sequence[int], batch, dp: DPSGD,
                      step: tf.Tensor) -> list[tf.Tensor]:
   """DP-SGD's gradient of the batch's loss for `weights[i]`, i in `wrt`
   (the others fixed): per-example gradients (one vectorised map) clipped
-  together and noised (`tff_privacy.dp.dp_sgd.private_gradient`)."""
+  together and noised (`tff_privacy.dp.dp_sgd.private_gradient`), divided
+  by a Poisson batch's expected size."""
   wrt = list(wrt)
 
   def one_example(example):
@@ -185,8 +285,9 @@ def private_gradient(model: tf.keras.Model, weights: Sequence[tf.Tensor],
 
   with _quiet_tf_logger():  # pfor warns of its while_loop for conv filters
     grads = tf.vectorized_map(one_example, (batch["x"], batch["y"]))
-  return dp_sgd.private_gradient(grads, dp.l2_norm_clip, dp.noise_multiplier,
-                                 step_seed(batch, step))
+  return dp_sgd.private_gradient(
+      grads, dp.l2_norm_clip, dp.noise_multiplier, step_seed(batch, step),
+      batch[EXPECTED_SIZE_KEY] if dp.poisson else None)
 
 
 @contextlib.contextmanager
@@ -225,9 +326,8 @@ def build_body_head_process(keras_model_fn, local_training, epochs: int,
   server holds the body (initially `keras_model_fn()`'s), each client its
   classifier (`OrderedDict(classifier=[kernel, bias])`);
   `local_training(target, body, head, dataset) -> (body, head, sums)` is a
-  client's round; the client uploads its body, weighted by its examples
-  per epoch (`sums` counts all epochs' examples, and `local_training.epochs`
-  says how many)."""
+  client's round over `epochs` passes; the client uploads its body,
+  weighted by its examples per pass."""
   model = keras_model_fn()  # eager: its initial weights are the server's
   split = num_extractor_tensors(model)
   initial = [v.numpy() for v in model.trainable_variables]
@@ -238,7 +338,7 @@ def build_body_head_process(keras_model_fn, local_training, epochs: int,
   def client_round(body, state, dataset):
     body, head, sums = local_training(keras_model_fn(), body,
                                       state["classifier"], dataset)
-    return (body, sums[2] / epochs,
+    return (body, examples_per_pass(dataset, epochs),
             collections.OrderedDict(classifier=list(head)), sums)
 
   return personalized.build_personalized_process(

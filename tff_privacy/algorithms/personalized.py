@@ -146,7 +146,8 @@ def train_sums(loss: tf.Tensor, predicted: tf.Tensor, y: tf.Tensor) -> tf.Tensor
   hits = tf.cast(tf.equal(predicted, y), tf.float32)
   correct = tf.reduce_sum(tf.reduce_mean(tf.reshape(hits, [n, -1]), 1))
   n = tf.cast(n, tf.float32)
-  return tf.stack([loss * n, correct, n])
+  # an empty batch (Poisson sampling) has a NaN mean loss and adds nothing
+  return tf.stack([tf.math.multiply_no_nan(loss, n), correct, n])
 
 
 SUMS_TYPE = tff.TensorType(tf.float32.as_numpy_dtype, [3])

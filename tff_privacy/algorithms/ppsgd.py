@@ -6,7 +6,8 @@ noise, both at every local step.
 Client i holds its classifier phi_i; round t:
 
 1. the server broadcasts the body theta;
-2. `local_epochs` epochs over the client's batches; at each step, with the
+2. `local_epochs` epochs over the client's batches (Poisson-sampled by
+   default, `tff_privacy.algorithms.local_dp_sgd`); at each step, with the
    gradients taken at the step's starting point,
    phi_i <- SGD(phi_i, grad_phi L) at `classifier_learning_rate` (no noise),
    theta <- SGD(theta, DP-SGD gradient of L) at `learning_rate` (each
@@ -50,6 +51,7 @@ def build_ppsgd(
     local_epochs: int = 5,
     momentum: float = 0.5,
     weight_decay: float = 5e-4,
+    batch_sampling: str = "poisson",
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
 ) -> personalized.PersonalizedProcess:
   """Builds PPSGD's `PersonalizedProcess` (see the module docstring).
@@ -64,6 +66,8 @@ def build_ppsgd(
     local_epochs: passes over the client's batches per round (5); the data
       set a client receives holds them all.
     momentum, weight_decay: both optimisers' (0.5, 5e-4).
+    batch_sampling: how the DP steps' batches are drawn, 'poisson' or
+      'shuffle' (see `tff_privacy.algorithms.local_dp_sgd`).
     model_aggregator: aggregates the uploaded bodies, weighted by examples.
 
   Returns:
@@ -79,7 +83,8 @@ def build_ppsgd(
                  l2_norm_clip=l2_norm_clip)
   if noise_multiplier < 0:
     raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-  dp = local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier)
+  dp = local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier,
+                          batch_sampling=batch_sampling)
 
   def local_training(target, body, head, dataset):
     num_body = len(body)
@@ -101,7 +106,8 @@ def build_ppsgd(
       return body, head, body_buffers, head_buffers, sums + batch_sums, i + 1
 
     zeros = personalized.zeros_like
-    body, head, _, _, sums, _ = dataset.reduce(
+    batches = local_dp_sgd.dp_batches(dataset, dp, local_epochs)
+    body, head, _, _, sums, _ = batches.reduce(
         (tuple(body), tuple(head), zeros(body), zeros(head), tf.zeros([3]),
          tf.constant(0, tf.int64)), step)
     return list(body), list(head), sums
@@ -124,7 +130,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       local_epochs=sgd["local_epochs"],
       build_process=lambda aggregator: build_ppsgd(
           lambda: spec.keras(seed), noise_multiplier=dp.noise_multiplier,
-          l2_norm_clip=dp.l2_norm_clip, model_aggregator=aggregator, **sgd),
+          l2_norm_clip=dp.l2_norm_clip, batch_sampling=dp.batch_sampling,
+          model_aggregator=aggregator, **sgd),
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},
       **local_dp_sgd.algorithm_fields(dp, seed),

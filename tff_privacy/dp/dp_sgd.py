@@ -10,13 +10,17 @@ target (epsilon, delta) over T steps, as Opacus' `get_noise_multiplier` does
 for the HyperFL paper's DP baselines.
 
 The guarantee is sample-level: neighbouring data sets differ in one training
-example of one client. The accountant assumes Poisson sampling; the clients
-here step through shuffled fixed-size batches, as the papers' code does.
+example of one client. It holds for batches drawn as the accountant assumes
+(`poisson_sample`: every example joins a step's batch independently with
+probability q, so batch sizes vary), whose noisy sum is divided by the
+expected batch size q n, not by the batch's own size, as tensorflow-privacy
+does. Shuffled fixed-size batches, what the papers' code steps through, are
+not what the accountant describes.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import dp_accounting
 import tensorflow as tf
@@ -24,7 +28,7 @@ import tensorflow as tf
 from tff_privacy.dp.queries import SeededGaussianSumQuery, with_seed
 
 RELATION = ("sample-level: add or remove one training example of one client; "
-            "every step's batch assumed Poisson-sampled at rate batch_size / n")
+            "every step's batch Poisson-sampled at rate batch_size / n")
 
 
 def steps_event(noise_multiplier: float, sample_rate: float,
@@ -57,9 +61,20 @@ def noise_multiplier_for(target_epsilon: float, target_delta: float,
       tol=1e-3))
 
 
+def poisson_sample(num_examples: tf.Tensor, rate: tf.Tensor,
+                   seed: tf.Tensor) -> tf.Tensor:
+  """bool[num_examples]: which examples join a step's batch, each
+  independently with probability `rate` (a stateless draw from the int64[2]
+  `seed`)."""
+  draws = tf.random.stateless_uniform(tf.reshape(num_examples, [1]), seed,
+                                      dtype=tf.float64)
+  return draws < tf.cast(rate, tf.float64)
+
+
 def private_gradient(per_example_grads: Sequence[tf.Tensor],
                      l2_norm_clip: float, noise_multiplier: tf.Tensor,
-                     seed: tf.Tensor) -> list[tf.Tensor]:
+                     seed: tf.Tensor,
+                     denominator: Optional[tf.Tensor] = None) -> list[tf.Tensor]:
   """One DP-SGD step's gradient from the batch's per-example gradients.
 
   Args:
@@ -68,9 +83,12 @@ def private_gradient(per_example_grads: Sequence[tf.Tensor],
       given variables together).
     noise_multiplier: sigma; the noise's std is sigma * C.
     seed: int64[2], the stateless seed of this step's noise.
+    denominator: what the noisy sum is divided by: the expected batch size
+      of a Poisson-sampled batch (which may be empty); default: the batch's
+      size.
 
   Returns:
-    (sum of clipped gradients + noise) / batch size, per variable.
+    (sum of clipped gradients + noise) / denominator, per variable.
   """
   query = SeededGaussianSumQuery(l2_norm_clip, 1.0)
   state = query.initial_global_state()._replace(
@@ -78,8 +96,9 @@ def private_gradient(per_example_grads: Sequence[tf.Tensor],
   state = with_seed(query, state, seed)
   total = clipped_sum(per_example_grads, l2_norm_clip)
   noised, _, _ = query.get_noised_result(total, state)
-  batch = tf.cast(tf.shape(per_example_grads[0])[0], tf.float32)
-  return [t / batch for t in noised]
+  if denominator is None:
+    denominator = tf.shape(per_example_grads[0])[0]
+  return [t / tf.cast(denominator, tf.float32) for t in noised]
 
 
 def clipped_sum(per_example_grads: Sequence[tf.Tensor],
