@@ -517,3 +517,32 @@ def test_local_adam_is_adam_with_l2_weight_decay_written_out():
   for g, e in zip(got, w):
     np.testing.assert_allclose(g.numpy(), e, rtol=1e-4, atol=1e-6)
   assert sums.numpy()[2] == 12
+
+
+def test_the_epsilon_reported_bounds_every_clients_sizes():
+  """Clients of 30 and 31 examples, batches of 10, one DP epoch, 2 rounds:
+  the client of 31 takes 4 steps at rate 10/31 and spends more than the one
+  of 30 (3 steps at 1/3), as dp_accounting prices them; the noise must hold
+  it to the target and the epsilon reported must be its."""
+  from tff_privacy.algorithms import local_dp_sgd
+  from tff_privacy.dp import accounting
+
+  def spent(sigma, rate, steps):
+    rdp = dp_accounting.rdp.RdpAccountant()
+    rdp.compose(dp_accounting.PoissonSampledDpEvent(
+        rate, dp_accounting.GaussianDpEvent(sigma)), steps)
+    return rdp.get_epsilon(1e-5)
+
+  federation = type("Federation", (), {"client_sizes": (30, 31, 30),
+                                       "rounds": 2})()
+  dp = local_dp_sgd.configure(
+      "ppsgd", federation, batch_size=10, dp_epochs=1, l2_norm_clip=1.0,
+      noise_multiplier=None, target_epsilon=4.0, target_delta=1e-5,
+      batch_sampling="poisson")
+  sigma = dp.noise_multiplier
+  assert spent(sigma, 10 / 31, 8) == pytest.approx(4.0, abs=0.01)
+  assert spent(sigma, 10 / 30, 6) < spent(sigma, 10 / 31, 8)
+  event = accounting.RoundEvent(dp.round_event(), "r", "s")
+  for rounds in (1, 2):
+    eps, _ = accounting.largest_rounds_epsilon(event, rounds, 1e-5)
+    assert eps == pytest.approx(spent(sigma, 10 / 31, 4 * rounds), rel=1e-6)

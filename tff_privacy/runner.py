@@ -642,7 +642,7 @@ class Run:
     """(epsilon, delta) spent after `rounds` rounds, with the neighbouring
     relation (`dp_relation`) and the client sampling (`dp_sampling`) they
     assume. Local DP: each client's mechanism composed over every round,
-    see `accounting.rounds_epsilon`; pure-DP mechanisms outside
+    see `accounting.largest_rounds_epsilon`; pure-DP mechanisms outside
     `dp_accounting` (LDP-Fed) by the basic composition theorem, with delta
     0. Central DP-FedAvg: user-level, see `DPFedAvg.round_event`. With what
     the method states of its privacy (`Algorithm.stated_privacy`), which
@@ -660,9 +660,8 @@ class Run:
       return {"epsilon": eps, "delta": delta,
               "dp_relation": self._defense_class.dp_relation,
               "dp_sampling": _LOCAL_SAMPLING + "; basic composition"}
-    eps, delta = accounting.rounds_epsilon(round_event.event, rounds,
-                                           self.config.dp_delta,
-                                           round_event.neighboring_relation)
+    eps, delta = accounting.largest_rounds_epsilon(round_event, rounds,
+                                                   self.config.dp_delta)
     return {"epsilon": eps, "delta": delta, "dp_relation": round_event.relation,
             "dp_sampling": round_event.sampling, **stated}
 

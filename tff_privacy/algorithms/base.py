@@ -117,7 +117,9 @@ class Algorithm:
       written into the records' metadata).
     dp_event: maps the model's number of parameters to the DP event of one
       client's upload in one round, for methods whose clients run a DP
-      mechanism; the runner composes it over rounds.
+      mechanism; the runner composes it over rounds. A tuple holds one
+      event per group of clients that spend alike, and the runner reports
+      the largest epsilon.
     dp_relation: the neighbouring relation of `dp_event`, in words, for
       methods that run their own DP mechanism (default: the defence's).
     pure_epsilon: the same for pure-DP mechanisms that `dp_accounting` does
@@ -141,7 +143,7 @@ class Algorithm:
   local_epochs: int = 1
   client_inputs: Optional[ClientInputs] = None
   defense: Optional[dict[str, Any]] = None
-  dp_event: Optional[Callable[[int], Optional[dp_accounting.DpEvent]]] = None
+  dp_event: Optional[Callable[[int], "dp_accounting.DpEvent | tuple | None"]] = None
   dp_relation: Optional[str] = None
   pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
   private_state: Optional[PrivateState] = None

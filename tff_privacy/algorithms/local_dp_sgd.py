@@ -9,11 +9,14 @@ Unless given, the noise multiplier is calibrated (RDP) so that a client
 spends `target_epsilon` (4) at `target_delta` (1e-5) over all its DP steps
 of the run: rounds x DP epochs per round x batches per epoch, each a
 Poisson sample at rate batch_size / n. Clients of unequal sizes share one
-noise multiplier, calibrated for the smallest client (the highest sampling
-rate), whose epsilon is reported. Larger clients mostly spend less, but not
-always: one whose epoch ends in a short batch takes an extra step at nearly
-the same rate (batches of 10, one epoch, two rounds, the noise for
-epsilon 4 at 30 examples: a client of 31 spends 4.39).
+noise multiplier. The smallest client (the highest sampling rate) does not
+always spend the most: one whose epoch ends in a short batch takes an extra
+step at nearly the same rate (batches of 10, one epoch, two rounds, the
+noise for epsilon 4 at 30 examples: a client of 31 spends 4.39). So the
+clients are grouped by their steps per round, each group priced at its
+highest rate (`DPSGD.samplings`); the multiplier is the largest that any
+group needs, and the epsilon reported is the largest group's, a bound for
+every client.
 
 How a DP step's batch is drawn (`batch_sampling`):
 
@@ -116,6 +119,9 @@ class DPSGD:
     sample_rate: batch_size / n of the smallest client (None outside a run).
     steps_per_round: that client's DP steps per round (None outside a run).
     batch_sampling: one of `BATCH_SAMPLINGS` (see the module docstring).
+    samplings: (sampling rate, DP steps per round) of each group of clients
+      with the same steps, at the group's highest rate (`client_samplings`);
+      empty outside a run.
   """
 
   l2_norm_clip: float
@@ -123,6 +129,7 @@ class DPSGD:
   sample_rate: Optional[float] = None
   steps_per_round: Optional[int] = None
   batch_sampling: str = "poisson"
+  samplings: tuple[tuple[float, int], ...] = ()
 
   def __post_init__(self):
     if self.batch_sampling not in BATCH_SAMPLINGS:
@@ -133,13 +140,13 @@ class DPSGD:
   def poisson(self) -> bool:
     return self.batch_sampling == "poisson"
 
-  def round_event(self) -> Optional[dp_accounting.DpEvent]:
-    """One round's DP event of the smallest client (None outside a run,
-    without noise or on shuffled batches)."""
-    if self.sample_rate is None or self.noise_multiplier == 0 or not self.poisson:
+  def round_event(self) -> Optional[tuple[dp_accounting.DpEvent, ...]]:
+    """One round's DP event of each group of clients in `samplings` (None
+    outside a run, without noise or on shuffled batches)."""
+    if not self.samplings or self.noise_multiplier == 0 or not self.poisson:
       return None
-    return dp_sgd.steps_event(self.noise_multiplier, self.sample_rate,
-                              self.steps_per_round)
+    return tuple(dp_sgd.steps_event(self.noise_multiplier, rate, steps)
+                 for rate, steps in self.samplings)
 
   def stated_privacy(self) -> dict:
     """What metrics report beside the epsilon: the batch sampling, and for
@@ -172,13 +179,28 @@ def configure(method: str, federation: Optional[Federation], batch_size: int,
                        "noise_multiplier (it calibrates from the run's rounds "
                        "and client sizes otherwise)")
     return DPSGD(l2_norm_clip, noise_multiplier, batch_sampling=batch_sampling)
-  n = min(federation.client_sizes)
-  sample_rate = min(1.0, batch_size / n)
-  steps = math.ceil(n / batch_size) * dp_epochs
+  samplings = client_samplings(federation.client_sizes, batch_size, dp_epochs)
   if noise_multiplier is None:
-    noise_multiplier = dp_sgd.noise_multiplier_for(
-        target_epsilon, target_delta, sample_rate, steps * federation.rounds)
-  return DPSGD(l2_norm_clip, noise_multiplier, sample_rate, steps, batch_sampling)
+    noise_multiplier = max(
+        dp_sgd.noise_multiplier_for(target_epsilon, target_delta, rate,
+                                    steps * federation.rounds)
+        for rate, steps in samplings)
+  sample_rate, steps = samplings[0]
+  return DPSGD(l2_norm_clip, noise_multiplier, sample_rate, steps,
+               batch_sampling, samplings)
+
+
+def client_samplings(client_sizes: Sequence[int], batch_size: int,
+                     dp_epochs: int) -> tuple[tuple[float, int], ...]:
+  """(sampling rate, DP steps per round) of each group of clients that take
+  the same number of steps, at the group's highest rate (its smallest
+  client), from the smallest clients up. A client of the group spends at
+  most what this pair does: the same steps, each at a rate no higher."""
+  groups = {}
+  for n in sorted(set(client_sizes)):
+    groups.setdefault(math.ceil(n / batch_size) * dp_epochs,
+                      min(1.0, batch_size / n))
+  return tuple((rate, steps) for steps, rate in groups.items())
 
 
 def algorithm_fields(dp: DPSGD, run_seed: int) -> dict:

@@ -33,7 +33,9 @@ class RoundEvent:
   """One round's DP event, with what its epsilon means.
 
   Attributes:
-    event: the `dp_accounting` event of one round.
+    event: the `dp_accounting` event of one round, or one such event per
+      group of clients that spend alike, of which the largest epsilon is
+      reported (see `largest_rounds_epsilon`).
     relation: the neighbouring relation, in words (written into metrics).
     sampling: how clients are sampled, in words (written into metrics).
     neighboring_relation: the relation the accountant uses for sampled
@@ -41,7 +43,7 @@ class RoundEvent:
       without replacement, ADD_OR_REMOVE_ONE for Poisson sampling).
   """
 
-  event: dp_accounting.DpEvent
+  event: "dp_accounting.DpEvent | tuple[dp_accounting.DpEvent, ...]"
   relation: str
   sampling: str
   neighboring_relation: NeighborRel = NeighborRel.ADD_OR_REMOVE_ONE
@@ -118,6 +120,16 @@ def simple_composition(epsilons: Sequence[float],
 # discretisation needs more memory than a machine has (tens of GiB), while
 # the pure-DP bound is already far from any meaningful guarantee.
 PLD_MAX_LAPLACE_EPSILON = 10.0
+
+
+def largest_rounds_epsilon(round_event: RoundEvent, rounds: int, delta: float
+                           ) -> tuple[float, float]:
+  """`rounds_epsilon` of `round_event`, the largest of its events' when it
+  holds one per group of clients."""
+  events = (round_event.event if isinstance(round_event.event, tuple)
+            else (round_event.event,))
+  return max(rounds_epsilon(e, rounds, delta, round_event.neighboring_relation)
+             for e in events)
 
 
 def rounds_epsilon(event: dp_accounting.DpEvent, rounds: int, delta: float,
