@@ -278,6 +278,9 @@ def test_a_boolean_flag_alone_means_true(tmp_path):
     args = parser.parse_args(base + extra)
     assert cli._config_from_args(args).method_kwargs.get(
         "allow_over_budget") == expected
+  for extra, expected in (([], None), (["--adaptive-adversaries"], True),
+                          (["--adaptive-adversaries", "false"], False)):
+    assert parser.parse_args(base + extra).adaptive_adversaries is expected
 
 
 def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(

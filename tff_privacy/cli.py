@@ -153,6 +153,8 @@ def _train_parser(sub) -> None:
   p.add_argument("--out", help="output folder (required here or in --config)")
   for param in runner.RUN_PARAMETERS:
     extra: dict[str, Any] = {"type": param.kind}
+    if param.kind is bool:  # the flag alone means true
+      extra.update(type=_boolean, nargs="?", const=True)
     if param.choices:
       extra["choices"] = param.choices
     p.add_argument("--" + param.flag, dest=param.name, help=param.describe(),
