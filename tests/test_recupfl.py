@@ -368,3 +368,15 @@ def test_recupfl_needs_a_data_set_with_attributes(tmp_path):
                             defense_kwargs={"protect": "race"})
   with pytest.raises(ValueError, match="needs a data set with sensitive attributes"):
     runner.Run(config)
+
+
+def test_a_run_on_workers_at_addresses_is_refused_before_it_writes(
+    tmp_path, monkeypatch):
+  """Workers elsewhere do not see the zoo files the clients read; a Python
+  run is refused as the CLI is, whatever started the workers."""
+  from tff_privacy import runtime
+  monkeypatch.setattr(runtime, "serves_remotely", lambda: True)
+  with pytest.raises(ValueError, match="^--defense recupfl and "
+                     "--worker-addresses: its clients read files"):
+    runner.run(_adult_config(tmp_path / "run"), progress=False)
+  assert not os.path.exists(tmp_path / "run")

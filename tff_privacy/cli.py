@@ -276,15 +276,11 @@ def _config_from_args(args):
 
 
 def _train(args) -> int:
-  from tff_privacy import defenses, runner, runtime
+  from tff_privacy import runner, runtime
   config = _config_from_args(args)
   if args.worker_addresses and args.workers != 1:
     raise ValueError("--workers and --worker-addresses: give one of them")
-  if args.worker_addresses and getattr(
-      defenses.DEFENSES.get(config.defense), "reads_run_files", False):
-    raise ValueError(f"--defense {config.defense} and --worker-addresses: its "
-                     f"clients read files the run writes under {config.out}, "
-                     "which workers elsewhere do not see; use --workers N")
+  runner.check_workers(config, bool(args.worker_addresses))
   runtime.start(workers=args.workers, addresses=args.worker_addresses or (),
                 allow_remote=args.allow_remote_workers)
   history = runner.run(config, progress=not args.quiet)

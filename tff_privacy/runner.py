@@ -682,6 +682,21 @@ _LOCAL_SAMPLING = ("none assumed: every round counts for every client (an upper 
                    "bound when clients are sampled)")
 
 
+def check_workers(config: RunConfig, remote: bool) -> None:
+  """Refuses workers on other machines (`remote`) for a defence whose
+  clients read files the run writes (`reads_run_files`): those workers do
+  not see them.
+
+  Raises:
+    ValueError: naming the defence.
+  """
+  if remote and getattr(defenses.DEFENSES.get(config.defense),
+                        "reads_run_files", False):
+    raise ValueError(f"--defense {config.defense} and --worker-addresses: its "
+                     f"clients read files the run writes under {config.out}, "
+                     "which workers elsewhere do not see; use --workers N")
+
+
 def _check_config(config: RunConfig) -> None:
   """Refuses an output path that is a file, or a folder holding a run made
   with another config, naming every differing key with both values. The
@@ -766,6 +781,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   Nothing is written under `config.out` until the data, model, defence and
   method's processes have been built from the config without error."""
   config = _pinned_as_saved(config)
+  check_workers(config, runtime.serves_remotely())
   _check_config(config)
   r = Run(config)
   if (config.infer_attributes

@@ -426,6 +426,12 @@ def worker_count() -> int:
   return len(_workers)
 
 
+def serves_remotely() -> bool:
+  """Whether computations run on workers at addresses (possibly on other
+  machines) rather than on local workers."""
+  return any(isinstance(w, RemoteWorker) for w in _workers)
+
+
 def check_mergeable(computation, what: str) -> None:
   """With several workers, refuses `computation` (named by `what`) unless
   TFF can split it into per-worker parts and one merge.
