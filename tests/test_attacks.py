@@ -31,10 +31,17 @@ def test_functional_forward_equals_keras(name):
   np.testing.assert_allclose(out, model(x), atol=1e-5)
 
 
+@pytest.mark.parametrize("grouped", [True, False],
+                         ids=["grouped_convolutions", "one_per_record"])
 @pytest.mark.parametrize("name", sorted(models.MODELS))
-def test_record_batched_forward_equals_each_keras_model(name):
+def test_record_batched_forward_equals_each_keras_model(name, grouped,
+                                                        monkeypatch):
   """`forward(records=True)`: three records, each its own initialisation
-  and inputs, in one pass give what each Keras model gives on its own."""
+  and inputs, in one pass give what each Keras model gives on its own,
+  with grouped convolutions and with one convolution per record (where
+  TensorFlow cannot differentiate grouped ones)."""
+  monkeypatch.setattr(models.functional, "grouped_convolution_differentiable",
+                      lambda: grouped)
   shape = {"hyperfl_cnn": (28, 28, 1), "hyperfl_cnn_cifar": (32, 32, 3),
            "unet": (16, 8, 3)}.get(name, (8, 8, 1))
   kwargs = QUICK_MODEL_KWARGS.get(name, {})

@@ -10,7 +10,9 @@ of `tff_privacy.models` and raises for anything else.
 With `records`, one pass runs R models at once: every weight tensor carries a
 leading record axis and the inputs are [R, B, ...]. Record r's samples meet
 only record r's weights: convolutions are grouped over records (one conv op
-whose channel groups are the records), dense layers are batched matmuls.
+whose channel groups are the records, or one per record where TensorFlow
+cannot differentiate grouped ones: `grouped_convolution_differentiable`),
+dense layers are batched matmuls.
 Between convolutions, layers that treat every channel alike keep the grouped
 layout; the others see the records folded into the batch. The gradient of a
 sum of per-record losses with respect to the stacked weights is then every
@@ -20,6 +22,8 @@ compiled computation without vectorising a per-record graph.
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Optional, Sequence
 
 import tensorflow as tf
@@ -112,10 +116,43 @@ def _conv(layer, h, kernel, bias, records):
       dilations=layer.dilation_rate)
   if records:
     kh, kw, c, o = kernel.shape[1:]
-    kernel = tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]), [kh, kw, c, records * o])
     bias = None if bias is None else tf.reshape(bias, [records * o])
-  h = conv(h, kernel)
+    if grouped_convolution_differentiable():
+      h = conv(h, tf.reshape(tf.transpose(kernel, [1, 2, 3, 0, 4]),
+                             [kh, kw, c, records * o]))
+    else:
+      h = tf.concat([conv(part, kernel[r]) for r, part in
+                     enumerate(tf.split(h, records, axis=-1))], -1)
+  else:
+    h = conv(h, kernel)
   return h if bias is None else h + bias
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_convolution_differentiable() -> bool:
+  """Whether TensorFlow differentiates a grouped convolution on its default
+  device. GPUs do; on CPU only oneDNN's kernels do, which TensorFlow 2.14
+  turns on by default for CPUs with AVX512-VNNI or newer features, not for
+  others (e.g. AMD EPYC), unless TF_ENABLE_ONEDNN_OPTS=1. Elsewhere records
+  mode runs one convolution per record. Probed eagerly in a thread of its
+  own: the caller may be tracing a graph, where nothing runs."""
+  answer = []
+  probe = threading.Thread(target=lambda: answer.append(_differentiate_grouped()))
+  probe.start()
+  probe.join()
+  return answer[0]
+
+
+def _differentiate_grouped() -> bool:
+  x, kernel = tf.ones([1, 4, 4, 4]), tf.ones([3, 3, 2, 4])  # 2 groups
+  try:
+    with tf.GradientTape() as tape:
+      tape.watch(x)
+      y = tf.nn.conv2d(x, kernel, 1, "SAME")
+    tape.gradient(y, x)
+  except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError):
+    return False
+  return True
 
 
 def _upsample(layer, h):
