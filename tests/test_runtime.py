@@ -4,6 +4,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import numpy as np
 import psutil
@@ -52,19 +54,63 @@ def test_worker_dies_with_a_sigkilled_parent():
   script = textwrap.dedent("""
       import sys, time
       from tff_privacy import runtime
-      runtime.start()
-      print(flush=True)
+      print(runtime.start().address, flush=True)
       time.sleep(600)
   """)
   parent = subprocess.Popen([sys.executable, "-c", script],
                             stdout=subprocess.PIPE, text=True)
-  parent.stdout.readline()
+  directory = os.path.dirname(parent.stdout.readline().strip()[len("unix:"):])
   [worker] = worker_children(parent.pid)
   processes = [worker.parent(), worker]  # private_worker's host and the binary
+  assert os.path.isdir(directory)
   parent.send_signal(signal.SIGKILL)
   parent.wait()
   gone, alive = psutil.wait_procs(processes, timeout=15)
   assert not alive
+  assert not os.path.exists(directory)  # the socket's, removed by the host
+
+
+def test_a_worker_started_in_a_thread_outlives_the_thread():
+  """The worker ends with this process, not with the thread that started
+  it (the kernel's parent-death signal follows threads); this thread, whose
+  TFF context is its own, uses the same worker."""
+  runtime.stop()
+  results = []
+
+  def start_and_compute():
+    runtime.start()
+    results.append(_mean([1.0, 3.0]))
+
+  starter = threading.Thread(target=start_and_compute)
+  starter.start()
+  starter.join()
+  [worker] = worker_children()
+  time.sleep(1.0)
+  assert results == [2.0] and worker.is_running() and runtime.failure() is None
+  assert _mean([1.0, 2.0, 6.0]) == 3.0
+  assert worker_children() == [worker]
+  runtime.stop()
+
+
+def test_a_worker_that_cannot_start_is_reported_in_one_line(monkeypatch):
+  """A host that exits at start (here as where the kernel refuses network
+  namespaces) is a WorkerError carrying its words, not an interrupt."""
+  said = "cannot give the TFF worker a private network (stand-in)"
+  script = textwrap.dedent(f"""
+      import sys
+      from tff_privacy import private_worker, runtime
+      runtime.private_worker_command = lambda *args: [
+          sys.executable, "-c", "import sys; print({said!r}, file=sys.stderr); "
+          f"sys.exit({{private_worker.EXIT_NO_PRIVATE_NETWORK}})"]
+      try:
+        runtime.start()
+      except runtime.WorkerError as e:
+        print("WorkerError:", e)
+  """)
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=120)
+  assert result.stdout == f"WorkerError: {said}\n", result.stderr[-2000:]
+  assert result.returncode == 0
 
 
 def test_a_workers_end_is_described_by_pid_and_signal():

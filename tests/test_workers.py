@@ -97,8 +97,9 @@ def test_a_computation_with_dependent_aggregations_is_refused_by_name(workers):
 
 
 @pytest.mark.parametrize("address,match", [
-    ("localhost", "'localhost' is not host:port"),
-    ("localhost:0", "'localhost:0' is not host:port"),
+    ("localhost", "'localhost' is neither host:port nor unix:PATH"),
+    ("localhost:0", "'localhost:0' is neither host:port nor unix:PATH"),
+    ("unix:", "'unix:' is neither host:port nor unix:PATH"),
     ("10.1.2.3:8000", "'10.1.2.3:8000' is not on this machine; .* pass "
      "--allow-remote-workers")])
 def test_worker_addresses_are_loopback_unless_allowed(address, match):
@@ -109,25 +110,30 @@ def test_worker_addresses_are_loopback_unless_allowed(address, match):
 
 
 def test_workers_started_elsewhere_train_like_local_ones(workers, tmp_path):
-  """Two `tff-privacy worker` processes, reached by their addresses."""
-  ports = [portpicker.pick_unused_port() for _ in "ab"]
+  """Two `tff-privacy worker` processes, on a Unix socket and on a loopback
+  port, reached by their addresses."""
+  port, socket_path = portpicker.pick_unused_port(), str(tmp_path / "w.sock")
   servers = [subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker",
-                               "--port", str(p)], stderr=subprocess.PIPE, text=True)
-             for p in ports]
+                               *where], stderr=subprocess.PIPE, text=True)
+             for where in (["--socket", socket_path], ["--port", str(port)])]
   try:
-    assert "loopback only" in servers[0].stderr.readline()
+    assert "only you can open it" in servers[0].stderr.readline()
+    assert "loopback only" in servers[1].stderr.readline()
     runtime.stop()
-    runtime.start(addresses=[f"localhost:{p}" for p in ports])
+    runtime.start(addresses=[f"unix:{socket_path}", f"localhost:{port}"])
     remote = runner.run(runner.RunConfig(out=str(tmp_path / "remote"), **FEDAVG),
                         progress=False)
     here = os.readlink("/proc/self/ns/net")
-    for server, port in zip(servers, ports):  # the kernel's view
-      assert listening_sockets(server.pid) == [("127.0.0.1", port, here)]
+    # the kernel's view: the port on loopback only, the socket private
+    assert listening_sockets(servers[0].pid) == []
+    assert listening_sockets(servers[1].pid) == [("127.0.0.1", port, here)]
+    assert os.stat(socket_path).st_mode & 0o777 == 0o600
   finally:
     runtime.stop()
     for s in servers:
       s.terminate()
       s.wait(timeout=30)
+  assert not os.path.exists(socket_path)  # removed by the worker's host
   workers(1)
   local = runner.run(runner.RunConfig(out=str(tmp_path / "local"), **FEDAVG),
                      progress=False)

@@ -182,8 +182,9 @@ def _train_parser(sub) -> None:
                        help="TFF workers started on this machine; each round's "
                        "clients are split between them (default 1)")
   workers.add_argument("--worker-addresses", type=parse_names,
-                       help="host:port,... of TFF workers already running "
-                       "('tff-privacy worker --port P'), instead of --workers")
+                       help="host:port or unix:PATH,... of TFF workers already "
+                       "running ('tff-privacy worker --socket PATH' or "
+                       "'--port P'), instead of --workers")
   workers.add_argument("--allow-remote-workers", action="store_true",
                        help="accept worker addresses off this machine: a worker "
                        "serves plaintext, unauthenticated gRPC, so anyone who "
@@ -545,29 +546,42 @@ def _worker_parser(sub) -> None:
   p = sub.add_parser(
       "worker", help="serve TFF's worker on this machine for "
       "'train --worker-addresses' elsewhere",
-      description="Serves TFF's worker on 127.0.0.1:PORT; reach it from the "
-      "driver's machine through an SSH tunnel. The worker runs in a network "
-      "namespace of its own. A peer that reaches the port can run any "
-      "TensorFlow graph on it, which reads and writes files as the user who "
-      "started it, and sees every value sent to it.")
-  p.add_argument("--port", type=_positive_int, required=True)
+      description="Serves TFF's worker, from a network namespace of its own, "
+      "on a Unix socket only you can open (--socket, reached from the "
+      "driver's machine by an SSH tunnel of that socket) or on "
+      "127.0.0.1:PORT (--port), which every user of this machine can reach. "
+      "A peer that reaches it can run any TensorFlow graph on it, which reads "
+      "and writes files as you, and sees every value sent to it.")
+  where = p.add_mutually_exclusive_group(required=True)
+  where.add_argument("--socket", help="path of the Unix socket to serve on "
+                     "(mode 0600)")
+  where.add_argument("--port", type=_positive_int)
   p.add_argument("--max-concurrent-computation-calls", type=int, default=-1)
   p.add_argument("--listen-on-every-interface", action="store_true",
-                 help="serve on every network interface of this machine "
-                 "instead of loopback: anyone who reaches the port, on any "
-                 "network this machine is on, can then run code as you")
+                 help="with --port: serve on every network interface of this "
+                 "machine instead of loopback: anyone who reaches the port, "
+                 "on any network this machine is on, can then run code as you")
 
 
 def _worker(args) -> int:
   from tff_privacy import runtime
-  host = "[::]" if args.listen_on_every_interface else "127.0.0.1"
-  reach = ("every interface: anyone who reaches the port can run code as you"
-           if args.listen_on_every_interface else
-           "loopback only: reach it through an SSH tunnel")
-  print(f"TFF worker at {host}:{args.port}: plaintext, unauthenticated gRPC on "
-        f"{reach}", file=sys.stderr, flush=True)
-  command = runtime.private_worker_command(f"{host}:{args.port}",
+  if args.socket and args.listen_on_every_interface:
+    raise ValueError("--listen-on-every-interface goes with --port, not --socket")
+  if args.socket:
+    listen, reach = f"unix:{os.path.abspath(args.socket)}", "only you can open it"
+  elif args.listen_on_every_interface:
+    listen = f"[::]:{args.port}"
+    reach = "every interface: anyone who reaches the port can run code as you"
+  else:
+    listen = f"127.0.0.1:{args.port}"
+    reach = ("loopback only: every user of this machine can reach it; other "
+             "machines through an SSH tunnel")
+  print(f"TFF worker at {listen}: plaintext, unauthenticated gRPC on {reach}",
+        file=sys.stderr, flush=True)
+  command = runtime.private_worker_command(listen,
                                            args.max_concurrent_computation_calls)
+  if os.environ.get(runtime.SHARED_NETWORK_VARIABLE) == "1":
+    command.append("--shared-network")
   os.execv(command[0], command)
 
 

@@ -7,23 +7,28 @@ who started it. This program starts the worker in a new network namespace,
 whose only interface is its own loopback, and forwards to it the connections
 made to one listening socket opened before the namespace was entered:
 
-- ``unix:PATH``: a Unix socket (`runtime`'s local workers, under a directory
-  only the user can enter);
-- ``HOST:PORT``: a TCP socket (``tff-privacy worker``; ``127.0.0.1`` by default,
-  reached from elsewhere through an SSH tunnel; ``[::]`` only when asked).
+- ``unix:PATH``: a Unix socket of mode 0600, which only its user can open
+  (`runtime`'s local workers; ``tff-privacy worker --socket``);
+- ``HOST:PORT``: a TCP socket (``tff-privacy worker --port``: ``127.0.0.1``,
+  which every user of the machine can reach; ``[::]`` only when asked).
 
 A user without root gets the namespace through a user namespace that maps
 their own ids onto themselves, so files keep their owners. Where the kernel
 allows neither, the program says so in one line on stderr and exits with code
-`EXIT_NO_PRIVATE_NETWORK`, unless `--shared-network` asks for the worker to
-listen on every interface of this machine.
+`EXIT_NO_PRIVATE_NETWORK`; `--shared-network` (what `SHARED_NETWORK_VARIABLE`
+set to 1 asks for) then keeps the machine's network, where the worker listens
+on every interface.
 
 It exits as the worker exits: with the worker's code, or killed by the same
-signal, so the caller can say why the worker ended. With `--parent-pid` it
-ends with that process, and the worker with it.
+signal, so the caller can say why the worker ended. With `--parent-pipe` it
+ends, and the worker with it, when the caller's end of that pipe closes,
+which the kernel does when the caller's process ends in any way. On every
+exit but SIGKILL it removes its Unix socket, and with `--remove-directory`
+the socket's directory.
 
-Standard library only, and run as ``python -m tff_privacy.private_worker``:
-``unshare(CLONE_NEWUSER)`` refuses a process that has started threads.
+Standard library only, run by path in Python's isolated mode without site
+packages (``python -I -S private_worker.py``): ``unshare(CLONE_NEWUSER)``
+refuses a process that has started threads.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import argparse
 import ctypes
 import fcntl
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -40,7 +46,8 @@ import sys
 import threading
 import time
 
-EXIT_NO_PRIVATE_NETWORK = 3
+SHARED_NETWORK_VARIABLE = "TFF_PRIVACY_WORKER_SHARED_NETWORK"
+EXIT_NO_PRIVATE_NETWORK = 86
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _PR_SET_PDEATHSIG = 1
@@ -51,9 +58,11 @@ _CONNECT_TIMEOUT_S = 60.0
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with(signum: int) -> None:
-  """The kernel sends `signum` to this process when its parent ends."""
-  _libc.prctl(_PR_SET_PDEATHSIG, signum)
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+  """Has the kernel send `signum` to this process when the thread that
+  started it ends (Linux)."""
+  if sys.platform.startswith("linux"):
+    _libc.prctl(_PR_SET_PDEATHSIG, signum)
 
 
 def listen(address: str) -> socket.socket:
@@ -64,11 +73,10 @@ def listen(address: str) -> socket.socket:
     OSError: the address cannot be bound.
   """
   if address.startswith("unix:"):
-    path = address[len("unix:"):]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_mask = os.umask(0o177)
     try:
-      sock.bind(path)
+      sock.bind(address[len("unix:"):])
     finally:
       os.umask(old_mask)
   else:
@@ -131,11 +139,11 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
       pass
 
 
-def _connect_inward(port: int, worker: subprocess.Popen) -> socket.socket | None:
-  """A connection to the worker, retried while it starts; None once it
-  has ended or not answered in time."""
+def _connect_inward(port: int) -> socket.socket | None:
+  """A connection to the worker, retried while it starts; None if it does
+  not answer in time."""
   deadline = time.monotonic() + _CONNECT_TIMEOUT_S
-  while worker.poll() is None and time.monotonic() < deadline:
+  while time.monotonic() < deadline:
     try:
       return socket.create_connection(("127.0.0.1", port))
     except ConnectionRefusedError:
@@ -143,16 +151,47 @@ def _connect_inward(port: int, worker: subprocess.Popen) -> socket.socket | None
   return None
 
 
-def _serve(outer: socket.socket, port: int, worker: subprocess.Popen) -> None:
+def _forward(client: socket.socket, port: int) -> None:
+  """Carries one connection to the worker and back, then closes both ends."""
+  with client:
+    try:
+      inner = _connect_inward(port)
+    except OSError:
+      return
+    if inner is None:
+      return
+    with inner:
+      back = threading.Thread(target=_pump, args=(inner, client), daemon=True)
+      back.start()
+      _pump(client, inner)
+      back.join()
+
+
+def _serve(outer: socket.socket, port: int) -> None:
   """Forwards every connection accepted on `outer` to the worker's port."""
   while True:
-    client, _ = outer.accept()
-    inner = _connect_inward(port, worker)
-    if inner is None:
-      client.close()
+    try:
+      client, _ = outer.accept()
+    except OSError:  # e.g. out of file descriptors: try the next one
+      time.sleep(0.1)
       continue
-    for source, sink in ((client, inner), (inner, client)):
-      threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+    threading.Thread(target=_forward, args=(client, port), daemon=True).start()
+
+
+def _end_when_closed(pipe: int, worker: subprocess.Popen) -> None:
+  """Stops the worker once the other end of `pipe` is closed."""
+  while os.read(pipe, 1):
+    pass
+  worker.terminate()
+
+
+def _remove(listen_address: str, directory: bool) -> None:
+  if listen_address.startswith("unix:"):
+    path = listen_address[len("unix:"):]
+    if directory:
+      shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    elif os.path.exists(path):
+      os.unlink(path)
 
 
 def _exit_like(returncode: int) -> None:
@@ -166,14 +205,16 @@ def _exit_like(returncode: int) -> None:
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m tff_privacy.private_worker",
+      prog="private_worker.py",
       description="TFF's worker_binary in a private network namespace, "
       "reached through one listening socket.")
   p.add_argument("--listen", required=True, help="unix:PATH or HOST:PORT")
   p.add_argument("--worker", required=True, help="path of worker_binary")
   p.add_argument("--max-concurrent-computation-calls", type=int, default=-1)
-  p.add_argument("--parent-pid", type=int,
-                 help="end when this process (the caller) ends")
+  p.add_argument("--parent-pipe", type=int,
+                 help="a pipe's read end: end when its write end closes")
+  p.add_argument("--remove-directory", action="store_true",
+                 help="at exit, remove the Unix socket's directory")
   p.add_argument("--shared-network", action="store_true",
                  help="keep this machine's network: the worker then listens "
                  "on every interface")
@@ -182,31 +223,44 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
   args = _parser().parse_args(argv)
-  if args.parent_pid:
-    _die_with(signal.SIGTERM)
-    if os.getppid() != args.parent_pid:  # the caller ended before prctl
-      sys.exit(1)
   try:
     outer = listen(args.listen)
   except (ValueError, OSError) as e:
+    _remove(args.listen, args.remove_directory)
     sys.exit(f"cannot listen at {args.listen}: {e}")
-  if not args.shared_network:
-    try:
+  try:
+    if not args.shared_network:
       enter_private_network()
-    except OSError as e:
-      print(f"cannot give the TFF worker a private network ({e.strerror or e}; "
-            "the kernel allows no network or user namespace here)",
-            file=sys.stderr, flush=True)
-      sys.exit(EXIT_NO_PRIVATE_NETWORK)
+  except OSError as e:
+    _remove(args.listen, args.remove_directory)
+    print(f"cannot give the TFF worker a private network ({e.strerror or e}: "
+          "the kernel allows no network or user namespace here); set "
+          f"{SHARED_NETWORK_VARIABLE}=1 to run it on this machine's network "
+          "instead, where it listens on every interface and anyone who "
+          "reaches its port can run code as you", file=sys.stderr, flush=True)
+    sys.exit(EXIT_NO_PRIVATE_NETWORK)
   port = _free_port()
+  host = os.getpid()
+
+  def worker_setup():
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != host:
+      os._exit(1)
+
   worker = subprocess.Popen(
       [args.worker, f"--port={port}", "--max_concurrent_computation_calls="
        f"{args.max_concurrent_computation_calls}"],
       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL, preexec_fn=lambda: _die_with(signal.SIGKILL))
-  signal.signal(signal.SIGTERM, lambda *_: worker.terminate())
-  threading.Thread(target=_serve, args=(outer, port, worker), daemon=True).start()
-  _exit_like(worker.wait())
+      stderr=subprocess.DEVNULL, preexec_fn=worker_setup)
+  for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(signum, lambda *_: worker.terminate())
+  if args.parent_pipe is not None:
+    threading.Thread(target=_end_when_closed, args=(args.parent_pipe, worker),
+                     daemon=True).start()
+  threading.Thread(target=_serve, args=(outer, port), daemon=True).start()
+  returncode = worker.wait()
+  _remove(args.listen, args.remove_directory)
+  _exit_like(returncode)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ the program with a message naming its process or address.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import shutil
 import signal
@@ -74,7 +73,6 @@ from tensorflow_federated.python.core.impl.types import type_conversions
 
 from tff_privacy import private_worker
 
-_PR_SET_PDEATHSIG = 1
 _GRPC_OPTIONS = [
     ("grpc.max_message_length", 2 * 10**9),
     ("grpc.max_receive_message_length", 2 * 10**9),
@@ -82,7 +80,7 @@ _GRPC_OPTIONS = [
 ]
 _STARTUP_TIMEOUT_S = 60.0
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
-SHARED_NETWORK_VARIABLE = "TFF_PRIVACY_WORKER_SHARED_NETWORK"
+SHARED_NETWORK_VARIABLE = private_worker.SHARED_NETWORK_VARIABLE
 
 _workers: "list[LocalWorker | RemoteWorker]" = []
 
@@ -95,8 +93,6 @@ def describe_exit(returncode: int, pid: "int | None" = None) -> str:
   """Why the local worker (process `pid`, if given) ended, for an error
   message."""
   worker = "the local TFF worker" + (f" (pid {pid})" if pid else "")
-  if returncode == private_worker.EXIT_NO_PRIVATE_NETWORK:
-    return f"{worker} could not start: no private network for it"
   if returncode >= 0:
     return f"{worker} exited with code {returncode}"
   name = signal.Signals(-returncode).name
@@ -137,8 +133,7 @@ def end_with_parent(parent_pid: int) -> None:
   `parent_pid` ends (Linux), and ends it now if that has already happened:
   for the processes of a pool, which would otherwise go on running their
   tasks, each with its worker, after the program that started them died."""
-  if sys.platform.startswith("linux"):
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+  private_worker.die_with_parent(signal.SIGTERM)
   if os.getppid() != parent_pid:
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -151,9 +146,9 @@ def private_worker_command(listen: str, max_concurrent_computation_calls: int = 
                            ) -> list[str]:
   """The command that serves TFF's worker at `listen` (``unix:PATH`` or
   ``HOST:PORT``) from a private network (see `private_worker`). Python's
-  isolated mode (-I) runs the file alone: its standard-library imports start
-  no thread, which the namespace needs."""
-  return [sys.executable, "-I", private_worker.__file__, "--listen", listen,
+  isolated mode without site packages (-I -S) runs the file alone: its
+  standard-library imports start no thread, which the namespace needs."""
+  return [sys.executable, "-I", "-S", private_worker.__file__, "--listen", listen,
           "--worker", worker_binary_path(),
           f"--max-concurrent-computation-calls={max_concurrent_computation_calls}"]
 
@@ -164,75 +159,111 @@ class LocalWorker:
   enter: nothing listens on this machine's network. The environment
   variable `SHARED_NETWORK_VARIABLE` set to 1 keeps the machine's network
   instead (the worker then listens on every interface), for kernels that
-  allow no namespace."""
+  allow no namespace. The worker ends when this process does, in whatever
+  thread it was started: its host reads a pipe whose other end only this
+  process holds."""
 
   def __init__(self, max_concurrent_computation_calls: int = -1):
     self.max_concurrent_computation_calls = max_concurrent_computation_calls
-    self._directory = tempfile.mkdtemp(prefix="tff-privacy-worker-")
+    self._directory = _socket_directory()
     self.address = f"unix:{os.path.join(self._directory, 'worker.sock')}"
     self._stderr = open(os.path.join(self._directory, "stderr"), "w+")
+    read_end, self._pipe = os.pipe()
     args = private_worker_command(self.address, max_concurrent_computation_calls)
-    args.append(f"--parent-pid={os.getpid()}")
+    args += [f"--parent-pipe={read_end}", "--remove-directory"]
     if os.environ.get(SHARED_NETWORK_VARIABLE) == "1":
       args.append("--shared-network")
-    # No preexec_fn: Python then spawns without fork handlers, which gRPC
-    # would run (and complain about) in this multi-threaded process.
-    self.process = subprocess.Popen(
-        args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=self._stderr)
+    try:
+      # No preexec_fn: Python then spawns without fork handlers, which gRPC
+      # would run (and complain about) in this multi-threaded process.
+      self.process = subprocess.Popen(
+          args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+          stderr=self._stderr, pass_fds=(read_end,))
+    except BaseException:
+      self._release()
+      raise
+    finally:
+      os.close(read_end)
     self.pid = self.process.pid
     self._closing = False
+    self._connected = threading.Event()
+    self._ended = threading.Event()
+    self.returncode: int | None = None
     self.failure: str | None = None  # set when the worker ends unasked
     threading.Thread(target=self._watch, daemon=True,
                      name="tff-worker-watcher").start()
 
   def connect(self) -> None:
     """Waits until the worker serves; separate from starting it so that
-    several workers are started before any gRPC thread runs."""
+    several workers are started before any gRPC thread runs.
+
+    Raises:
+      WorkerError: the worker ended, or did not serve in time.
+    """
     channel = grpc.insecure_channel(self.address, _GRPC_OPTIONS)
     self.stub = remote_executor_grpc_stub.RemoteExecutorGrpcStub(channel)
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     while not self.stub.is_ready:
-      if self.process.poll() is not None:
+      if self._ended.is_set():
         raise WorkerError(self._startup_failure())
       if time.monotonic() > deadline:
         self.close()
         raise WorkerError(f"the local TFF worker (pid {self.pid}) did not "
                           "become ready in time")
       time.sleep(0.05)
+    self._connected.set()
+    if self._ended.wait(0) and not self._closing:
+      raise WorkerError(self._startup_failure())
 
   def _startup_failure(self) -> str:
     self._stderr.seek(0)
     said = " ".join(self._stderr.read().split())
-    if self.process.returncode == private_worker.EXIT_NO_PRIVATE_NETWORK:
-      return (f"{said}; set {SHARED_NETWORK_VARIABLE}=1 to run it on this "
-              "machine's network instead, where it listens on every interface "
-              "and anyone who reaches its port can run code as you")
-    return describe_exit(self.process.returncode, self.pid) + " while starting" + (
+    if self.returncode == private_worker.EXIT_NO_PRIVATE_NETWORK:
+      return said
+    return describe_exit(self.returncode, self.pid) + " while starting" + (
         f": {said}" if said else "")
 
   @property
   def alive(self) -> bool:
-    return self.process.poll() is None
+    return not self._ended.is_set()
 
   def _watch(self) -> None:
-    returncode = self.process.wait()
+    self.returncode = self.process.wait()
+    self._ended.set()
     if self._closing:
       return
-    self.failure = describe_exit(returncode, self.pid)
-    _stop_main_thread(self.failure)
+    self.failure = describe_exit(self.returncode, self.pid)
+    if self._connected.is_set():  # before that, `connect` reports it
+      _stop_main_thread(self.failure)
 
   def close(self) -> None:
     self._closing = True
-    if self.process.poll() is None:
+    if not self._ended.is_set():
       self.process.terminate()
       try:
         self.process.wait(timeout=10)
       except subprocess.TimeoutExpired:
         self.process.kill()
         self.process.wait()
+    self._release()
+
+  def _release(self) -> None:
+    os.close(self._pipe)
     self._stderr.close()
     shutil.rmtree(self._directory, ignore_errors=True)
+
+
+_MAX_SOCKET_PATH = 100  # sun_path holds 107 bytes
+
+
+def _socket_directory() -> str:
+  """A new directory, mode 0700, for a worker's socket: under the temporary
+  directory, or /tmp where that path would be too long for a socket."""
+  directory = tempfile.mkdtemp(prefix="tff-privacy-worker-")
+  if len(os.path.join(directory, "worker.sock")) <= _MAX_SOCKET_PATH:
+    return directory
+  os.rmdir(directory)
+  return tempfile.mkdtemp(prefix="tff-privacy-worker-", dir="/tmp")
 
 
 class RemoteWorker:
@@ -252,7 +283,8 @@ class RemoteWorker:
       self._channel.close()
       raise WorkerError(f"no TFF worker answered at {address} within "
                          f"{_STARTUP_TIMEOUT_S:.0f} s; start one there with "
-                         "'tff-privacy worker --port PORT'") from None
+                         "'tff-privacy worker --socket PATH' or '--port PORT'"
+                         ) from None
     self._channel.subscribe(self._watch)
 
   @property
@@ -273,12 +305,16 @@ class RemoteWorker:
 
 
 def check_addresses(addresses: Sequence[str], allow_remote: bool = False) -> None:
-  """Refuses a malformed host:port, and a host other than loopback unless
-  `allow_remote`: TFF's worker speaks plaintext gRPC with no authentication."""
+  """Refuses an address that is neither host:port nor unix:PATH, and a host
+  other than loopback unless `allow_remote`: TFF's worker speaks plaintext
+  gRPC with no authentication."""
   for address in addresses:
+    if address.startswith("unix:") and len(address) > len("unix:"):
+      continue  # a socket on this machine
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-      raise ValueError(f"worker_addresses: {address!r} is not host:port")
+      raise ValueError(f"worker_addresses: {address!r} is neither host:port "
+                       "nor unix:PATH")
     if host not in _LOOPBACK and not allow_remote:
       raise ValueError(
           f"worker_addresses: {address!r} is not on this machine; TFF workers "
@@ -395,6 +431,9 @@ def start(max_concurrent_computation_calls: int = -1, workers: int = 1,
   """
   global _workers
   if _workers and all(w.alive for w in _workers):
+    if isinstance(context_stack_impl.context_stack.current, _StartOnFirstUse):
+      # TFF's default context is per thread: this thread's is still lazy
+      context_stack_impl.context_stack.set_default_context(_context(_workers))
     return _workers[0]
   if not isinstance(workers, int) or workers < 1:
     raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
