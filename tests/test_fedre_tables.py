@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import write_doctamper_split
 
@@ -23,6 +24,9 @@ def _script(*argv):
                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
 
 
+@pytest.mark.slow  # 100 s of one FedRE U-Net run; the fast suite keeps the
+# DocTamper loader (test_tamper_sets) and the script's run configs
+# (test_every_setting_makes_valid_leakage_run_configs)
 def test_table1_runs_on_doctamper_with_a_regions_file(tmp_path):
   boxes = {}
   for split, count in SPLITS:

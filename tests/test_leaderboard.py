@@ -124,6 +124,10 @@ def test_the_matched_row_is_the_strength_closest_to_the_target():
   assert report.matched_keys(results, 0.81) == {"a1", "b2"}
 
 
+@pytest.mark.slow  # 90 s of four trainings; the fast suite trains a row,
+# keeps its refusals and runs its failures again in
+# test_a_failed_attack_runs_again_and_a_refusal_is_kept, and `make demo`
+# runs the whole leaderboard
 def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
   out = str(tmp_path / "board")
   tiny = grid.parse(TINY)
