@@ -140,6 +140,17 @@ def test_workers_started_elsewhere_train_like_local_ones(workers, tmp_path):
   _equal(local, remote)
 
 
+@pytest.mark.parametrize("flags", [
+    ["--socket", "/nonexistent/w.sock"],
+    ["--socket", "w.sock", "--listen-on-every-interface"]])
+def test_a_wrong_worker_socket_is_one_line(flags, capsys, tmp_path, monkeypatch):
+  from tff_privacy import cli
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["worker", *flags]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("tff-privacy worker: error: --") and err.count("\n") == 1
+
+
 def test_a_worker_serves_every_interface_only_when_asked():
   port = portpicker.pick_unused_port()
   server = subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker",

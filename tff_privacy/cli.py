@@ -568,7 +568,11 @@ def _worker(args) -> int:
   if args.socket and args.listen_on_every_interface:
     raise ValueError("--listen-on-every-interface goes with --port, not --socket")
   if args.socket:
-    listen, reach = f"unix:{os.path.abspath(args.socket)}", "only you can open it"
+    path = os.path.abspath(args.socket)
+    if not os.path.isdir(os.path.dirname(path)) or os.path.exists(path):
+      raise ValueError(f"--socket: {args.socket!r} must be a new path in an "
+                       "existing directory")
+    listen, reach = f"unix:{path}", "only you can open it"
   elif args.listen_on_every_interface:
     listen = f"[::]:{args.port}"
     reach = "every interface: anyone who reaches the port can run code as you"
