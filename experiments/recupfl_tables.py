@@ -2,24 +2,40 @@
 
 Every point is one FedSGD run in TFF (`tff_privacy.runner`) with one sample
 per client (Sec. 5.1) and the server learning rate of Appendix Table 2
-(Adult: 0.01). Its rounds 1, 3 and 5 are captured, and the protected
-attribute of every sampled client is inferred from its upload by the four
+(Adult: 0.01). Its rounds 1, 3 and 5 are captured, and the sensitive
+attributes of every sampled client are inferred from its upload by the four
 adversaries (`tff-privacy train --infer-attributes`: Stru-NN, Unknown-NN,
-SVM and RF trained on clean shadow uploads at the round's broadcast model).
-The learning loss is the global model's loss on the test split after the
-round (Sec. 5.6; MSE on Adult). ASR is the share of victims whose attribute
-is inferred correctly (the paper's metric); the balanced ASR, the mean recall
-over the attribute's classes, is given beside it because 85% of Adult's
-records are white, so plain ASR stays high for an adversary that always says
-'white'.
+SVM and RF trained, as the paper's are, on clean shadow uploads of the
+training records the defender zoo trains on, at the round's broadcast
+model). ASR is the share of victims whose attribute is inferred correctly
+(the paper's metric); the balanced ASR, the mean recall over the
+attribute's classes, is given beside it because 85% of Adult's records are
+white, so plain ASR stays high for an adversary that always says 'white'.
+Every ASR comes with its 95% interval (Wilson for plain ASR, a bootstrap
+over victims for balanced ASR).
+
+Utility is read on two axes: the learning loss (the global model's loss on
+the test split after the round, Sec. 5.6; MSE on Adult), and the aggregate
+update's relative error against the undefended mean of the same clients'
+uploads at the same model (`update_relative_error`; `update_cosine` beside
+it). On Adult one FedSGD round at learning rate 0.01 barely moves the
+loss, so the first axis often cannot order the defences: the seed-to-seed
+standard deviation of the undefended loss (--noise-seeds extra runs) is its
+noise, and where a round's defended points spread less than twice that,
+the tables say so instead of reading the curves there.
 
 Tables (CSV and Markdown in OUT; PNG figures):
-* tradeoff: learning loss against ASR for RECUP-FL, DP Gaussian, DP Laplace,
-  gradient sparsification and Soteria, each over its range of Sec. 5.3 / 5.5,
-  plus no defence, for each adversary at rounds 1, 3 and 5 (Figs. 2, 10, 11:
-  tradeoff.png, one panel per round and adversary). tradeoff.md compares
-  RECUP-FL's ASR with DP Gaussian's at equal learning loss (each curve
-  interpolated linearly in the loss between its measured points);
+* tradeoff: ASR against each utility axis for no defence, RECUP-FL
+  protecting the attribute (M = 1) and, on Adult, race and sex (M = 2),
+  DP Gaussian and DP Laplace (with their adaptive adversaries, trained on
+  shadow uploads through the same noise), and --tradeoff-extra defences,
+  each over its range of Sec. 5.3 / 5.5, for each adversary at rounds 1, 3
+  and 5 (Figs. 2, 10, 11: tradeoff_<attribute>_<asr|balanced_asr>.png,
+  error bars the 95% intervals; loss_curves.png, the learning loss over
+  rounds). tradeoff.md reads DP Gaussian's and DP Laplace's ASR (and
+  interval bounds) at each RECUP-FL point's utility, interpolated between
+  the two measured points around it, and says whether RECUP-FL's interval
+  lies below, above or overlaps theirs;
 * gamma: race and sex protected together with gamma_race swept 0 to 1 by
   0.25 and gamma_sex = 1 - gamma_race (Sec. 6.3), ASR of both at round 1;
 * attributes: M = 1 (race) and M = 2 (race and sex, gamma 1 each) protected
@@ -37,15 +53,20 @@ Tables (CSV and Markdown in OUT; PNG figures):
   adaptive ones, trained on shadow uploads passed through the same defence
   (not in the paper: clean-shadow adversaries misread noisy uploads).
 
-Small scale (the default): 1,000 clients, 100 sampled per round, the
-adversaries trained on 1,000 shadow samples; each RECUP-FL zoo (20 models)
-is retrained at every round's broadcast model for 20 epochs instead of the
-paper's 80 (--zoo-epochs). RECUP-FL's fixed budget for the zoo, fgsm,
-gamma and participation tables is --epsilon (default 1e-3). Every run lives
-in OUT/runs/<name>/ and is not recomputed when its metrics are complete.
+Small scale (--scale small, the default): 1,000 clients, 400 sampled per
+round (the victims), the adversaries and the zoo trained on the same 1,000
+training records; each RECUP-FL zoo (20 models) is trained for 20 epochs
+at the broadcast model of rounds 1, 3 and 5 (the captured ones; rounds 2
+and 4 perturb against the zoo of the round before); 4 levels per defence.
+--scale paper trains the zoo 80 epochs every round, uses 5 levels, adds
+sparsification and Soteria and runs IG for 2,000 iterations. RECUP-FL's
+fixed budget for the zoo, fgsm, gamma and participation tables is --epsilon
+(default 1e-3). Every run lives in OUT/runs/<name>/ and is not recomputed
+when its metrics are complete.
 
   python experiments/recupfl_tables.py                       # all tables, Adult
   python experiments/recupfl_tables.py --tables tradeoff --levels 3
+  python experiments/recupfl_tables.py --scale paper
   python experiments/recupfl_tables.py --dataset mnist5k_parity
 """
 
@@ -96,7 +117,20 @@ DATASETS = {
 LABELS = {"none": "no defence", "recupfl": "RECUP-FL", "ldp_gaussian": "DP Gaussian",
           "ldp_laplace": "DP Laplace", "sparsification": "sparsification",
           "soteria": "Soteria"}
+ASR_KINDS = ("asr", "balanced_asr", "adaptive_asr", "adaptive_balanced_asr")
+# the utility axes of the trade-off: (metrics key, label, read on a log scale)
+UTILITY_AXES = (("learning_loss", "learning loss", False),
+                ("update_relative_error", "aggregate-update relative error", True))
+DP_CURVES = ("DP Gaussian", "DP Laplace")
 RECUPFL_DEFAULTS = {"zoo_size": 20, "fgsm": "recupfl"}  # and protect: the attribute
+# --scale: the defaults of the run settings. 'small' retrains the zoo at the
+# captured rounds 1, 3 and 5 only (each round's clients perturb against the
+# latest zoo); the paper pre-trains its zoo once and trains it 80 epochs.
+SCALES = {"small": {"zoo_epochs": 20, "zoo_refresh": 2, "levels": 4,
+                    "tradeoff_extra": "", "ig_iterations": 1000},
+          "paper": {"zoo_epochs": 80, "zoo_refresh": 1, "levels": 5,
+                    "tradeoff_extra": "sparsification,soteria",
+                    "ig_iterations": 2000}}
 
 
 def levels(defense: str, low: float, high: float, count: int) -> list[float]:
@@ -113,7 +147,7 @@ def defense_kwargs(defense: str, level: float, args, attribute: str,
                    dataset: str) -> dict:
   if defense == "recupfl":
     return {"protect": attribute, "perturbation_budget": level,
-            "zoo_epochs": args.zoo_epochs}
+            "zoo_epochs": args.zoo_epochs, "zoo_refresh": args.zoo_refresh}
   if defense in ("ldp_gaussian", "ldp_laplace"):
     return {"clip": CLIP, "noise_multiplier": level / CLIP}
   layer = DATASETS[dataset].get("soteria_layer")
@@ -125,6 +159,7 @@ class Experiment:
 
   def __init__(self, args, dataset: str, runs: str):
     self.args, self.runs, self.dataset = args, runs, dataset
+    self.histories = {}  # (curve, level) -> the metrics of its run
     spec = DATASETS[dataset]
     self.common = dict(
         method="fedsgd", dataset=dataset, model=spec["model"],
@@ -153,9 +188,10 @@ class Experiment:
     return history
 
   def point(self, defense: str, level, rounds=ROUNDS, attributes=None,
-            adaptive: bool = False, **recupfl) -> list[dict]:
-    """Rows (one per captured round and adversary) of one defence setting;
-    `adaptive`: with the adaptive adversaries' rates too."""
+            adaptive: bool = False, curve: str = None, **recupfl) -> list[dict]:
+    """Rows (one per captured round, attribute and adversary) of one
+    defence setting, labelled `curve`; `adaptive`: with the adaptive
+    adversaries' rates too."""
     attributes = attributes or (self.args.attribute,)
     kwargs = None if defense == "none" else {
         **defense_kwargs(defense, level, self.args, self.args.attribute,
@@ -169,6 +205,7 @@ class Experiment:
     history = self.run(name, max(rounds), tuple(rounds), tuple(attributes),
                        None if defense == "none" else defense, kwargs,
                        adaptive=adaptive)
+    self.histories[(curve or LABELS[defense], level)] = history
     rows = []
     for entry in history:
       if entry["round"] not in rounds:
@@ -176,59 +213,116 @@ class Experiment:
       for a in attributes:
         for adversary in self.args.adversaries:
           rows.append({
-              "defense": defense, "level": level, "round": entry["round"],
-              "attribute": a, "adversary": adversary,
-              "learning_loss": entry["test_loss"],
-              "asr": entry[f"asr/{a}/{adversary}"],
-              "balanced_asr": entry[f"balanced_asr/{a}/{adversary}"],
+              "curve": curve or LABELS[defense], "defense": defense,
+              "level": level, "round": entry["round"], "attribute": a,
+              "adversary": adversary, "learning_loss": entry["test_loss"],
+              "update_cosine": entry.get("update_cosine"),
+              "update_relative_error": entry.get("update_relative_error"),
+              **_rates(entry, a, adversary),
               "chance": entry[f"asr/{a}/chance"],
               "balanced_chance": entry[f"balanced_asr/{a}/chance"],
-              **({"adaptive_asr": entry[f"adaptive_asr/{a}/{adversary}"],
-                  "adaptive_balanced_asr":
-                      entry[f"adaptive_balanced_asr/{a}/{adversary}"]}
-                 if adaptive else {}),
               **{k: v for k, v in recupfl.items()}})
     return rows
 
+  def undefended_losses(self, seed: int, rounds: int) -> list[float]:
+    """The test loss after each round of the undefended run at `seed` (no
+    capture): one sample of the learning loss's seed-to-seed noise."""
+    if seed == self.args.seed:
+      history = self.histories[("no defence", None)]
+    else:
+      out = os.path.join(self.runs, f"none_seed{seed}_r{rounds}")
+      path = os.path.join(out, "metrics.json")
+      if os.path.exists(path) and len(io.read_json(path)) == rounds:
+        history = io.read_json(path)
+      else:
+        print(f"none_seed{seed}: no defence, seed {seed}", flush=True)
+        config = runner.RunConfig(
+            out=out, rounds=rounds, clients_per_round=self.args.clients_per_round,
+            **dict(self.common, seed=seed))
+        history = runner.run(config, progress=not self.args.quiet)
+        runtime.renew()
+    return [e["test_loss"] for e in history]
 
-def interpolate_at(loss: float, rows: list[dict], key: str) -> float:
-  """The curve of `rows` (learning loss, ASR `key`) read at `loss`, linear
-  between its two nearest measured losses; NaN outside their range."""
-  points = sorted((r["learning_loss"], r[key]) for r in rows)
+
+def _rates(entry: dict, attribute: str, adversary: str) -> dict:
+  """The ASRs of `ASR_KINDS` the entry holds for (attribute, adversary),
+  each with its 95% confidence interval ('<kind>_low', '<kind>_high')."""
+  out = {}
+  for kind in ASR_KINDS:
+    key = f"{kind}/{attribute}/{adversary}"
+    if key in entry:
+      low, high = entry[f"{kind}_ci/{attribute}/{adversary}"]
+      out.update({kind: entry[key], f"{kind}_low": low, f"{kind}_high": high})
+  return out
+
+
+def interpolate_at(value: float, rows: list[dict], key: str,
+                   axis: str = "learning_loss", log: bool = False) -> float:
+  """The curve of `rows` (`axis`, `key`) read at `value`, linear between its
+  two nearest measured points (in log10 of the axis with `log`); NaN
+  outside their range."""
+  points = sorted((r[axis], r[key]) for r in rows)
   xs, ys = [p[0] for p in points], [p[1] for p in points]
-  if not xs[0] <= loss <= xs[-1]:
+  if not xs or not xs[0] <= value <= xs[-1]:
     return math.nan
-  return float(np.interp(loss, xs, ys))
+  if log:
+    if xs[0] <= 0:
+      return math.nan
+    return float(np.interp(math.log10(value), np.log10(xs), ys))
+  return float(np.interp(value, xs, ys))
+
+
+def tradeoff_settings(args) -> list[tuple[str, str, float, dict]]:
+  """(curve, defence, level, RECUP-FL settings) of every trade-off point:
+  no defence; RECUP-FL protecting the attribute (M = 1) and, where the
+  data set has a second one, both (M = 2, gamma 1 each); DP Gaussian, DP
+  Laplace and any --tradeoff-extra defences over their ranges."""
+  ranges = DATASETS[args.dataset]["ranges"]
+  settings = [("no defence", "none", None, {})]
+  protections = [(f"RECUP-FL ({args.attribute})", {})]
+  if args.second:
+    protections.append((f"RECUP-FL ({args.attribute}, {args.second})",
+                        {"protect": f"{args.attribute},{args.second}"}))
+  for curve, extra in protections:
+    settings += [(curve, "recupfl", level, extra)
+                 for level in levels("recupfl", *ranges["recupfl"], args.levels)]
+  for defense in ("ldp_gaussian", "ldp_laplace") + tuple(args.tradeoff_extra):
+    settings += [(LABELS[defense], defense, level, {})
+                 for level in levels(defense, *ranges[defense], args.levels)]
+  return settings
 
 
 def tradeoff(exp: Experiment) -> tuple[list[dict], str]:
-  args, ranges = exp.args, DATASETS[exp.args.dataset]["ranges"]
-  rows = exp.point("none", None)
-  for defense, (low, high) in ranges.items():
-    for level in levels(defense, low, high, args.levels):
-      rows += exp.point(defense, level)
-  _plot_tradeoff(rows, args)
-  return rows, _equal_loss_table(rows, args)
+  """The trade-off points, their figures and the equal-utility tables."""
+  args = exp.args
+  attributes = (args.attribute,) + ((args.second,) if args.second else ())
+  rows = []
+  for curve, defense, level, extra in tradeoff_settings(args):
+    adaptive = defense in ("ldp_gaussian", "ldp_laplace", "sparsification")
+    rows += exp.point(defense, level, attributes=attributes, adaptive=adaptive,
+                      curve=curve, **extra)
+  losses = np.array([exp.undefended_losses(args.seed + k, max(ROUNDS))
+                     for k in range(args.noise_seeds + 1)])
+  noise = {"learning_loss": {r: float(np.std(losses[:, r - 1], ddof=1))
+                             for r in ROUNDS},
+           "update_relative_error": {r: 0.0 for r in ROUNDS}}
+  for a in attributes:
+    for kind in ("asr", "balanced_asr"):
+      _plot_tradeoff(rows, args, a, kind)
+  _plot_loss_curves(exp.histories, args)
+  text = "\n".join(equal_utility_table(rows, args, a, kind, noise)
+                   for a in attributes for kind in ("asr", "balanced_asr"))
+  return rows, _noise_note(losses) + "\n" + text
 
 
-def _equal_loss_table(rows: list[dict], args) -> str:
-  """RECUP-FL's ASR beside DP Gaussian's read at the same learning loss, at
-  each RECUP-FL point of round 1."""
-  lines = ["### RECUP-FL vs DP Gaussian at equal learning loss (round 1, "
-           f"{args.attribute})", "",
-           "| adversary | epsilon | learning loss | RECUP-FL ASR | DP Gaussian ASR "
-           "| RECUP-FL balanced | DP Gaussian balanced |", "|---|---|---|---|---|---|---|"]
-  for adversary in args.adversaries:
-    pick = [r for r in rows if r["round"] == 1 and r["adversary"] == adversary]
-    ours = [r for r in pick if r["defense"] == "recupfl"]
-    gauss = [r for r in pick if r["defense"] == "ldp_gaussian"]
-    for r in sorted(ours, key=lambda r: r["level"]):
-      other = {k: interpolate_at(r["learning_loss"], gauss, k)
-               for k in ("asr", "balanced_asr")}
-      lines.append(f"| {adversary} | {r['level']:g} | {r['learning_loss']:.6f} | "
-                   f"{r['asr']:.3f} | {_fmt(other['asr'])} | {r['balanced_asr']:.3f} | "
-                   f"{_fmt(other['balanced_asr'])} |")
-  lines += ["", "'-': DP Gaussian's measured losses do not reach that loss."]
+def _noise_note(losses: np.ndarray) -> str:
+  lines = ["### Seed-to-seed noise of the learning loss (no defence)", "",
+           "| round | " + " | ".join(f"seed +{k}" for k in range(len(losses)))
+           + " | std |", "|---|" + "---|" * (len(losses) + 1)]
+  for r in ROUNDS:
+    column = losses[:, r - 1]
+    lines.append(f"| {r} | " + " | ".join(f"{v:.6f}" for v in column)
+                 + f" | {np.std(column, ddof=1):.2e} |")
   return "\n".join(lines) + "\n"
 
 
@@ -236,40 +330,167 @@ def _fmt(value: float) -> str:
   return "-" if math.isnan(value) else f"{value:.3f}"
 
 
-def _plot_tradeoff(rows: list[dict], args) -> None:
+def _interval(value: float, low: float, high: float) -> str:
+  if math.isnan(value):
+    return "-"
+  return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def verdict(ours: tuple[float, float], theirs: tuple[float, float]) -> str:
+  """'lower' or 'higher' where RECUP-FL's 95% interval `ours` lies wholly
+  below or above `theirs`, else 'overlap' (or '-' for no reading)."""
+  if any(math.isnan(v) for v in theirs):
+    return "-"
+  if ours[1] < theirs[0]:
+    return "lower"
+  if ours[0] > theirs[1]:
+    return "higher"
+  return "overlap"
+
+
+def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
+                        noise: dict) -> str:
+  """Each RECUP-FL point's `kind` ASR of `attribute` beside DP Gaussian's
+  and DP Laplace's (their clean-shadow and adaptive adversaries) read at
+  the same utility, on each axis of `UTILITY_AXES`, at rounds 1, 3, 5.
+
+  A baseline's ASR and its interval bounds are interpolated between the two
+  measured points that bracket RECUP-FL's utility (in log10 of the update
+  error). Where the spread of an axis over a round's defended points is
+  below twice its noise (`noise[axis][round]`, the learning loss's
+  seed-to-seed standard deviation without defence; 0 for the update error,
+  which is paired: the same clients at the same model), the axis cannot
+  order the defences and the table says so instead of reading it.
+  """
+  title = "plain ASR" if kind == "asr" else "balanced ASR"
+  lines = [f"### RECUP-FL vs DP at equal utility: {title} of {attribute}", ""]
+  columns = [f"{c}{suffix}" for c in DP_CURVES for suffix in ("", " (adaptive)")]
+  counts = {}
+  for axis, label, log in UTILITY_AXES:
+    lines += [f"#### at equal {label}", "",
+              "| round | adversary | RECUP-FL | level | " + label + " | RECUP-FL "
+              + " | ".join(["ASR"] + columns) + " |", "|---" * (6 + len(columns)) + "|"]
+    for round_num in ROUNDS:
+      pick = [r for r in rows if r["round"] == round_num and r["attribute"] == attribute
+              and r["defense"] != "none" and r.get(axis) is not None]
+      values = [r[axis] for r in pick]
+      if not values:
+        lines.append(f"| {round_num} | all | - | - | not measured | |")
+        continue
+      spread = max(values) - min(values)
+      if spread <= 2 * noise[axis][round_num]:
+        lines.append(f"| {round_num} | all | - | - | spread {spread:.2e} is below "
+                     f"twice its noise {noise[axis][round_num]:.2e}: it does not "
+                     "separate the defences | |")
+        continue
+      for adversary in args.adversaries:
+        mine = [r for r in pick if r["adversary"] == adversary]
+        ours = sorted((r for r in mine if r["defense"] == "recupfl"),
+                      key=lambda r: (r["curve"], r["level"]))
+        for r in ours:
+          cells = []
+          for curve in DP_CURVES:
+            curve_rows = [c for c in mine if c["curve"] == curve]
+            for prefix in ("", "adaptive_"):
+              key = prefix + kind
+              if not curve_rows or key not in curve_rows[0]:
+                cells.append("-")
+                continue
+              read = [interpolate_at(r[axis], curve_rows, k, axis, log)
+                      for k in (key, f"{key}_low", f"{key}_high")]
+              said = verdict((r[f"{kind}_low"], r[f"{kind}_high"]), tuple(read[1:]))
+              counts[(axis, curve + (" (adaptive)" if prefix else ""), said)] = (
+                  counts.get((axis, curve + (" (adaptive)" if prefix else ""), said),
+                             0) + 1)
+              cells.append(_interval(*read) + ("" if said == "-"
+                                               else f" (RECUP-FL {said})"))
+          lines.append(f"| {round_num} | {adversary} | {r['curve']} | {r['level']:g} | "
+                       f"{r[axis]:.6g} | "
+                       f"{_interval(r[kind], r[kind + '_low'], r[kind + '_high'])} | "
+                       + " | ".join(cells) + " |")
+    lines.append("")
+  lines += ["Verdicts (RECUP-FL's 95% interval below / overlapping / above the "
+            "baseline's, interpolated): "
+            + "; ".join(f"{axis} vs {curve}: " + ", ".join(
+                f"{said} {counts.get((axis, curve, said), 0)}"
+                for said in ("lower", "overlap", "higher"))
+                for axis, _, _ in UTILITY_AXES
+                for curve in [c + s for c in DP_CURVES for s in ("", " (adaptive)")]),
+            "", "'-': the baseline's measured points do not reach that utility."]
+  return "\n".join(lines) + "\n"
+
+
+def _plot_tradeoff(rows: list[dict], args, attribute: str, kind: str) -> None:
+  """tradeoff_<attribute>_<kind>.png: ASR with its 95% intervals against
+  each utility axis (columns: axis x adversary; rows: rounds 1, 3, 5);
+  dashed: a baseline's adaptive adversaries."""
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
-  from matplotlib.ticker import MaxNLocator
-  for key in ("asr", "balanced_asr"):
-    fig, axes = plt.subplots(len(ROUNDS), len(args.adversaries), squeeze=False,
-                             figsize=(3.4 * len(args.adversaries), 3 * len(ROUNDS)))
-    for i, round_num in enumerate(ROUNDS):
-      for j, adversary in enumerate(args.adversaries):
-        ax = axes[i][j]
-        pick = [r for r in rows if r["round"] == round_num
-                and r["adversary"] == adversary]
-        for defense in LABELS:
-          curve = sorted((r["learning_loss"], r[key]) for r in pick
-                         if r["defense"] == defense)
-          if curve:
-            ax.plot(*zip(*curve), "o" if defense == "none" else "o-",
-                    label=LABELS[defense], markersize=4)
-        if pick:
-          ax.axhline(pick[0][key.replace("asr", "chance")], color="grey",
-                     linestyle=":", linewidth=1)
-        ax.set_title(f"round {round_num}, {adversary}", fontsize=9)
-        ax.set_xlabel("learning loss", fontsize=8)
-        ax.set_ylabel(key.replace("_", " ").upper() if key == "asr"
-                      else "balanced ASR", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.xaxis.set_major_locator(MaxNLocator(4))
+  curves = list(dict.fromkeys(r["curve"] for r in rows))
+  colours = {c: f"C{i}" for i, c in enumerate(curves)}
+  columns = [(axis, label, log, adversary) for axis, label, log in UTILITY_AXES
+             for adversary in args.adversaries]
+  fig, axes = plt.subplots(len(ROUNDS), len(columns), squeeze=False,
+                           figsize=(3.3 * len(columns), 2.9 * len(ROUNDS)))
+  for i, round_num in enumerate(ROUNDS):
+    for j, (axis, label, log, adversary) in enumerate(columns):
+      ax = axes[i][j]
+      pick = [r for r in rows if r["round"] == round_num and r["attribute"] == attribute
+              and r["adversary"] == adversary and r.get(axis) is not None
+              and (not log or r[axis] > 0)]
+      for curve in curves:
+        for prefix, style in (("", "o-"), ("adaptive_", "s--")):
+          key = prefix + kind
+          points = sorted((r[axis], r[key], r[key + "_low"], r[key + "_high"])
+                          for r in pick if r["curve"] == curve and key in r)
+          if not points:
+            continue
+          x, y, low, high = (np.array(v) for v in zip(*points))
+          ax.errorbar(x, y, yerr=[y - low, high - y], fmt=style, markersize=3,
+                      capsize=2, linewidth=1, color=colours[curve],
+                      label=curve + (" (adaptive)" if prefix else ""))
+      if pick:
+        ax.axhline(pick[0]["chance" if kind == "asr" else "balanced_chance"],
+                   color="grey", linestyle=":", linewidth=1)
+      if log:
+        ax.set_xscale("log")
+      else:
         ax.ticklabel_format(axis="x", useOffset=False)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{args.dataset}: learning loss vs {key.replace('_', ' ')} "
-                 f"({args.attribute}; dotted: chance)")
-    fig.tight_layout()
-    _save_figure(fig, os.path.join(args.out, f"tradeoff_{key}.png"))
+      ax.set_title(f"round {round_num}, {adversary}", fontsize=9)
+      ax.set_xlabel(label, fontsize=8)
+      ax.set_ylabel(kind.replace("_", " "), fontsize=8)
+      ax.tick_params(labelsize=7)
+  handles, names = axes[0][0].get_legend_handles_labels()
+  fig.legend(handles, names, loc="lower center", ncol=min(len(names), 6), fontsize=8)
+  fig.suptitle(f"{args.dataset}: {kind.replace('_', ' ')} of {attribute} against "
+               "utility (bars: 95% intervals; dotted: chance)")
+  fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+  _save_figure(fig, os.path.join(args.out, f"tradeoff_{attribute}_{kind}.png"))
+
+
+def _plot_loss_curves(histories: dict, args) -> None:
+  """loss_curves.png: the learning loss over the rounds of every trade-off
+  run (the paper's loss curves), one panel per defence, no defence in each."""
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+  curves = [c for c in dict.fromkeys(c for c, _ in histories) if c != "no defence"]
+  fig, axes = plt.subplots(1, len(curves), squeeze=False,
+                           figsize=(3.6 * len(curves), 3.2), sharey=True)
+  for ax, curve in zip(axes[0], curves):
+    for (name, level), history in histories.items():
+      if name in (curve, "no defence"):
+        ax.plot([e["round"] for e in history], [e["test_loss"] for e in history],
+                "k--" if level is None else "o-", markersize=3, linewidth=1,
+                label="no defence" if level is None else f"{level:g}")
+    ax.set_title(curve, fontsize=9)
+    ax.set_xlabel("round", fontsize=8)
+    ax.ticklabel_format(axis="y", useOffset=False)
+    ax.legend(fontsize=6)
+  axes[0][0].set_ylabel("learning loss", fontsize=8)
+  fig.tight_layout()
+  _save_figure(fig, os.path.join(args.out, "loss_curves.png"))
 
 
 def adaptive(exp: Experiment) -> list[dict]:
@@ -478,7 +699,8 @@ ASR_COLUMNS = ["setting", "attribute", "adversary", "learning_loss", "asr",
 
 # the arguments every run under --out was made with
 RUN_SETTINGS = ("dataset", "clients", "clients_per_round", "adversaries",
-                "shadow_samples", "zoo_epochs", "seed", "participation_clients")
+                "shadow_samples", "zoo_epochs", "zoo_refresh", "seed",
+                "participation_clients")
 
 
 def check_settings(args) -> None:
@@ -504,27 +726,47 @@ def main() -> None:
   parser.add_argument("--dataset", default="adult", choices=sorted(DATASETS))
   parser.add_argument("--tables", default=",".join(TABLES),
                       help=f"comma-separated, from {', '.join(TABLES)}")
-  parser.add_argument("--levels", type=int, default=5,
+  parser.add_argument("--levels", type=int,
                       help="settings per defence in the trade-off curves")
   parser.add_argument("--clients", type=int, default=1000)
-  parser.add_argument("--clients-per-round", type=int, default=100,
+  parser.add_argument("--clients-per-round", type=int, default=400,
                       help="the victims attacked per captured round")
   parser.add_argument("--adversaries", default=",".join(ADVERSARIES))
   parser.add_argument("--shadow-samples", type=int, default=1000,
                       help="test samples the adversaries train on")
-  parser.add_argument("--zoo-epochs", type=int, default=20,
+  parser.add_argument("--scale", choices=sorted(SCALES), default="small",
+                      help="defaults of the settings below: 'small' (20 zoo "
+                      "epochs, zoo retrained at rounds 1, 3, 5, 4 levels) or "
+                      "'paper' (80 epochs, retrained every round, 5 levels, "
+                      "sparsification and Soteria in the trade-off, IG 2,000 "
+                      "iterations)")
+  parser.add_argument("--zoo-epochs", type=int,
                       help="epochs of each defender model (paper: 80)")
+  parser.add_argument("--zoo-refresh", type=int,
+                      help="rounds between retrainings of RECUP-FL's zoo")
+  parser.add_argument("--noise-seeds", type=int, default=2,
+                      help="extra undefended runs whose spread is the learning "
+                      "loss's noise")
+  parser.add_argument("--tradeoff-extra",
+                      help="defences beside DP Gaussian and Laplace in the "
+                      "trade-off: sparsification, soteria (comma-separated)")
   parser.add_argument("--epsilon", type=float, default=1e-3,
                       help="RECUP-FL's budget outside the trade-off curves")
   parser.add_argument("--participation-clients", type=int, default=200)
   parser.add_argument("--participation-rounds", type=int, default=10)
   parser.add_argument("--ig-victims", type=int, default=2,
                       help="uploads Inverting Gradients attacks per setting")
-  parser.add_argument("--ig-iterations", type=int, default=1000)
+  parser.add_argument("--ig-iterations", type=int)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", help="default: results/recupfl_<dataset>")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args()
+  for name, value in SCALES[args.scale].items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
+  args.tradeoff_extra = [d for d in args.tradeoff_extra.split(",") if d]
+  if set(args.tradeoff_extra) - {"sparsification", "soteria"}:
+    parser.error("--tradeoff-extra takes sparsification, soteria")
   tables = [t for t in args.tables.split(",") if t]
   unknown = sorted(set(tables) - set(TABLES))
   if unknown:
@@ -533,14 +775,17 @@ def main() -> None:
   if not args.adversaries or set(args.adversaries) - set(ADVERSARIES):
     parser.error(f"--adversaries takes names from {', '.join(ADVERSARIES)}")
   for name in ("levels", "clients", "clients_per_round", "shadow_samples",
-               "zoo_epochs", "participation_clients", "participation_rounds",
-               "ig_victims", "ig_iterations"):
+               "zoo_epochs", "zoo_refresh", "participation_clients",
+               "participation_rounds", "ig_victims", "ig_iterations"):
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1")
   if not args.epsilon > 0:
     parser.error("--epsilon must be > 0")
+  if args.noise_seeds < 1:
+    parser.error("--noise-seeds must be >= 1 (the noise is a standard deviation)")
   spec = DATASETS[args.dataset]
   args.attribute, second = spec["attribute"], spec["second"]
+  args.second = second
   args.out = args.out or os.path.join("results", f"recupfl_{args.dataset}")
   check_settings(args)
   import tensorflow as tf
@@ -549,11 +794,13 @@ def main() -> None:
   exp = Experiment(args, args.dataset, os.path.join(args.out, "runs"))
   if "tradeoff" in tables:
     rows, equal = tradeoff(exp)
-    text = markdown(f"Learning loss and ASR ({args.attribute}) per defence "
-                    "setting, rounds 1, 3, 5", rows,
-                    ["defense", "level", "round", "adversary", "learning_loss",
-                     "asr", "balanced_asr", "chance", "balanced_chance"])
-    save(args.out, "tradeoff", rows, text + "\n" + equal)
+    text = markdown("Utility and ASR per defence setting, rounds 1, 3, 5 (95% "
+                    "intervals in tradeoff.csv)", rows,
+                    ["curve", "level", "round", "attribute", "adversary",
+                     "learning_loss", "update_relative_error", "update_cosine",
+                     "asr", "balanced_asr", "adaptive_asr",
+                     "adaptive_balanced_asr", "chance", "balanced_chance"])
+    save(args.out, "tradeoff", rows, equal + "\n" + text)
   both = (args.attribute, second) if second else (args.attribute,)
   if "gamma" in tables and second:
     settings = [(f"gamma_{args.attribute}={g:g}",

@@ -6,6 +6,7 @@ import importlib.util
 import math
 import os
 
+import numpy as np
 import pytest
 
 from tff_privacy import io
@@ -56,7 +57,7 @@ def test_interpolate_at_reads_the_curve_linearly_between_its_losses(tables):
 
 def _args(tmp_path, **overrides):
   values = dict(dataset="adult", attribute="race", adversaries=["stru_nn", "rf"],
-                zoo_epochs=3, clients=10, clients_per_round=5, seed=0,
+                zoo_epochs=3, zoo_refresh=1, clients=10, clients_per_round=5, seed=0,
                 shadow_samples=20, out=str(tmp_path), quiet=True, epsilon=1e-3)
   values.update(overrides)
   return argparse.Namespace(**values)
@@ -69,7 +70,9 @@ def _history(rounds, losses, asr):
              "balanced_asr/race/chance": 0.2}
     for adversary, value in asr.items():
       entry[f"asr/race/{adversary}"] = value + r / 100
+      entry[f"asr_ci/race/{adversary}"] = [value - 0.1, value + 0.1]
       entry[f"balanced_asr/race/{adversary}"] = value / 2
+      entry[f"balanced_asr_ci/race/{adversary}"] = [0.0, 1.0]
     history.append(entry)
   return history
 
@@ -86,6 +89,9 @@ def test_point_reads_a_finished_run_without_training(tables, tmp_path):
   assert [r["learning_loss"] for r in rows[::2]] == [0.5, 0.3, 0.1]
   assert rows[3]["asr"] == pytest.approx(0.93)
   assert rows[3]["balanced_asr"] == pytest.approx(0.45)
+  assert (rows[3]["asr_low"], rows[3]["asr_high"]) == pytest.approx((0.8, 1.0))
+  assert "adaptive_asr" not in rows[3]
+  assert rows[0]["curve"] == "RECUP-FL"
   assert {r["zoo_size"] for r in rows} == {5}
   assert rows[0]["chance"] == 0.8
 
@@ -104,24 +110,88 @@ def test_point_names_runs_by_their_non_default_settings(tables, tmp_path):
                        protect="race,sex")) == 2
 
 
-def test_equal_loss_table_reads_dp_gaussian_at_recupfl_losses(tables, tmp_path):
+def test_interpolate_at_reads_log_axes_in_log10(tables):
+  rows = [{"update_relative_error": 0.01, "asr": 0.8},
+          {"update_relative_error": 1.0, "asr": 0.2}]
+  # 0.1 is half way between 0.01 and 1 in log10
+  assert tables.interpolate_at(0.1, rows, "asr", "update_relative_error",
+                               log=True) == pytest.approx(0.5)
+  assert tables.interpolate_at(0.1, rows, "asr", "update_relative_error") == (
+      pytest.approx(0.8 - 0.6 * 0.09 / 0.99))
+
+
+def test_verdict_compares_whole_intervals(tables):
+  assert tables.verdict((0.1, 0.2), (0.25, 0.4)) == "lower"
+  assert tables.verdict((0.5, 0.6), (0.25, 0.4)) == "higher"
+  assert tables.verdict((0.3, 0.5), (0.25, 0.4)) == "overlap"
+  assert tables.verdict((0.3, 0.5), (math.nan, math.nan)) == "-"
+
+
+def _point(curve, defense, level, round_num, loss, error, asr, adaptive=None):
+  row = {"curve": curve, "defense": defense, "level": level, "round": round_num,
+         "attribute": "race", "adversary": "rf", "learning_loss": loss,
+         "update_relative_error": error, "asr": asr, "asr_low": asr - 0.05,
+         "asr_high": asr + 0.05}
+  if adaptive is not None:
+    row.update(adaptive_asr=adaptive, adaptive_asr_low=adaptive - 0.05,
+               adaptive_asr_high=adaptive + 0.05)
+  return row
+
+
+def test_equal_utility_table_reads_each_baseline_at_recupfl_utility(tables, tmp_path):
   args = _args(tmp_path, adversaries=["rf"])
-  rows = [
-      {"defense": "recupfl", "level": 0.01, "round": 1, "adversary": "rf",
-       "learning_loss": 0.25, "asr": 0.4, "balanced_asr": 0.3},
-      {"defense": "recupfl", "level": 0.1, "round": 1, "adversary": "rf",
-       "learning_loss": 0.5, "asr": 0.2, "balanced_asr": 0.2},
-      {"defense": "ldp_gaussian", "level": 0.01, "round": 1, "adversary": "rf",
-       "learning_loss": 0.2, "asr": 0.9, "balanced_asr": 0.8},
-      {"defense": "ldp_gaussian", "level": 0.1, "round": 1, "adversary": "rf",
-       "learning_loss": 0.4, "asr": 0.5, "balanced_asr": 0.4},
-      {"defense": "ldp_gaussian", "level": 0.1, "round": 3, "adversary": "rf",
-       "learning_loss": 0.25, "asr": 0.0, "balanced_asr": 0.0}]
-  table = tables._equal_loss_table(rows, args)
-  lines = [line for line in table.splitlines() if line.startswith("| rf")]
-  # at 0.25: a quarter of the way from (0.2, 0.9) to (0.4, 0.5), round 3 ignored
-  assert lines[0] == "| rf | 0.01 | 0.250000 | 0.400 | 0.800 | 0.300 | 0.700 |"
-  assert lines[1] == "| rf | 0.1 | 0.500000 | 0.200 | - | 0.200 | - |"
+  rows = [_point("RECUP-FL (race)", "recupfl", 0.01, 1, 0.25, 0.1, 0.2),
+          _point("DP Gaussian", "ldp_gaussian", 0.01, 1, 0.2, 0.01, 0.9, 0.9),
+          _point("DP Gaussian", "ldp_gaussian", 0.1, 1, 0.4, 1.0, 0.5, 0.7),
+          _point("DP Laplace", "ldp_laplace", 0.1, 1, 0.3, 0.2, 0.1, 0.4),
+          _point("DP Laplace", "ldp_laplace", 1.0, 1, 0.5, 2.0, 0.05, 0.3)]
+  noise = {"learning_loss": {1: 0.01, 3: 0.01, 5: 0.01},
+           "update_relative_error": {1: 0.0, 3: 0.0, 5: 0.0}}
+  table = tables.equal_utility_table(rows, args, "race", "asr", noise)
+  loss_part, error_part = table.split("#### at equal aggregate-update")
+  line = next(l for l in loss_part.splitlines() if l.startswith("| 1 | rf"))
+  cells = [c.strip() for c in line.strip("|").split("|")]
+  # loss 0.25 is a quarter of the way from (0.2, 0.9) to (0.4, 0.5): 0.8,
+  # bounds 0.75 and 0.85; adaptive from 0.9 to 0.7: 0.85. Laplace's losses
+  # start at 0.3: no reading
+  assert cells[5] == "0.200 [0.150, 0.250]"
+  assert cells[6] == "0.800 [0.750, 0.850] (RECUP-FL lower)"
+  assert cells[7] == "0.850 [0.800, 0.900] (RECUP-FL lower)"
+  assert cells[8:] == ["-", "-"]
+  line = next(l for l in error_part.splitlines() if l.startswith("| 1 | rf"))
+  cells = [c.strip() for c in line.strip("|").split("|")]
+  # error 0.1 is half way from 0.01 to 1 in log10: Gaussian (0.9 + 0.5) / 2
+  assert cells[6] == "0.700 [0.650, 0.750] (RECUP-FL lower)"
+  # below Laplace's smallest error 0.2: no reading
+  assert cells[8] == "-"
+  assert "learning_loss vs DP Gaussian: lower 1, overlap 0, higher 0" in table
+
+
+def test_equal_utility_table_says_when_an_axis_spreads_less_than_its_noise(
+    tables, tmp_path):
+  args = _args(tmp_path, adversaries=["rf"])
+  rows = [_point("RECUP-FL (race)", "recupfl", 0.01, 1, 0.259554, 0.1, 0.2),
+          _point("DP Gaussian", "ldp_gaussian", 0.01, 1, 0.259902, 0.01, 0.9),
+          _point("DP Gaussian", "ldp_gaussian", 0.1, 1, 0.259700, 1.0, 0.5)]
+  noise = {"learning_loss": {1: 2e-4, 3: 0, 5: 0},
+           "update_relative_error": {1: 0.0, 3: 0.0, 5: 0.0}}
+  table = tables.equal_utility_table(rows, args, "race", "asr", noise)
+  loss_part, error_part = table.split("#### at equal aggregate-update")
+  assert ("spread 3.48e-04 is below twice its noise 2.00e-04: it does not "
+          "separate the defences") in loss_part
+  assert not any(l.startswith("| 1 | rf") for l in loss_part.splitlines())
+  assert any(l.startswith("| 1 | rf") for l in error_part.splitlines())
+
+
+def test_tradeoff_settings_cover_both_protections_and_both_noises(tables, tmp_path):
+  args = _args(tmp_path, levels=2, second="sex", tradeoff_extra=[])
+  settings = tables.tradeoff_settings(args)
+  curves = [s[0] for s in settings]
+  assert curves == (["no defence"] + ["RECUP-FL (race)"] * 2
+                    + ["RECUP-FL (race, sex)"] * 2 + ["DP Gaussian"] * 2
+                    + ["DP Laplace"] * 2)
+  assert settings[3][3] == {"protect": "race,sex"}
+  assert [s[2] for s in settings if s[1] == "ldp_gaussian"] == [1e-5, 0.1]
 
 
 def test_equal_loss_reconstruction_picks_each_baseline_at_recupfl_loss(tables,
@@ -182,3 +252,42 @@ def test_the_reconstruction_grid_refuses_settings_with_other_victims(tables, tmp
                "victim_clients": [0, 2]})
   with pytest.raises(ValueError, match=r"attacked different clients"):
     tables._reconstruction_grid(rows, args)
+
+
+def test_tradeoff_reads_finished_runs_into_tables_and_figures(tables, tmp_path):
+  args = _args(tmp_path, adversaries=["rf"], levels=2, second="sex",
+               tradeoff_extra=[], noise_seeds=1)
+  exp = tables.Experiment(args, "adult", os.path.join(args.out, "runs"))
+  rng = np.random.default_rng(0)
+
+  def history(adaptive):
+    out = []
+    for r in range(1, 6):
+      entry = {"round": r, "test_loss": 0.26 - r / 100 + rng.uniform(0, 1e-3),
+               "update_relative_error": rng.uniform(0.01, 1),
+               "update_cosine": 0.5}
+      for a in ("race", "sex"):
+        entry.update({f"asr/{a}/chance": 0.8, f"balanced_asr/{a}/chance": 0.5})
+        for kind in ("asr", "balanced_asr") + (
+            ("adaptive_asr", "adaptive_balanced_asr") if adaptive else ()):
+          value = rng.uniform(0.2, 0.8)
+          entry[f"{kind}/{a}/rf"] = value
+          entry[f"{kind}_ci/{a}/rf"] = [value - 0.05, value + 0.05]
+      out.append(entry)
+    return out
+
+  names = ["none_r5", "recupfl_1e-05_r5", "recupfl_0.1_r5",
+           "recupfl_1e-05_protectrace+sex_r5", "recupfl_0.1_protectrace+sex_r5",
+           "ldp_gaussian_1e-05_adaptive_r5", "ldp_gaussian_0.1_adaptive_r5",
+           "ldp_laplace_1e-05_adaptive_r5", "ldp_laplace_0.1_adaptive_r5",
+           "none_seed1_r5"]
+  for name in names:
+    io.write_json(os.path.join(args.out, "runs", name, "metrics.json"),
+                  history("adaptive" in name))
+  rows, text = tables.tradeoff(exp)  # no training: every run is on disk
+  assert len(rows) == 9 * 3 * 2  # settings x rounds x attributes (one adversary)
+  assert "### RECUP-FL vs DP at equal utility: plain ASR of sex" in text
+  assert "Seed-to-seed noise of the learning loss" in text
+  for figure in ("tradeoff_race_asr.png", "tradeoff_sex_balanced_asr.png",
+                 "loss_curves.png"):
+    assert os.path.getsize(os.path.join(args.out, figure)) > 10_000
