@@ -15,12 +15,16 @@ from tff_privacy.attacks import attribute
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
-def test_shadow_indices_come_from_the_end_balanced_over_classes():
+def test_shadow_indices_are_the_first_records_or_balanced_from_the_end():
   classes = np.array([0, 1, 0, 2, 0, 1, 0])
+  np.testing.assert_array_equal(attribute.shadow_indices(classes, 4), [0, 1, 2, 3])
+  np.testing.assert_array_equal(attribute.shadow_indices(classes, 9), np.arange(7))
   # ceil(4 / 3) = 2 per class, the last ones of each; class 2 has only one
-  np.testing.assert_array_equal(attribute.shadow_indices(classes, 4), [1, 3, 4, 5, 6])
-  np.testing.assert_array_equal(attribute.shadow_indices(classes, 3, balanced=False),
-                                [4, 5, 6])
+  np.testing.assert_array_equal(
+      attribute.shadow_indices(classes, 4, "disjoint_test"), [1, 3, 4, 5, 6])
+  with pytest.raises(ValueError, match="shadow_pool='test'; choose one of "
+                     "'train', 'disjoint_test'"):
+    attribute.shadow_indices(classes, 4, "test")
 
 
 def test_balanced_rate_is_the_mean_recall_over_classes():
@@ -74,17 +78,17 @@ def test_metrics_hold_the_rates_of_adversaries_fitted_on_plain_gradients(adult_r
   for name in ("race", "sex"):
     truth = np.array([source.attributes.train[name][fed.client_indices[r.client_index][0]]
                       for r in records])
-    test = source.attributes.test[name]
-    shadow = attribute.shadow_indices(test, 60)
+    # the first 60 training records, as RECUP-FL's zoo's
+    shadow = source.attributes.train[name][:60]
     features = []
-    for i in shadow:
+    for i in range(60):
       with tf.GradientTape() as tape:
-        p = tf.sigmoid(model(source.x_test[i:i + 1])[:, 0])
-        loss = tf.reduce_mean(tf.square(p - source.y_test[i]))
+        p = tf.sigmoid(model(source.x_train[i:i + 1])[:, 0])
+        loss = tf.reduce_mean(tf.square(p - source.y_train[i]))
       grads = tape.gradient(loss, model.trainable_variables)
       features.append(_plain_pooled([g.numpy() for g in grads]))
     forest = RandomForestClassifier(n_estimators=120, random_state=3)
-    guessed = forest.fit(np.stack(features), test[shadow]).predict(victims)
+    guessed = forest.fit(np.stack(features), shadow).predict(victims)
     assert entry[f"asr/{name}/rf"] == pytest.approx(np.mean(guessed == truth), abs=1 / 40)
     assert entry[f"asr/{name}/chance"] == pytest.approx(np.bincount(truth).max() / 40)
     assert entry[f"balanced_asr/{name}/chance"] == pytest.approx(
@@ -102,6 +106,62 @@ def test_the_command_writes_the_same_rates(adult_run, tmp_path):
   entry = json.load(open(os.path.join(adult_run.out, "metrics.json")))[0]
   assert result["asr"]["rf"] == entry["asr/sex/rf"]
   assert result["victims"] == 40 and result["classes"] == ["Female", "Male"]
+  assert result["shadow_pool"] == "train"
+  assert cli.main(["infer-attributes", "--updates",
+                   os.path.join(adult_run.out, "updates"), "--round", "1",
+                   "--attribute", "sex", "--adversaries", "rf",
+                   "--shadow-samples", "60", "--shadow-pool", "disjoint_test",
+                   "--out", str(tmp_path)]) == 0
+  result = json.load(open(tmp_path / "attribute_round_0001_sex.json"))
+  assert result["shadow_pool"] == "disjoint_test"
+
+
+class _Seen(Exception):
+  """Stops a computation once its shadow records have been seen."""
+
+
+def _shadow_records(monkeypatch, call) -> tuple[np.ndarray, np.ndarray]:
+  """The (x, y) whose shadow uploads `call` makes first."""
+  seen = []
+
+  def shadow_features(spec, broadcast, x, y, *args, **kwargs):
+    seen.append((np.array(x), np.array(y)))
+    raise _Seen
+
+  with monkeypatch.context() as m:
+    m.setattr(attribute, "shadow_features", shadow_features)
+    with pytest.raises(_Seen):
+      call()
+  return seen[0]
+
+
+@pytest.mark.parametrize("pool", ["train", "disjoint_test"])
+def test_the_zoo_and_the_adversaries_share_records_unless_disjoint(
+    adult_run, tmp_path, monkeypatch, pool):
+  config = dataclasses.replace(
+      adult_run, out=str(tmp_path), infer_attributes=(), capture_rounds=(),
+      defense="recupfl", defense_kwargs={"protect": "race", "zoo_size": 2,
+                                         "sampled_models": 2, "shadow_samples": 60,
+                                         "shadow_pool": pool})
+  run = runner.Run(config)
+  source = run.fed.source
+  zoo = _shadow_records(monkeypatch, lambda: run.client_defense.prepare_round(
+      1, run.spec.initial_weights(3), "gradient", run.algorithm.protocol))
+  adversaries = _shadow_records(monkeypatch, lambda: evaluate.infer_attributes_round(
+      os.path.join(adult_run.out, "updates"), 1, "race", adversaries=("rf",),
+      shadow_samples=60, shadow_pool=pool))
+  if pool == "train":  # both the first 60 training records
+    for got in (zoo, adversaries):
+      np.testing.assert_array_equal(got[0], source.x_train[:60])
+      np.testing.assert_array_equal(got[1], source.y_train[:60])
+    return
+  np.testing.assert_array_equal(zoo[0], source.x_test[:60])
+  # the adversaries': the last 12 test records of each of race's 5 classes
+  race = source.attributes.test["race"]
+  last = np.sort(np.concatenate([np.flatnonzero(race == c)[-12:] for c in range(5)]))
+  assert len(last) == 60 and last.min() >= 60  # none of the zoo's
+  np.testing.assert_array_equal(adversaries[0], source.x_test[last])
+  np.testing.assert_array_equal(adversaries[1], source.y_test[last])
 
 
 def _sparsified(arrays, p):
@@ -115,7 +175,7 @@ def _sparsified(arrays, p):
 
 
 def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_path):
-  config = _config(tmp_path, defense="sparsification", defense_kwargs={"p": 0.9},
+  config = _config(tmp_path, defense="sparsification", defense_kwargs={"p": 0.97},
                    infer_attributes=("sex",), adaptive_adversaries=True)
   runner.run(config, progress=False)
   entry = json.load(open(os.path.join(config.out, "metrics.json")))[0]
@@ -127,25 +187,24 @@ def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_pa
   victims = np.stack([_plain_pooled(r.upload) for r in records])
   truth = np.array([source.attributes.train["sex"][fed.client_indices[r.client_index][0]]
                     for r in records])
-  test = source.attributes.test["sex"]
-  shadow = attribute.shadow_indices(test, 60)
+  shadow = source.attributes.train["sex"][:60]
   features = {"clean": [], "adaptive": []}
-  for i in shadow:
+  for i in range(60):
     with tf.GradientTape() as tape:
-      p = tf.sigmoid(model(source.x_test[i:i + 1])[:, 0])
-      loss = tf.reduce_mean(tf.square(p - source.y_test[i]))
+      p = tf.sigmoid(model(source.x_train[i:i + 1])[:, 0])
+      loss = tf.reduce_mean(tf.square(p - source.y_train[i]))
     grads = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
     features["clean"].append(_plain_pooled(grads))
-    features["adaptive"].append(_plain_pooled([_sparsified(grads, 0.9)]))
+    features["adaptive"].append(_plain_pooled([_sparsified(grads, 0.97)]))
   for kind, prefix in (("clean", ""), ("adaptive", "adaptive_")):
     forest = RandomForestClassifier(n_estimators=120, random_state=3)
-    guessed = forest.fit(np.stack(features[kind]), test[shadow]).predict(victims)
+    guessed = forest.fit(np.stack(features[kind]), shadow).predict(victims)
     assert entry[f"{prefix}asr/sex/rf"] == pytest.approx(np.mean(guessed == truth),
                                                          abs=1 / 40)
   # the adaptive adversary's shadow uploads themselves, whatever the rates
   got = attribute.shadow_features(
-      records[0].model_spec, records[0].broadcast, source.x_test[shadow],
-      source.y_test[shadow], records[0].upload_kind, records[0].metadata["protocol"],
+      records[0].model_spec, records[0].broadcast, source.x_train[:60],
+      source.y_train[:60], records[0].upload_kind, records[0].metadata["protocol"],
       defend=evaluate.adaptive_defense(records[0]))
   np.testing.assert_allclose(got, np.stack(features["adaptive"]), rtol=1e-5, atol=1e-7)
   assert not np.allclose(got, np.stack(features["clean"]))

@@ -283,6 +283,29 @@ def test_a_boolean_flag_alone_means_true(tmp_path):
     assert parser.parse_args(base + extra).adaptive_adversaries is expected
 
 
+def test_shadow_pools_reach_the_run_and_its_config_json(tmp_path):
+  from tff_privacy import cli
+  parser = cli._parser()
+  base = ["train", "--out", str(tmp_path), "--dataset", "adult", "--method",
+          "fedsgd", "--defense", "recupfl", "--protect", "race",
+          "--capture-rounds", "1", "--infer-attributes", "race"]
+  run = cli._config_from_args(parser.parse_args(base))
+  assert run.attribute_shadow_pool == "train"
+  assert run.to_json()["defense_kwargs"]["shadow_pool"] == "train"
+  run = cli._config_from_args(parser.parse_args(
+      base + ["--attribute-shadow-pool", "disjoint_test", "--shadow-pool",
+              "disjoint_test"]))
+  saved = run.to_json()
+  assert saved["attribute_shadow_pool"] == "disjoint_test"
+  assert saved["defense_kwargs"]["shadow_pool"] == "disjoint_test"
+  with pytest.raises(SystemExit):
+    parser.parse_args(base + ["--attribute-shadow-pool", "test"])
+  # without attribute inference it has no effect, and runs from before it
+  # existed resume
+  plain = cli._config_from_args(parser.parse_args(["train", "--out", str(tmp_path)]))
+  assert "attribute_shadow_pool" not in plain.to_json()
+
+
 def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(
     capsys, tmp_path):
   out = tmp_path / "run"

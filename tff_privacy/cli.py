@@ -409,6 +409,7 @@ def _merge(args) -> int:
 
 
 def _infer_parser(sub) -> None:
+  from tff_privacy.attacks import attribute  # deferred: imports TF
   p = sub.add_parser("infer-attributes", help="infer a sensitive attribute of "
                      "each captured client from its upload")
   p.add_argument("--updates", required=True, help="an update store (RUN/updates)")
@@ -420,7 +421,13 @@ def _infer_parser(sub) -> None:
                  default=("stru_nn", "unknown_nn", "svm", "rf"),
                  help="comma-separated; default all four")
   p.add_argument("--shadow-samples", type=int, default=1000,
-                 help="test samples the adversaries train on")
+                 help="records the adversaries train on")
+  p.add_argument("--shadow-pool", choices=attribute.SHADOW_POOLS,
+                 default="train", help="where those records come from: "
+                 "'train', the first of the training split, which RECUP-FL's "
+                 "zoo trains on too (the paper's adversary), or "
+                 "'disjoint_test', the test split's last, class-balanced "
+                 "(default train)")
   p.add_argument("--data-dir", help="the data set's folder, if the run read one "
                  "(default: the run's own)")
   p.add_argument("--adaptive", action="store_true", help="adaptive "
@@ -434,7 +441,8 @@ def _infer(args) -> int:
   from tff_privacy import evaluate
   result = evaluate.infer_attributes_round(
       args.updates, args.round, args.attribute, args.out, args.adversaries,
-      args.shadow_samples, seed=args.seed, ground_truth=args.ground_truth,
+      args.shadow_samples, args.shadow_pool, seed=args.seed,
+      ground_truth=args.ground_truth,
       data_dir=args.data_dir, adaptive=args.adaptive)
   print(f"attribute={args.attribute} round={args.round} victims={result['victims']} "
         f"adversaries={'adaptive' if args.adaptive else 'clean shadow'} "

@@ -235,7 +235,7 @@ def merge_attacks(folders: Sequence[str], out: str) -> dict[str, Any]:
 def infer_attributes_round(updates: str, round_num: int, attribute: str,
                            out: Optional[str] = None,
                            adversaries: Sequence[str] = attribute_inference.ADVERSARIES,
-                           shadow_samples: int = 1000, balanced_shadow: bool = True,
+                           shadow_samples: int = 1000, shadow_pool: str = "train",
                            pool_length: int = 1024, seed: int = 0,
                            ground_truth: Optional[str] = None,
                            data_dir: Optional[str] = None,
@@ -243,9 +243,13 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
                            adaptive: bool = False) -> dict[str, Any]:
   """Infers `attribute` of every client captured in `round_num` from its
   upload (`tff_privacy.attacks.attribute.infer_round`) with each of
-  `adversaries`, trained on uploads of `shadow_samples` test samples
-  (`tff_privacy.attacks.attribute.shadow_indices`: from the end of the test split,
-  `balanced_shadow` over the attribute's classes). The victims' true
+  `adversaries`, trained on uploads of `shadow_samples` records of
+  `shadow_pool` (`tff_privacy.attacks.attribute.shadow_indices`): 'train',
+  the first records of the training split, which RECUP-FL's defender zoo
+  trains on too (the paper's adversary, Sec. 5.4; clients hold training
+  records, so a victim's may be among them), or 'disjoint_test', records
+  from the end of the test split balanced over the attribute's classes,
+  disjoint from the zoo's (an ablation). The victims' true
   attribute (their samples' most frequent class) is read from the ground
   truth store. The data set is the run's (`source`, else loaded by the name
   in the store, with `data_dir` or the run's own, and the run's
@@ -256,10 +260,12 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   run's client defence with its parameters (`adaptive_defense`), not on
   clean ones.
 
-  Returns `infer_round`'s result plus 'attribute', 'classes', 'round'.
+  Returns `infer_round`'s result plus 'attribute', 'classes', 'round',
+  'adaptive' and 'shadow_pool'.
 
   Raises:
-    ValueError: an unknown attribute or adversary, a round not captured.
+    ValueError: an unknown attribute, adversary or shadow pool, a round not
+      captured.
   """
   unknown = sorted(set(adversaries) - set(attribute_inference.ADVERSARIES))
   if unknown or not adversaries:
@@ -267,6 +273,7 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
                      f"{attribute_inference.ADVERSARIES}")
   if not isinstance(shadow_samples, int) or shadow_samples < 2:
     raise ValueError(f"shadow_samples must be an integer >= 2, got {shadow_samples!r}")
+  attribute_inference.check_shadow_pool(shadow_pool)
   store = UpdateStore(updates)
   if round_num not in store.rounds():
     raise ValueError(f"round {round_num} was not captured in {updates}; "
@@ -286,13 +293,15 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   truth = GroundTruthStore(ground_truth or os.path.join(run_dir, "ground_truth"))
   victims = np.array([np.bincount(truth.read_attributes(
       round_num, r.client_index)[attribute]).argmax() for r in records])
-  test = source.attributes.test[attribute]
-  shadow = attribute_inference.shadow_indices(test, shadow_samples, balanced_shadow)
+  x, y, attributes = attribute_inference.shadow_split(source, shadow_pool)
+  classes = attributes[attribute]
+  shadow = attribute_inference.shadow_indices(classes, shadow_samples, shadow_pool)
   result = attribute_inference.infer_round(
-      records, victims, source.x_test[shadow], source.y_test[shadow], test[shadow],
+      records, victims, x[shadow], y[shadow], classes[shadow],
       adversaries, pool_length, seed,
       adaptive_defense(records[0], seed) if adaptive else None)
   result.update(attribute=attribute, round=round_num, adaptive=adaptive,
+                shadow_pool=shadow_pool,
                 classes=list(source.attributes.classes[attribute]))
   if out is not None:
     io.write_json(os.path.join(out, attributes_file(round_num, attribute, adaptive)),

@@ -110,9 +110,14 @@ RUN_PARAMETERS = params.Params(
     params.Param("positive_weight", float, 1.0, "segmentation data sets: "
                  "weight of the positive (tampered) pixels in the cross-entropy "
                  "(1: the plain mean)", minimum=0, exclusive_minimum=True),
-    params.Param("attribute_shadow_samples", int, 1000, "test samples the "
+    params.Param("attribute_shadow_samples", int, 1000, "records the "
                  "attribute-inference adversaries train on (infer_attributes)",
                  minimum=2),
+    params.Param("attribute_shadow_pool", str, "train", "where those records "
+                 "come from: 'train', the first of the training split, which "
+                 "RECUP-FL's zoo trains on too (the paper's adversary), or "
+                 "'disjoint_test', the test split's last, class-balanced, "
+                 "disjoint from the zoo's", choices=attribute_inference.SHADOW_POOLS),
     params.Param("evaluate_every", int, 1, "rounds between evaluations of the "
                  "model(s) (test and per-client metrics); the last round is "
                  "always evaluated", minimum=1),
@@ -164,6 +169,7 @@ class RunConfig:
   dp_delta: float = _run_default("dp_delta")
   positive_weight: float = _run_default("positive_weight")
   attribute_shadow_samples: int = _run_default("attribute_shadow_samples")
+  attribute_shadow_pool: str = _run_default("attribute_shadow_pool")
   adaptive_adversaries: bool = _run_default("adaptive_adversaries")
   evaluate_every: int = _run_default("evaluate_every")
 
@@ -257,6 +263,8 @@ class RunConfig:
       d["defense_kwargs"] = defenses.resolve(self.defense, self.defense_kwargs)
     if self.evaluate_every == 1:  # as runs from before the field existed
       d.pop("evaluate_every")
+    if not self.infer_attributes:  # no effect; runs from before it resume
+      d.pop("attribute_shadow_pool")
     return io.canonical(d)
 
 
@@ -940,7 +948,8 @@ def _attribute_inference(r: Run, round_num: int) -> dict[str, float]:
       result = evaluate.infer_attributes_round(
           os.path.join(r.config.out, "updates"), round_num, a,
           adversaries=r.config.attribute_adversaries,
-          shadow_samples=r.config.attribute_shadow_samples, seed=r.config.seed,
+          shadow_samples=r.config.attribute_shadow_samples,
+          shadow_pool=r.config.attribute_shadow_pool, seed=r.config.seed,
           source=r.fed.source, adaptive=adaptive)
       for kind in ("asr", "balanced_asr"):
         entry.update({f"{prefix}{kind}/{a}/{n}": v for n, v in result[kind].items()})

@@ -5,7 +5,9 @@ The adversary max-pools each upload to a fixed-length vector and trains a
 classifier that maps it to a sensitive attribute of the client's data. Its
 training set comes from shadow data: samples whose attribute it knows, passed
 through the broadcast model to produce the uploads a client holding them would
-send (`shadow_features`). Four adversaries, as in the paper:
+send (`shadow_features`); by default the training records RECUP-FL's defender
+zoo trains on (`shadow_split`, `shadow_indices`), as in the paper (Sec. 5.4).
+Four adversaries, as in the paper:
 
 * 'stru_nn': a 3-layer fully connected network (the defender zoo's shape),
   hidden layers 512 and 256, SGD with learning rate 0.01 for 80 epochs;
@@ -43,6 +45,8 @@ from tff_privacy.attacks.refusal import UploadRefused
 ADVERSARIES = ("stru_nn", "unknown_nn", "svm", "rf")
 # the uploads the adversaries' shadow simulation can reproduce
 UPLOAD_KINDS = ("gradient", "model_delta")
+# where the shadow records come from (`shadow_split`)
+SHADOW_POOLS = ("train", "disjoint_test")
 
 
 def pooled(upload: Sequence[np.ndarray], length: int = 1024) -> np.ndarray:
@@ -99,14 +103,48 @@ def chance_rate(attributes: np.ndarray) -> float:
   return float(np.bincount(attributes).max() / len(attributes))
 
 
-def shadow_indices(attributes: np.ndarray, n: int, balanced: bool = True) -> np.ndarray:
-  """Indices of the adversary's `n` shadow samples, taken from the end of
-  the (test) set whose attribute classes are `attributes`, so that they do
-  not overlap the defender's shadow data, which RECUP-FL takes from its
-  start. `balanced`: up to n / classes of each class present (the rare
-  classes of Adult's race fall short), else the last n samples."""
-  if not balanced:
-    return np.arange(max(len(attributes) - n, 0), len(attributes))
+def check_shadow_pool(pool: str) -> None:
+  """Raises a `ValueError` naming shadow_pool unless `pool` is one of
+  `SHADOW_POOLS`."""
+  if pool not in SHADOW_POOLS:
+    raise ValueError(f"shadow_pool={pool!r}; choose one of "
+                     f"{', '.join(repr(p) for p in SHADOW_POOLS)}")
+
+
+def shadow_split(source, pool: str
+                 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+  """The records of data source `source` that shadow pool `pool` (one of
+  `SHADOW_POOLS`) draws from: (x, y, each sensitive attribute's classes) of
+  the training split for 'train', of the test split for 'disjoint_test'.
+
+  'train' is the paper's setting (Sec. 5.4): the adversaries train on the
+  defender zoo's training set, the strongest adversary, who knows it. The
+  clients hold training records too, so a victim's own records may be among
+  the shadow records. 'disjoint_test' (an ablation) keeps the adversaries
+  and the zoo on disjoint records of the test split, which no client holds.
+
+  Raises:
+    ValueError: for an unknown pool.
+  """
+  check_shadow_pool(pool)
+  if pool == "train":
+    return source.x_train, source.y_train, source.attributes.train
+  return source.x_test, source.y_test, source.attributes.test
+
+
+def shadow_indices(attributes: np.ndarray, n: int, pool: str = "train") -> np.ndarray:
+  """Indices, into `shadow_split`'s records of `pool`, of the adversary's
+  `n` shadow records (`attributes`: the records' classes of the attribute).
+
+  'train': the first n, in their natural proportions: the records RECUP-FL's
+  defender zoo trains on (`tff_privacy.defenses.recupfl.RecupFL`).
+  'disjoint_test': from the end of the test split, so that they do not
+  overlap the zoo's first test records, balanced: up to ceil(n / classes)
+  of each class present (the rare classes of Adult's race fall short).
+  """
+  check_shadow_pool(pool)
+  if pool == "train":
+    return np.arange(min(n, len(attributes)))
   present = np.unique(attributes)
   per_class = -(-n // len(present))
   return np.sort(np.concatenate(

@@ -257,9 +257,13 @@ class RecupFL(UpdateDefense):
 
   The server side: before every `zoo_refresh`-th round (and whenever a
   zoo is missing) the zoo of each protected attribute is retrained at that
-  round's broadcast model (`prepare_round`) on `shadow_samples` samples of
-  the test split (public: no client trains on them), each one a shadow
-  upload of a one-sample client (Sec. 5.1), and written to
+  round's broadcast model (`prepare_round`) on the first `shadow_samples`
+  records of the split `shadow_pool` names
+  (`tff_privacy.attacks.attribute.shadow_split`): by default the training
+  split, whose first records the attribute-inference adversaries train on
+  too (the paper's D_train, Sec. 5.4; clients hold these records too), or
+  the test split ('disjoint_test', an ablation), each one a shadow upload
+  of a one-sample client (Sec. 5.1), and written to
   OUT/recupfl_zoo/<attribute>/; the paper pre-trains the zoo before
   training and does not say whether it follows the model. The client work
   reads the files when it runs (`defender_zoo.load_zoo(in_graph=True)`), so
@@ -296,8 +300,11 @@ class RecupFL(UpdateDefense):
             minimum=2, maximum=len(defender_zoo.ZOO_WIDTHS)),
       Param("zoo_refresh", int, 1, "rounds between retrainings of the zoo at the "
             "broadcast model", minimum=1),
-      Param("shadow_samples", int, 1000, "test samples the zoo is trained on",
+      Param("shadow_samples", int, 1000, "records the zoo is trained on",
             minimum=10),
+      Param("shadow_pool", str, "train", "where those records come from: the "
+            "first of the training split (the adversaries' too, Sec. 5.4) or, "
+            "'disjoint_test', of the test split", choices=attribute.SHADOW_POOLS),
       Param("zoo_epochs", int, 80, "epochs of each defender's SGD", minimum=1),
       Param("pool_length", int, 1024, "max-pooled length of an upload, the "
             "defenders' input", minimum=1))
@@ -305,13 +312,14 @@ class RecupFL(UpdateDefense):
   def __init__(self, model, data, out: str, *, protect: str,
                perturbation_budget: float = 0.001, iterations: int = 10,
                sampled_models: int = 5, fgsm: str = "recupfl", zoo_size: int = 20,
-               zoo_refresh: int = 1, shadow_samples: int = 1000, zoo_epochs: int = 80,
+               zoo_refresh: int = 1, shadow_samples: int = 1000,
+               shadow_pool: str = "train", zoo_epochs: int = 80,
                pool_length: int = 1024):
     self._settings = self.PARAMETERS.check(
         protect=protect, perturbation_budget=perturbation_budget,
         iterations=iterations, sampled_models=sampled_models, fgsm=fgsm,
         zoo_size=zoo_size, zoo_refresh=zoo_refresh, shadow_samples=shadow_samples,
-        zoo_epochs=zoo_epochs, pool_length=pool_length)
+        shadow_pool=shadow_pool, zoo_epochs=zoo_epochs, pool_length=pool_length)
     attributes = data.source.attributes
     if attributes is None:
       raise ValueError(f"defense='recupfl' needs a data set with sensitive "
@@ -365,16 +373,17 @@ class RecupFL(UpdateDefense):
     """Retrains and writes each attribute's zoo when due (see the class)."""
     due = (round_num - 1) % self._settings["zoo_refresh"] == 0
     source, n = self._data.source, self._settings["shadow_samples"]
+    x, y, classes = attribute.shadow_split(source, self._settings["shadow_pool"])
     features = None
     for a in self._names:
       if not due and self._has_zoo(a):
         continue
       if features is None:  # one-sample shadow uploads at the broadcast model
         features = attribute.shadow_features(
-            self._model, broadcast, source.x_test[:n], source.y_test[:n],
-            upload_kind, protocol, length=self._settings["pool_length"])
+            self._model, broadcast, x[:n], y[:n], upload_kind, protocol,
+            length=self._settings["pool_length"])
       pipelines = defender_zoo.fit_defenders(
-          features, source.attributes.test[a][:n], widths=self._widths,
+          features, classes[a][:n], widths=self._widths,
           epochs=self._settings["zoo_epochs"], seed=round_num,
           progress=f"round {round_num}: zoo of {a}")
       defender_zoo.save_zoo(defender_zoo.zoo_from_pipelines(
