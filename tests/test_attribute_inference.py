@@ -33,6 +33,75 @@ def test_balanced_rate_is_the_mean_recall_over_classes():
                                  np.array([0, 0, 0, 1])) == pytest.approx(5 / 6)
 
 
+def test_balanced_rate_is_scikit_learns_balanced_accuracy():
+  from sklearn.metrics import balanced_accuracy_score
+  rng = np.random.default_rng(0)
+  truth = rng.integers(0, 3, 50)
+  guessed = rng.integers(0, 4, 50)  # class 3: guessed, never true
+  with pytest.warns(UserWarning):
+    want = balanced_accuracy_score(truth, guessed)
+  assert attribute.balanced_rate(guessed, truth) == pytest.approx(want, abs=1e-12)
+
+
+def _wilson(hits, total, z=1.959963984540054):
+  """Wilson's score interval by its formula (z: the standard normal's 97.5%
+  quantile)."""
+  p = hits / total
+  center = (p + z ** 2 / (2 * total)) / (1 + z ** 2 / total)
+  half = z / (1 + z ** 2 / total) * np.sqrt(p * (1 - p) / total
+                                            + z ** 2 / (4 * total ** 2))
+  return [center - half, center + half]
+
+
+@pytest.mark.parametrize("hits,total", [(7, 10), (29, 40), (0, 40), (40, 40), (1, 1)])
+def test_the_plain_rates_interval_is_wilsons(hits, total):
+  truth = np.zeros(total, np.int64)
+  guessed = np.r_[np.zeros(hits), np.ones(total - hits)].astype(np.int64)
+  assert attribute.rate_interval(guessed, truth) == pytest.approx(
+      _wilson(hits, total), abs=1e-12)
+
+
+def _sklearn_bootstrap(guessed, truth, resamples=2000, seed=99):
+  """Percentile interval of balanced accuracy over victims resampled in
+  pairs, by numpy and scikit-learn."""
+  import warnings
+
+  from sklearn.metrics import balanced_accuracy_score
+  rng = np.random.default_rng(seed)
+  rates = []
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # a resample missing a class
+    for _ in range(resamples):
+      i = rng.integers(0, len(truth), len(truth))
+      rates.append(balanced_accuracy_score(truth[i], guessed[i]))
+  return np.percentile(rates, [2.5, 97.5])
+
+
+def _guesses(truth, right, seed=0):
+  """`truth` guessed correctly with probability `right`, else the next class."""
+  hit = np.random.default_rng(seed).random(len(truth)) < right
+  return np.where(hit, truth, (truth + 1) % (truth.max() + 1))
+
+
+def test_the_balanced_rates_bootstrap_interval():
+  truth = np.repeat([0, 1, 2], [24, 10, 6])  # 40 victims
+  guessed = _guesses(truth, 0.6)
+  low, high = attribute.balanced_interval(guessed, truth, seed=3)
+  assert low <= attribute.balanced_rate(guessed, truth) <= high
+  np.testing.assert_allclose([low, high], _sklearn_bootstrap(guessed, truth), atol=0.03)
+  assert attribute.balanced_interval(guessed, truth, seed=3) == [low, high]
+  # ten times the victims, the same rate: a narrower interval
+  wide = attribute.balanced_interval(np.tile(guessed, 10), np.tile(truth, 10), seed=3)
+  assert wide[1] - wide[0] < 0.5 * (high - low)
+
+
+def test_a_resample_missing_a_class_averages_the_others():
+  truth = np.r_[np.zeros(39), 1].astype(np.int64)  # 36% of resamples lack class 1
+  guessed = _guesses(truth, 0.7, seed=1)
+  interval = attribute.balanced_interval(guessed, truth, seed=0)
+  np.testing.assert_allclose(interval, _sklearn_bootstrap(guessed, truth), atol=0.05)
+
+
 def _config(out, **kwargs):
   return runner.RunConfig(**{
       "out": str(out), "method": "fedsgd", "dataset": "adult", "model": "mlp",
@@ -91,6 +160,10 @@ def test_metrics_hold_the_rates_of_adversaries_fitted_on_plain_gradients(adult_r
     guessed = forest.fit(np.stack(features), shadow).predict(victims)
     assert entry[f"asr/{name}/rf"] == pytest.approx(np.mean(guessed == truth), abs=1 / 40)
     assert entry[f"asr/{name}/chance"] == pytest.approx(np.bincount(truth).max() / 40)
+    hits = round(entry[f"asr/{name}/rf"] * 40)
+    assert entry[f"asr_ci/{name}/rf"] == pytest.approx(_wilson(hits, 40), abs=1e-12)
+    low, high = entry[f"balanced_asr_ci/{name}/rf"]
+    assert low <= entry[f"balanced_asr/{name}/rf"] <= high
     assert entry[f"balanced_asr/{name}/chance"] == pytest.approx(
         1 / len(np.unique(truth)))
 
@@ -105,6 +178,8 @@ def test_the_command_writes_the_same_rates(adult_run, tmp_path):
   result = json.load(open(tmp_path / "attribute_round_0001_sex.json"))
   entry = json.load(open(os.path.join(adult_run.out, "metrics.json")))[0]
   assert result["asr"]["rf"] == entry["asr/sex/rf"]
+  assert result["asr_ci"]["rf"] == entry["asr_ci/sex/rf"]
+  assert result["balanced_asr_ci"]["rf"] == entry["balanced_asr_ci/sex/rf"]
   assert result["victims"] == 40 and result["classes"] == ["Female", "Male"]
   assert result["shadow_pool"] == "train"
   assert cli.main(["infer-attributes", "--updates",

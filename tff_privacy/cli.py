@@ -449,9 +449,16 @@ def _infer(args) -> int:
         f"chance={result['chance']:.3f} balanced_chance={result['balanced_chance']:.3f}")
   for name in args.adversaries:
     print(f"  {name}: asr={result['asr'][name]:.3f} "
-          f"balanced_asr={result['balanced_asr'][name]:.3f}")
+          f"{_interval(result['asr_ci'][name])} "
+          f"balanced_asr={result['balanced_asr'][name]:.3f} "
+          f"{_interval(result['balanced_asr_ci'][name])}")
   print(f"results in {args.out}")
   return 0
+
+
+def _interval(bounds: Sequence[float]) -> str:
+  """A 95% interval as printed: '[0.412, 0.733]'."""
+  return f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
 
 def _demo_parser(sub) -> None:

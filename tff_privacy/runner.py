@@ -938,9 +938,11 @@ def _check_adaptive(config: RunConfig) -> None:
 
 def _attribute_inference(r: Run, round_num: int) -> dict[str, float]:
   """metrics.json's attack success rates of the round's captured uploads:
-  'asr/<attribute>/<adversary>', 'balanced_asr/<attribute>/<adversary>'
-  and their chance rates ('.../chance'); with `adaptive_adversaries`, the
-  same rates of the adaptive adversaries prefixed 'adaptive_'."""
+  'asr/<attribute>/<adversary>', 'balanced_asr/<attribute>/<adversary>',
+  their 95% intervals [low, high] ('asr_ci/...', 'balanced_asr_ci/...';
+  lists, which TensorBoard leaves out) and their chance rates
+  ('.../chance'); with `adaptive_adversaries`, the same rates and intervals
+  of the adaptive adversaries prefixed 'adaptive_'."""
   entry = {}
   for adaptive in (False, True)[:1 + r.config.adaptive_adversaries]:
     prefix = "adaptive_" if adaptive else ""
@@ -951,7 +953,7 @@ def _attribute_inference(r: Run, round_num: int) -> dict[str, float]:
           shadow_samples=r.config.attribute_shadow_samples,
           shadow_pool=r.config.attribute_shadow_pool, seed=r.config.seed,
           source=r.fed.source, adaptive=adaptive)
-      for kind in ("asr", "balanced_asr"):
+      for kind in ("asr", "balanced_asr", "asr_ci", "balanced_asr_ci"):
         entry.update({f"{prefix}{kind}/{a}/{n}": v for n, v in result[kind].items()})
       if not adaptive:
         entry[f"asr/{a}/chance"] = result["chance"]
