@@ -72,6 +72,29 @@ def test_server_step_measurements_name_rejections_and_aggregation_values():
   assert runner.server_step_measurements({"client_work": {}}) == {}
 
 
+def test_client_defense_measurements_are_named_by_their_defence():
+  metrics = {"client_work": {"train": {"loss": 1.0}, "defense": {
+      "unperturbed_share": np.float32(0.25),
+      "recupfl": {"zero_gradient_steps": np.float32(0.5)}}}}
+  assert runner.client_defense_measurements(metrics) == {
+      "unperturbed_share": 0.25, "recupfl/zero_gradient_steps": 0.5}
+  assert runner.client_defense_measurements({"client_work": {"train": {}}}) == {}
+
+
+@pytest.mark.parametrize("defense,kwargs,share", [
+    ("sparsification", {"p": 0.0}, 1.0),  # keeps every entry
+    ("ldp_gaussian", {"clip": 0.5, "noise_multiplier": 0.5}, 0.0),  # noise everywhere
+])
+def test_metrics_count_the_uploads_a_defence_left_unchanged(tmp_path, defense,
+                                                            kwargs, share):
+  config = runner.RunConfig(out=str(tmp_path), method="fedsgd", rounds=2,
+                            defense=defense, defense_kwargs=kwargs, **SMALL)
+  runner.run(config, progress=False)
+  saved = io.read_json(os.path.join(config.out, "metrics.json"))
+  assert [m["unperturbed_share"] for m in saved] == [share, share]
+  assert not [k for k in saved[0] if k.startswith(defense + "/")]
+
+
 def test_a_diverging_run_records_the_rejected_updates(tmp_path):
   # a learning rate of 1e30 overflows the model within a few rounds; TFF's
   # finalizer then rejects the non-finite aggregate and keeps the model

@@ -52,7 +52,9 @@ from tff_privacy import (algorithms, data, defenses, evaluate, io, models,
                          params, pretrained, runtime, tasks)
 from tff_privacy.aggregation import wide_sum
 from tff_privacy.attacks import attribute as attribute_inference
+from tff_privacy.attacks import functional
 from tff_privacy.dp import accounting
+from tff_privacy.metrics.updates import UndefinedFidelity, aggregate_fidelity
 from tff_privacy.models.lpm import LPM_MODELS
 from tff_privacy.protocol import local_batch_sizes
 from tff_privacy.updates import CaptureFactory, GroundTruthStore, UpdateStore
@@ -838,11 +840,14 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
     train = metrics["client_work"]["train"]
     entry["train_loss"] = float(train["loss"])
     entry["train_accuracy"] = float(train["sparse_categorical_accuracy"])
+    entry.update(client_defense_measurements(metrics))
     entry.update(r.privacy_spent(round_num))
     entry.update(server_step_measurements(metrics))
     if capture:
+      captured = metrics["aggregator"]["captured"]
       _write_capture(r, round_num, None if sent else broadcast, clients,
-                     metrics["aggregator"]["captured"], sent)
+                     captured, sent)
+      entry.update(update_fidelity(r, broadcast, clients, captured))
       entry.update(_attribute_inference(r, round_num))
     entry["seconds"] = time.perf_counter() - start
     history.append(entry)
@@ -879,6 +884,20 @@ def server_step_measurements(metrics) -> dict:
     value = np.asarray(value)
     out[f"server_aggregation/{name}"] = (value.item() if value.ndim == 0
                                          else value.tolist())
+  return out
+
+
+def client_defense_measurements(metrics) -> dict:
+  """What a round's client-side defence reports, averaged over the round's
+  clients, for metrics.json: `unperturbed_share` (the share of uploads it
+  left exactly as they were) and its own measurements as
+  '<defence>/<name>' (`tff_privacy.algorithms.defended`)."""
+  out = {}
+  for name, value in (metrics["client_work"].get("defense") or {}).items():
+    if isinstance(value, dict):
+      out.update({f"{name}/{k}": float(v) for k, v in value.items()})
+    else:
+      out[name] = float(value)
   return out
 
 
@@ -920,6 +939,66 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
       round_num, [(c.index, c.x, c.y, c.attributes) for c in clients],
       {"dataset": meta["dataset"], "value_range": meta["value_range"],
        **_attribute_classes(r.fed.source)})
+
+
+def clean_uploads_unavailable(r: Run, clients) -> Optional[str]:
+  """Why `functional.simulate_upload` cannot reproduce exactly, from their
+  samples in their order, the uploads that `clients` (from `round_data`)
+  would send without a defence, decided by construction of the protocol;
+  None where it can: one gradient of the client's batch (FedSGD), or local
+  SGD over the client's samples in the order `local_order` drew them, which
+  one epoch keeps (and more epochs keep where every client's samples fit
+  one batch)."""
+  a, method = r.algorithm, f"method {r.config.method!r}"
+  if r.personalized:
+    return f"{method} keeps private client state: its clients train their own models"
+  if a.upload_kind not in attribute_inference.UPLOAD_KINDS:
+    return f"{method} uploads {a.upload_kind}, which is not simulated"
+  if r.central:
+    return (f"defense {r.config.defense!r} noises the aggregate on the server, "
+            "after the uploads")
+  if "dp_sample_rate" in a.protocol:
+    return (f"{method} draws its DP-SGD batches at random and clips and noises "
+            "every step")
+  if a.protocol.get("aggregation", "mean") != "mean":
+    return (f"the server aggregates by {a.protocol['aggregation']}, not by a "
+            "weighted mean")
+  if (a.upload_kind == "model_delta" and a.local_epochs > 1
+      and any(len(c.y) > r.config.batch_size for c in clients)):
+    return (f"each of the {a.local_epochs} local epochs shuffles a client's "
+            "samples into new batches")
+  return None
+
+
+def update_fidelity(r: Run, broadcast: Sequence[np.ndarray], clients,
+                    captured) -> dict[str, Any]:
+  """metrics.json's utility of a captured round's aggregate update: the
+  weighted mean of the captured uploads (weights as the server's
+  aggregator got them) against the same weighted mean of the same clients'
+  clean uploads at the same `broadcast` model (`functional.simulate_upload`
+  from their samples), as 'update_cosine' and 'update_relative_error'
+  (`tff_privacy.metrics.updates.aggregate_fidelity`); without a defence,
+  cosine 1 and error 0 up to rounding. Where the clean uploads cannot be
+  reproduced (`clean_uploads_unavailable`) or an aggregate is zero,
+  'update_error_unavailable' says why instead."""
+  reason = clean_uploads_unavailable(r, clients)
+  if reason is None:
+    defended = [[u[i] for u in captured["uploads"]] for i in range(len(clients))]
+    try:
+      return aggregate_fidelity(_clean_uploads(r, broadcast, clients), defended,
+                                captured["upload_weights"][:len(clients)])
+    except UndefinedFidelity as e:
+      reason = str(e)
+  return {"update_error_unavailable": reason}
+
+
+def _clean_uploads(r: Run, broadcast, clients) -> list[list[np.ndarray]]:
+  """What each of `clients` uploads without a defence at `broadcast`."""
+  model, weights = r.spec.keras(), [tf.constant(w) for w in broadcast]
+  return [[u.numpy() for u in functional.simulate_upload(
+      model, weights, tf.constant(c.x), tf.one_hot(c.y, r.spec.num_classes),
+      r.algorithm.upload_kind, r.algorithm.protocol, task=r.spec.task_object)]
+          for c in clients]
 
 
 def _check_adaptive(config: RunConfig) -> None:

@@ -7,7 +7,11 @@ transforms its update with an `UpdateDefense` before it is returned, i.e.
 before it leaves the client: the aggregator, the update store and any
 eavesdropper see only the defended update. Defences with
 `needs_client_view` (Soteria) also receive the broadcast weights and the
-client's data set as a `ClientView`. The client's noise seed travels in
+client's data set as a `ClientView`. Beside the inner client work's
+measurements, the round reports under 'defense' the share of its clients
+whose update the defence left exactly as it was ('unperturbed_share'), and
+the defence's own measurements (`UpdateDefense.apply_measured`) averaged
+over the clients, under its name. The client's noise seed travels in
 its data (a 'seed' entry in every batch, see `Algorithm.client_inputs`), so a
 run is reproducible while every client and round gets fresh noise.
 
@@ -38,9 +42,26 @@ def client_seed(run_seed: int, round_num: int, client: int) -> np.ndarray:
   return state.astype(np.int64)
 
 
+def measured_defense(defense: UpdateDefense, update: list[tf.Tensor], seed,
+                     client=None) -> tuple[list[tf.Tensor], dict]:
+  """The defended `update` and its measurements: 'unperturbed_share' (1.0
+  where the defence left every entry exactly as it was, else 0.0) and, under
+  the defence's name, its own (`UpdateDefense.apply_measured`)."""
+  defended, own = defense.apply_measured(update, seed, client)
+  same = tf.reduce_all([tf.reduce_all(tf.equal(d, u))
+                        for d, u in zip(defended, update)])
+  measured = collections.OrderedDict(unperturbed_share=tf.cast(same, tf.float32))
+  if own:
+    measured[defense.name] = collections.OrderedDict(
+        (k, tf.cast(v, tf.float32)) for k, v in sorted(own.items()))
+  return defended, measured
+
+
 def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
                         defense: UpdateDefense) -> tff.learning.templates.ClientWorkProcess:
-  """`inner` whose clients upload `defense.apply(update, seed)`.
+  """`inner` whose clients upload `defense.apply(update, seed)`; its
+  measurements also hold the clients' mean of `measured_defense`'s under
+  'defense'.
 
   The client's seed, and the per-client inputs the defence declares in
   `client_input_types` (e.g. FedRE's region mask), travel in every batch;
@@ -73,11 +94,15 @@ def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
                                 weights_type.member, data_type.member)
     def defend(update, inputs, weights, dataset):
       view = ClientView(list(weights.trainable), dataset, dict(inputs))
-      return defense.apply(list(update), inputs[SEED_KEY], view)
+      return measured_defense(defense, list(update), inputs[SEED_KEY], view)
   else:
     @tff.tensorflow.computation(update_type, inputs_of.type_signature.result)
     def defend(update, inputs):
-      return defense.apply(list(update), inputs[SEED_KEY])
+      return measured_defense(defense, list(update), inputs[SEED_KEY])
+
+  inner_measurements = [
+      name for name, _ in tff.structure.iter_elements(
+          inner.next.type_signature.result.measurements.member)]
 
   @tff.federated_computation(state_type, weights_type,
                              tff.FederatedType(seeded_data_type, tff.CLIENTS))
@@ -87,11 +112,14 @@ def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
     args = (output.result.update, tff.federated_map(inputs_of, data))
     if defense.needs_client_view:
       args += (weights, stripped)
-    update = tff.federated_map(defend, args)
+    defended = tff.federated_map(defend, args)
     result = tff.federated_zip(tff.learning.templates.ClientResult(
-        update=update, update_weight=output.result.update_weight))
-    return tff.templates.MeasuredProcessOutput(output.state, result,
-                                               output.measurements)
+        update=defended[0], update_weight=output.result.update_weight))
+    measurements = collections.OrderedDict(
+        [(name, output.measurements[name]) for name in inner_measurements]
+        + [("defense", tff.federated_mean(defended[1]))])
+    return tff.templates.MeasuredProcessOutput(
+        output.state, result, tff.federated_zip(measurements))
 
   return tff.learning.templates.ClientWorkProcess(inner.initialize, next_fn)
 

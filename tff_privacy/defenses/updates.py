@@ -17,6 +17,8 @@ Defences that look at more than the update (Soteria needs the client's data
 and the broadcast model) set `needs_client_view`; the client work then passes
 a `ClientView` to `apply`. Those that need the architecture set
 `needs_model_spec` and receive the `ModelSpec` as `model` when built.
+Those that measure their own work (RECUP-FL's zero-gradient steps) return
+the measurements beside the upload from `apply_measured`.
 Soteria and LDP-Fed live in their own modules.
 """
 
@@ -95,6 +97,14 @@ class UpdateDefense(abc.ABC):
   def apply(self, update: Sequence[tf.Tensor], seed,
             client: Optional[ClientView] = None) -> list[tf.Tensor]:
     """The update the client uploads instead of `update`."""
+
+  def apply_measured(self, update: Sequence[tf.Tensor], seed,
+                     client: Optional[ClientView] = None
+                     ) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
+    """`apply`'s upload and what the defence measured of its work on it,
+    {name: float32 scalar}, averaged over a round's clients into its
+    metrics. Default: no measurements."""
+    return self.apply(update, seed, client), {}
 
   def transform_batch(self, batch: dict, inputs: dict) -> dict:
     """The training batch ('x', 'y') the client trains on instead of
