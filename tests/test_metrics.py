@@ -115,3 +115,45 @@ def test_region_without_a_part_ssim_can_score_is_refused():
 def test_segmentation_rows_score_the_pixel_labels():
   rows = [{"label_pixel_accuracy": 0.5}, {"label_pixel_accuracy": 1.0}]
   assert report.label_accuracy(rows) == 0.75
+
+
+def _uploads(rng, clients):
+  """Each client's upload: a [3, 4] kernel and a [4] bias, float32."""
+  return [[rng.normal(size=(3, 4)).astype(np.float32),
+           rng.normal(size=4).astype(np.float32)] for _ in range(clients)]
+
+
+def test_aggregate_fidelity_compares_the_weighted_means_in_float64():
+  from tff_privacy.metrics.updates import aggregate_fidelity
+  rng = np.random.default_rng(0)
+  clean, weights = _uploads(rng, 3), [1.0, 2.0, 5.0]
+  defended = [[t + rng.normal(0, 0.3, t.shape).astype(np.float32) for t in u]
+              for u in clean]
+  flat = lambda u: np.concatenate([u[0].ravel(), u[1]]).astype(np.float64)
+  c = sum(w * flat(u) for w, u in zip(weights, clean)) / 8
+  d = sum(w * flat(u) for w, u in zip(weights, defended)) / 8
+  got = aggregate_fidelity(clean, defended, weights)
+  assert got["update_cosine"] == pytest.approx(
+      np.dot(c, d) / np.sqrt(np.dot(c, c) * np.dot(d, d)), rel=1e-12)
+  assert got["update_relative_error"] == pytest.approx(
+      np.sqrt(np.sum((d - c) ** 2) / np.sum(c ** 2)), rel=1e-12)
+  assert aggregate_fidelity(clean, clean, weights) == {
+      "update_cosine": pytest.approx(1.0, abs=1e-15), "update_relative_error": 0.0}
+
+
+def test_aggregate_fidelity_refuses_what_it_cannot_compare():
+  from tff_privacy.metrics.updates import UndefinedFidelity, aggregate_fidelity
+  clean = _uploads(np.random.default_rng(1), 2)
+  zero = [[np.zeros_like(t) for t in u] for u in clean]
+  with pytest.raises(UndefinedFidelity, match="the clean aggregate update is zero"):
+    aggregate_fidelity(zero, clean, [1, 1])
+  with pytest.raises(UndefinedFidelity, match="the defended aggregate update is zero"):
+    aggregate_fidelity(clean, zero, [1, 1])
+  with pytest.raises(ValueError, match="2 clean uploads but 1 defended"):
+    aggregate_fidelity(clean, clean[:1], [1, 1])
+  with pytest.raises(ValueError, match="shaped differently"):
+    aggregate_fidelity(clean, [u[:1] for u in clean], [1, 1])
+  with pytest.raises(ValueError, match="weights: 1 given for 2 uploads"):
+    aggregate_fidelity(clean, clean, [1])
+  with pytest.raises(ValueError, match="weights must be >= 0 with a positive sum"):
+    aggregate_fidelity(clean, clean, [0, 0])
