@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_privacy import models, runner
+from tff_privacy import io, models, runner
 from tff_privacy.algorithms.defended import client_seed
 from tff_privacy.attacks import attribute
 from tff_privacy.defenses import ClientView, defender_zoo, recupfl
@@ -69,6 +69,19 @@ def _np_perturbation(x, label, zoo, choices, eps, iterations, sampled, variant):
   return current - x
 
 
+def _sparse(seed):
+  """An upload like a one-record gradient: most entries exactly 0, so most
+  pooling bins hold tied maxima."""
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=SIZE) * (rng.random(SIZE) < 0.05)).astype(np.float32)
+
+
+def _first_maxima(x):
+  """The index of the first maximum of each pooling bin."""
+  return np.array([b[np.argmax(x[b])] for b in
+                   np.array_split(np.arange(SIZE), LENGTH)])
+
+
 def test_pool_is_the_adversaries_max_pooling():
   rng = np.random.default_rng(1)
   upload = [rng.normal(size=(7, 9)), rng.normal(size=140)]
@@ -77,16 +90,44 @@ def test_pool_is_the_adversaries_max_pooling():
   np.testing.assert_allclose(got.numpy()[0], attribute.pooled(upload, LENGTH))
 
 
+def test_pool_on_ties_is_the_adversaries_max_pooling():
+  flat = _sparse(11)
+  flat[[3, 4, 40]] = 2.5  # ties of a non-zero maximum
+  flat[[60, 61]] = -0.0, np.nan
+  flat[200] = -np.inf
+  upload = [flat[:63].reshape(7, 9), flat[63:]]
+  got = recupfl.pool(tf.constant(flat), recupfl.pool_segments(SIZE, LENGTH))
+  np.testing.assert_array_equal(got.numpy()[0], attribute.pooled(upload, LENGTH))
+
+
+def test_a_step_moves_only_the_first_maximum_of_each_pooling_bin():
+  x = _sparse(12)
+  segments = recupfl.pool_segments(SIZE, LENGTH)
+  tied = [np.sum(x[segments == j] == x[segments == j].max()) for j in range(LENGTH)]
+  assert sum(t > 1 for t in tied) >= LENGTH // 2  # the case at stake
+  delta = recupfl.attribute_perturbation(
+      x, 1, _defenders(_zoo()), epsilon=1e-3, pool_length=LENGTH,
+      seed=tf.constant([3, 4], tf.int64), sampled=3, variant="one_step").numpy()
+  moved = delta != 0
+  assert np.bincount(segments, weights=moved, minlength=LENGTH).max() == 1
+  assert set(np.flatnonzero(moved)) <= set(_first_maxima(x))
+
+
 @pytest.mark.parametrize("variant", recupfl.VARIANTS)
-def test_perturbation_matches_a_plain_implementation(variant):
+@pytest.mark.parametrize("attack_loss", recupfl.ATTACK_LOSSES)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_perturbation_matches_a_plain_implementation(variant, attack_loss, sparse):
+  """Both losses take the cross-entropy gradient's signs (the plain
+  implementation's), on dense uploads and on uploads full of ties."""
   zoo = _zoo()
-  x = np.random.default_rng(2).normal(size=SIZE).astype(np.float32)
+  x = (_sparse(2) if sparse else
+       np.random.default_rng(2).normal(size=SIZE).astype(np.float32))
   seed = tf.constant([3, 4], tf.int64)
   rounds = 4 if variant == "recupfl" else 1
   choices = recupfl.model_choices(seed, rounds, ZOO, 3).numpy()
   got = recupfl.attribute_perturbation(
       x, 1, _defenders(zoo), epsilon=0.01, pool_length=LENGTH, seed=seed,
-      iterations=4, sampled=3, variant=variant).numpy()
+      iterations=4, sampled=3, variant=variant, attack_loss=attack_loss).numpy()
   expected = _np_perturbation(x.astype(np.float64), 1, zoo, choices, 0.01, 4, 3,
                               variant)
   np.testing.assert_allclose(got, expected, atol=1e-6)
@@ -135,8 +176,81 @@ def test_model_choices_are_distinct_per_iteration_and_seeded():
   assert len({tuple(r) for r in choices}) > 40
 
 
+def _binary_defender(seed, scale):
+  """A zoo-shaped binary defender (`defender_zoo.defender_logits`) whose
+  standardisation divides by `scale`: its arrays and the function."""
+  rng = np.random.default_rng(seed)
+  arrays = [rng.normal(size=s).astype(np.float32) for s in
+            ((LENGTH, 8), (8,), (8, 4), (4,), (4, 1), (1,))]
+  mean, scales = np.zeros(LENGTH, np.float32), np.full(LENGTH, scale, np.float32)
+  return (arrays, mean, scales), lambda z: defender_zoo.defender_logits(
+      mean, scales, arrays, z)
+
+
+def _np_binary_logit(defender, x):
+  """The binary defender's logit z at upload x and dz/dx (float64, through
+  each bin's first maximum)."""
+  (arrays, mean, scale), _ = defender
+  k1, b1, k2, b2, k3, b3 = [a.astype(np.float64) for a in arrays]
+  first = _first_maxima(x)
+  h0 = (x[first].astype(np.float64) - mean) / scale
+  a1 = h0 @ k1 + b1
+  a2 = np.maximum(a1, 0) @ k2 + b2
+  z = np.maximum(a2, 0) @ k3[:, 0] + b3[0]
+  dh1 = (k3[:, 0] * (a2 > 0)) @ k2.T
+  dx = np.zeros(SIZE)
+  dx[first] = ((dh1 * (a1 > 0)) @ k1.T) / scale
+  return z, dx
+
+
+@pytest.mark.parametrize("label", [0, 1])
+def test_the_logit_margin_steps_as_the_cross_entropy_where_it_does_not_saturate(
+    label):
+  defender = _binary_defender(21, 1.0)
+  x = _sparse(22)
+  z, dz = _np_binary_logit(defender, x)
+  sigmoid = 1 / (1 + np.exp(-z))
+  expected = np.sign((sigmoid - label) * dz)  # d CE([0, z], label) / dx
+  assert np.count_nonzero(expected) >= LENGTH
+  for attack_loss in recupfl.ATTACK_LOSSES:
+    delta, zero_share = recupfl.measured_perturbation(
+        x, label, [defender[1]], epsilon=0.01, pool_length=LENGTH,
+        seed=tf.constant([1, 1], tf.int64), sampled=1, variant="one_step",
+        attack_loss=attack_loss)
+    np.testing.assert_array_equal(np.sign(delta.numpy()), expected)
+    assert float(zero_share) == 0.0
+
+
+@pytest.mark.parametrize("variant", ["one_step", "recupfl"])
+def test_a_saturated_defender_stops_the_cross_entropy_not_the_logit_margin(variant):
+  """Standardised by tiny scales (mostly-zero features), a defender's logit
+  is in the thousands: its softmax is exactly 1 at the predicted class in
+  float32, the cross-entropy's gradient exactly 0."""
+  defender = _binary_defender(23, 1e-3)
+  x = _sparse(24)
+  z, dz = _np_binary_logit(defender, x)
+  label = int(z > 0)
+  assert abs(z) > 1000
+  logits = defender[1](tf.constant(x[_first_maxima(x)])[None])
+  assert float(tf.nn.softmax(logits)[0, label]) == 1.0
+  kwargs = dict(epsilon=0.1, pool_length=LENGTH, seed=tf.constant([1, 1], tf.int64),
+                iterations=3, sampled=2, variant=variant)
+  defenders = [defender[1]] * 2
+  delta, zero_share = recupfl.measured_perturbation(
+      x, label, defenders, attack_loss="cross_entropy", **kwargs)
+  assert not np.any(delta.numpy()) and float(zero_share) == 1.0
+  delta, zero_share = recupfl.measured_perturbation(
+      x, label, defenders, attack_loss="logit_margin", **kwargs)
+  assert float(zero_share) == 0.0
+  if variant == "one_step":  # d (logsumexp_{c != a} z_c - z_a) / dx: -+dz/dx
+    np.testing.assert_array_equal(np.sign(delta.numpy()),
+                                  np.sign((1 - 2 * label) * dz))
+  assert np.count_nonzero(delta.numpy()) >= LENGTH // 2
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"variant": "pgd"}, "variant='pgd'"), ({"epsilon": 0.0}, "epsilon must be > 0"),
+    ({"attack_loss": "mse"}, "attack_loss='mse'; choose one of"),
     ({"iterations": 0}, "iterations P must be >= 1"),
     ({"sampled": 1}, "sampled models Q must be >= 2"),
     ({"sampled": 7}, r"sampled models Q must be in \[1, 6\]"),
@@ -312,11 +426,16 @@ def _adult_config(out, **defense_kwargs):
 
 
 def test_captured_upload_is_the_gradient_perturbed_against_the_zoo_files(tmp_path):
-  config = _adult_config(tmp_path)
-  runner.run(config, progress=False)
+  path = tmp_path / "protect.json"  # client 1 protects nothing: sent as it is
+  path.write_text('{"default": "race", "clients": {"1": "race=0"}}')
+  # the test split's class-balanced records: every race in 60 of them
+  config = _adult_config(tmp_path / "run", protect=str(path),
+                         shadow_pool="disjoint_test")
+  history = runner.run(config, progress=False)
   defense = runner.Run(config).client_defense
   store = UpdateStore(os.path.join(config.out, "updates"))
   truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  unperturbed = []
   for client in store.clients(2):
     record = store.read(2, client)
     assert record.metadata["defense"]["name"] == "recupfl"
@@ -333,7 +452,12 @@ def test_captured_upload_is_the_gradient_perturbed_against_the_zoo_files(tmp_pat
     for got, w, c in zip(record.upload, want, clean):
       np.testing.assert_allclose(got, w.numpy(), atol=2e-6)
       moved += int(np.sum(np.abs(got - c.numpy()) > 1e-4))
-    assert moved > 0  # the perturbation is there
+    # entries move by multiples of epsilon (0.01), far above rounding
+    unperturbed.append(moved == 0)
+  assert unperturbed == [False, True, False, False]
+  assert history[1]["unperturbed_share"] == pytest.approx(np.mean(unperturbed))
+  saved = io.read_json(os.path.join(config.out, "metrics.json"))
+  assert [0 <= m["recupfl/zero_gradient_steps"] <= 1 for m in saved] == [True] * 2
   assert os.listdir(os.path.join(config.out, "recupfl_zoo")) == ["race"]  # sex: no one
 
 

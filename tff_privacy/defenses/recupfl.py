@@ -21,7 +21,22 @@ taken. Each entry therefore moves by a multiple of epsilon, at most P
 epsilon. The defender's loss g_q of eq. 5 is taken to be the cross-entropy,
 the loss the zoo is trained with, so meta-train and meta-test differ in
 their step and their model only. The gradient reaches an upload entry only
-through the maximum of its pooling bin: the other entries keep their value.
+through the first maximum of its pooling bin, as PyTorch's max_pool1d
+routes it: a step moves at most one entry per bin, also where entries tie
+(most entries of a one-record gradient are exactly 0).
+
+The steps' signs are taken, by default (attack_loss 'logit_margin'), from
+the gradient of L' = logsumexp_{c != a} z_c - z_a of the defender's logits
+z at the true class a instead of CE = logsumexp_c z_c - z_a itself:
+d CE / dz = (1 - p_a) d L' / dz with p = softmax(z), a positive factor, so
+both give the same signs, hence the same steps (and the same momentum
+directions, which are normalised), wherever CE's gradient is non-zero. CE's
+is exactly 0 where p_a rounds to 1, as it does in float32 once z_a leads
+the other logits by about 17 (the defenders standardise the pooled upload
+by per-feature scales that are tiny for mostly-zero entries, so budgets
+near 0.1 give logits in the thousands): its steps then vanish and the
+upload leaves unprotected, while L' (-z for a binary defender's [0, z] at
+a = 1) never saturates. attack_loss 'cross_entropy' takes the paper's CE.
 
 Several attributes (eq. 9, Algorithm 1 line 23): the upload sent is
 w + sum_m gamma_m (w^(P, m) - w), each attribute's perturbation computed
@@ -62,6 +77,7 @@ from tff_privacy.defenses.updates import ClientView, UpdateDefense
 from tff_privacy.params import Param, Params
 
 VARIANTS = ("recupfl", "one_step", "average", "iterative", "momentum")
+ATTACK_LOSSES = ("logit_margin", "cross_entropy")
 MOMENTUM = 0.9
 
 Defender = Callable[[tf.Tensor], tf.Tensor]  # pooled [1, L] -> logits [1, C]
@@ -79,8 +95,23 @@ def pool_segments(size: int, length: int) -> np.ndarray:
 
 
 def pool(flat: tf.Tensor, segments: np.ndarray) -> tf.Tensor:
-  """Max of each bin of the flat upload, [1, length]."""
-  return tf.math.segment_max(flat, tf.constant(segments, tf.int32))[None]
+  """Max of each bin of the flat upload, [1, length], read from the bin's
+  first maximum (`first_maxima`), so that the gradient reaches that one
+  entry and not every tied one."""
+  return tf.gather(flat, first_maxima(flat, segments))[None]
+
+
+def first_maxima(flat: tf.Tensor, segments: np.ndarray) -> tf.Tensor:
+  """The index of each bin's first maximum, [length] (its first NaN if it
+  holds one, where `np.max` gives NaN), as PyTorch's max_pool1d picks it."""
+  ids = tf.constant(segments, tf.int32)
+  size = tf.size(flat)
+  positions = tf.range(size)
+  at_max = tf.equal(flat, tf.gather(tf.math.segment_max(flat, ids), ids))
+  # NaNs rank before maxima, maxima before the rest
+  rank = tf.where(tf.math.is_nan(flat), positions,
+                  tf.where(at_max, positions + size, 2 * size))
+  return tf.math.segment_min(rank, ids) % size
 
 
 def model_choices(seed, iterations: int, zoo_size: int, sampled: int) -> tf.Tensor:
@@ -93,28 +124,61 @@ def model_choices(seed, iterations: int, zoo_size: int, sampled: int) -> tf.Tens
   return tf.argsort(keys, axis=1)[:, :sampled]
 
 
-def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments):
-  """d CE(S_index(pool(x)), label) / dx."""
+def logit_gradient(logits: tf.Tensor, label, attack_loss: str) -> tf.Tensor:
+  """d loss / d logits, [1, C], of logits [1, C] at the true class `label`:
+  softmax(z) - e_label for 'cross_entropy', and for 'logit_margin' (L' =
+  logsumexp_{c != label} z_c - z_label) the same with the softmax taken over
+  the other classes only (see the module)."""
+  true = tf.equal(tf.range(tf.shape(logits)[-1]), label)
+  if attack_loss == "logit_margin":
+    logits = tf.where(true, tf.constant(-np.inf, logits.dtype), logits)
+  return tf.nn.softmax(logits) - tf.cast(true, logits.dtype)
+
+
+def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments,
+                     attack_loss):
+  """d loss(S_index(pool(x)), label) / dx (`logit_gradient`): the gradient
+  at the pooled upload, placed at each bin's first maximum."""
+  first = first_maxima(x, segments)
+  pooled = tf.gather(x, first)[None]
 
   def branch(defender):
     def gradient():
       with tf.GradientTape() as tape:
-        tape.watch(x)
-        logits = defender(pool(x, segments))
-        loss = tf.keras.losses.sparse_categorical_crossentropy(
-            label[None], logits, from_logits=True)
-      return tape.gradient(loss, x)
+        tape.watch(pooled)
+        logits = defender(pooled)
+      return tape.gradient(logits, pooled, output_gradients=logit_gradient(
+          logits, label, attack_loss))[0]
     return gradient
 
-  return tf.switch_case(index, [branch(d) for d in defenders])
+  pooled_gradient = tf.switch_case(index, [branch(d) for d in defenders])
+  return tf.scatter_nd(first[:, None], pooled_gradient, tf.shape(x))
 
 
-def attribute_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender], *,
-                           epsilon: float, pool_length: int, seed,
-                           iterations: int = 10, sampled: int = 5,
-                           variant: str = "recupfl") -> tf.Tensor:
+def _fgsm_steps(variant: str, iterations: int, sampled: int) -> int:
+  """The gradients (FGSM steps) one perturbation takes: P Q for
+  'recupfl', 1 for 'one_step', Q for the other variants."""
+  if variant == "recupfl":
+    return iterations * sampled
+  return 1 if variant == "one_step" else sampled
+
+
+def attribute_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender],
+                           **kwargs) -> tf.Tensor:
+  """The perturbation of `measured_perturbation` (the same arguments)."""
+  return measured_perturbation(flat, label, defenders, **kwargs)[0]
+
+
+def measured_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender], *,
+                          epsilon: float, pool_length: int, seed,
+                          iterations: int = 10, sampled: int = 5,
+                          variant: str = "recupfl",
+                          attack_loss: str = "logit_margin"
+                          ) -> tuple[tf.Tensor, tf.Tensor]:
   """The perturbation (w' - w) of one flat upload `flat` that protects
-  attribute value `label` against the zoo `defenders`.
+  attribute value `label` against the zoo `defenders`, and the share of
+  its FGSM steps whose gradient was zero in every entry (steps that move
+  nothing).
 
   Args:
     flat: the upload, flattened to one vector.
@@ -127,15 +191,20 @@ def attribute_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender]
     iterations: P (recupfl only; paper 10).
     sampled: Q, models per iteration (paper 5; 'recupfl' needs 2 or more).
     variant: one of `VARIANTS` (see the module).
+    attack_loss: one of `ATTACK_LOSSES`: whose gradient's signs the steps
+      take (see the module; 'cross_entropy' is the paper's, whose steps
+      vanish where the defender's softmax saturates).
 
   Returns:
-    A tensor shaped like `flat`.
+    A tensor shaped like `flat`, and a float32 scalar in [0, 1].
 
   Raises:
-    ValueError: for a bad variant, epsilon, P, Q or pool length.
+    ValueError: for a bad variant, attack loss, epsilon, P, Q or pool length.
   """
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r}; choose one of {VARIANTS}")
+  if attack_loss not in ATTACK_LOSSES:
+    raise ValueError(f"attack_loss={attack_loss!r}; choose one of {ATTACK_LOSSES}")
   if not epsilon > 0:
     raise ValueError(f"epsilon must be > 0, got {epsilon}")
   if iterations < 1:
@@ -150,45 +219,56 @@ def attribute_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender]
   choices = model_choices(seed, rounds, len(defenders), sampled)
 
   def grad(index, x):
-    return _attack_gradient(defenders, index, x, label, segments)
+    """The gradient and 1 if it is zero in every entry, else 0."""
+    g = _attack_gradient(defenders, index, x, label, segments, attack_loss)
+    return g, tf.cast(tf.reduce_all(tf.equal(g, 0)), tf.int32)
 
   if variant == "one_step":
-    return epsilon * tf.sign(grad(choices[0, 0], flat))
-  if variant == "recupfl":
-    return _meta_steps(flat, grad, choices, epsilon, sampled) - flat
-  return _fgsm_variant(flat, grad, choices[0], epsilon, sampled, variant)
+    g, zeros = grad(choices[0, 0], flat)
+    delta = epsilon * tf.sign(g)
+  elif variant == "recupfl":
+    current, zeros = _meta_steps(flat, grad, choices, epsilon, sampled)
+    delta = current - flat
+  else:
+    delta, zeros = _fgsm_variant(flat, grad, choices[0], epsilon, sampled, variant)
+  return delta, tf.cast(zeros, tf.float32) / _fgsm_steps(variant, iterations, sampled)
 
 
 def _meta_steps(flat, grad, choices, epsilon, sampled):
   """Algorithm 1 lines 14-22 as one loop over (p, q), so that a graph holds
-  one gradient per defender, not one per step."""
-  def body(i, current, x):
+  one gradient per defender, not one per step; also the count of zero
+  gradients."""
+  def body(i, current, x, zeros):
     q = i % sampled
-    g = tf.sign(grad(choices[i // sampled, q], x))
+    g, zero = grad(choices[i // sampled, q], x)
+    g = tf.sign(g)
     meta_test = tf.equal(q, sampled - 1)
     current = tf.where(meta_test, current + epsilon * g, current)
-    return i + 1, current, tf.where(meta_test, current, x + epsilon / sampled * g)
+    x = tf.where(meta_test, current, x + epsilon / sampled * g)
+    return i + 1, current, x, zeros + zero
 
   steps = choices.shape[0] * sampled
-  _, current, _ = tf.while_loop(lambda i, *_: i < steps, body,
-                                (tf.constant(0), flat, flat))
-  return current
+  _, current, _, zeros = tf.while_loop(lambda i, *_: i < steps, body,
+                                       (tf.constant(0), flat, flat, tf.constant(0)))
+  return current, zeros
 
 
 def _fgsm_variant(flat, grad, chosen, epsilon, sampled, variant):
   """Appendix E's 'average', 'iterative' and 'momentum' over the `chosen`
-  models: the perturbation."""
-  def body(q, x, u, total):
-    g = grad(chosen[q], flat if variant == "average" else x)
+  models: the perturbation and the count of zero gradients."""
+  def body(q, x, u, total, zeros):
+    g, zero = grad(chosen[q], flat if variant == "average" else x)
     if variant == "momentum":
       u = MOMENTUM * u + g / tf.maximum(tf.reduce_sum(tf.abs(g)), 1e-30)
       g = u
-    return q + 1, x + epsilon / sampled * tf.sign(g), u, total + tf.sign(g)
+    return (q + 1, x + epsilon / sampled * tf.sign(g), u, total + tf.sign(g),
+            zeros + zero)
 
   zeros = tf.zeros_like(flat)
-  _, x, _, total = tf.while_loop(lambda q, *_: q < sampled, body,
-                                 (tf.constant(0), flat, zeros, zeros))
-  return epsilon * total / sampled if variant == "average" else x - flat
+  _, x, _, total, count = tf.while_loop(
+      lambda q, *_: q < sampled, body,
+      (tf.constant(0), flat, zeros, zeros, tf.constant(0)))
+  return (epsilon * total / sampled if variant == "average" else x - flat), count
 
 
 def client_protections(value, num_clients: int, attributes: Sequence[str],
@@ -230,18 +310,28 @@ def client_protections(value, num_clients: int, attributes: Sequence[str],
 
 def perturb_upload(upload: Sequence[tf.Tensor], protections, **kwargs
                    ) -> list[tf.Tensor]:
+  """The upload of `measured_upload` (the same arguments)."""
+  return measured_upload(upload, protections, **kwargs)[0]
+
+
+def measured_upload(upload: Sequence[tf.Tensor], protections, **kwargs
+                    ) -> tuple[list[tf.Tensor], tf.Tensor]:
   """The upload RECUP-FL sends (eq. 9, Algorithm 1 line 25): w + sum_m
   gamma_m * `attribute_perturbation` of attribute m, for `protections` a
   sequence of (label, defenders, gamma, seed); `kwargs` go to
-  `attribute_perturbation`."""
+  `measured_perturbation`. Also the share of the attributes' FGSM steps
+  (of each attribute's, gamma 0 too) whose gradient was zero in every
+  entry."""
   flat = tf.concat([tf.reshape(u, [-1]) for u in upload], 0)
-  total = tf.zeros_like(flat)
+  total, zero_shares = tf.zeros_like(flat), []
   for label, defenders, gamma, seed in protections:
-    total += gamma * attribute_perturbation(flat, label, defenders, seed=seed,
-                                            **kwargs)
+    delta, zero_share = measured_perturbation(flat, label, defenders, seed=seed,
+                                              **kwargs)
+    total += gamma * delta
+    zero_shares.append(zero_share)
   sizes = [int(np.prod(u.shape)) for u in upload]
-  return [tf.reshape(d, u.shape) + u
-          for d, u in zip(tf.split(total, sizes), upload)]
+  return ([tf.reshape(d, u.shape) + u for d, u in zip(tf.split(total, sizes), upload)],
+          tf.reduce_mean(zero_shares))
 
 
 def _zoo_widths(size: int) -> tuple:
@@ -307,19 +397,24 @@ class RecupFL(UpdateDefense):
             "'disjoint_test', of the test split", choices=attribute.SHADOW_POOLS),
       Param("zoo_epochs", int, 80, "epochs of each defender's SGD", minimum=1),
       Param("pool_length", int, 1024, "max-pooled length of an upload, the "
-            "defenders' input", minimum=1))
+            "defenders' input", minimum=1),
+      Param("attack_loss", str, "logit_margin", "the loss whose gradient's signs "
+            "the FGSM steps take: logit_margin (the cross-entropy's signs, without "
+            "its saturation) or cross_entropy (the paper's: no step where a "
+            "defender's softmax rounds to 1)", choices=ATTACK_LOSSES))
 
   def __init__(self, model, data, out: str, *, protect: str,
                perturbation_budget: float = 0.001, iterations: int = 10,
                sampled_models: int = 5, fgsm: str = "recupfl", zoo_size: int = 20,
                zoo_refresh: int = 1, shadow_samples: int = 1000,
                shadow_pool: str = "train", zoo_epochs: int = 80,
-               pool_length: int = 1024):
+               pool_length: int = 1024, attack_loss: str = "logit_margin"):
     self._settings = self.PARAMETERS.check(
         protect=protect, perturbation_budget=perturbation_budget,
         iterations=iterations, sampled_models=sampled_models, fgsm=fgsm,
         zoo_size=zoo_size, zoo_refresh=zoo_refresh, shadow_samples=shadow_samples,
-        shadow_pool=shadow_pool, zoo_epochs=zoo_epochs, pool_length=pool_length)
+        shadow_pool=shadow_pool, zoo_epochs=zoo_epochs, pool_length=pool_length,
+        attack_loss=attack_loss)
     attributes = data.source.attributes
     if attributes is None:
       raise ValueError(f"defense='recupfl' needs a data set with sensitive "
@@ -397,6 +492,11 @@ class RecupFL(UpdateDefense):
             and "fingerprint" in defender_zoo.read_index(self.zoo_folder(attribute)))
 
   def apply(self, update, seed, client: Optional[ClientView] = None):
+    return self.apply_measured(update, seed, client)[0]
+
+  def apply_measured(self, update, seed, client: Optional[ClientView] = None):
+    """The upload, and the share of its FGSM steps whose gradient was zero
+    (`measured_upload`) as 'zero_gradient_steps'."""
     if client is None:
       raise ValueError("recupfl needs the client's inputs (a ClientView)")
     protections = []
@@ -409,7 +509,9 @@ class RecupFL(UpdateDefense):
                           client.inputs[f"recupfl_gamma_{a}"],
                           tf.random.experimental.stateless_fold_in(seed, k)))
     s = self._settings
-    return perturb_upload(update, protections, epsilon=s["perturbation_budget"],
-                          pool_length=s["pool_length"], iterations=s["iterations"],
-                          sampled=s["sampled_models"], variant=s["fgsm"])
+    upload, zero_share = measured_upload(
+        update, protections, epsilon=s["perturbation_budget"],
+        pool_length=s["pool_length"], iterations=s["iterations"],
+        sampled=s["sampled_models"], variant=s["fgsm"], attack_loss=s["attack_loss"])
+    return upload, {"zero_gradient_steps": zero_share}
 
