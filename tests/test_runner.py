@@ -62,6 +62,13 @@ def test_metrics_json_and_tensorboard(fedsgd_run):
   assert [m["server_update_rejected"] for m in saved] == [0, 0, 0]
 
 
+def test_an_undefended_round_updates_as_its_clean_uploads(fedsgd_run):
+  _, history = fedsgd_run
+  assert "update_cosine" not in history[0] and "update_cosine" not in history[2]
+  assert history[1]["update_cosine"] == pytest.approx(1.0, abs=1e-12)
+  assert history[1]["update_relative_error"] < 1e-6
+
+
 def test_server_step_measurements_name_rejections_and_aggregation_values():
   metrics = {"finalizer": {"update_non_finite": np.int32(1)},
              "server_aggregation": {"score_max": np.array([1.0, 2.0], np.float32),
@@ -347,6 +354,7 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
     assert "epsilon" not in history[-1]
   store = UpdateStore(os.path.join(config.out, "updates"))
   truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  weights, clean, defended = [], [], []
   for client in store.clients(2):
     record = store.read(2, client)
     transform = defenses.build(defense, record.model_spec, **kwargs)
@@ -358,6 +366,16 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
     want = transform.apply(grads, client_seed(config.seed, 2, client), view)
     for got, w in zip(record.upload, want):
       np.testing.assert_allclose(got, w.numpy(), atol=2e-6)
+    weights.append(record.weight)
+    clean.append(np.concatenate([g.numpy().ravel() for g in grads]))
+    defended.append(np.concatenate([u.ravel() for u in record.upload]))
+  # the aggregate against the clean gradients', in numpy
+  c, d = (np.average(np.array(v, np.float64), axis=0, weights=weights)
+          for v in (clean, defended))
+  assert history[-1]["update_cosine"] == pytest.approx(
+      c @ d / np.linalg.norm(c) / np.linalg.norm(d), rel=1e-5, abs=1e-6)
+  assert history[-1]["update_relative_error"] == pytest.approx(
+      np.linalg.norm(d - c) / np.linalg.norm(c), rel=1e-5, abs=1e-6)
 
 
 def test_dp_fedavg_records_clipped_updates_and_is_reproducible(tmp_path):
@@ -476,7 +494,10 @@ def test_one_epoch_fedavg_delta_is_the_attackers_simulated_upload(tmp_path, opti
       method_kwargs=optimizer,
       dataset="digits",
       model="mlp", model_kwargs={"hidden": [16]})
-  runner.run(config, progress=False)
+  history = runner.run(config, progress=False)
+  # the runner's own simulation, undefended: the aggregate at rounding
+  assert history[0]["update_cosine"] == pytest.approx(1.0, abs=1e-10)
+  assert history[0]["update_relative_error"] < 1e-5
   store = UpdateStore(os.path.join(config.out, "updates"))
   truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
   for client in store.clients(1):
@@ -501,7 +522,11 @@ def test_fedavg_schedule_matches_the_attackers_simulation(tmp_path):
       batch_size=5, rounds=1, capture_rounds=(1,), seed=3,
       method_kwargs={"local_epochs": 2, "client_learning_rate": 0.3},
       dataset="digits", model="mlp", model_kwargs={"hidden": [16]})
-  runner.run(config, progress=False)
+  history = runner.run(config, progress=False)
+  # which the runner's simulation from the samples alone cannot: no value
+  assert "update_cosine" not in history[0]
+  assert history[0]["update_error_unavailable"] == (
+      "each of the 2 local epochs shuffles a client's samples into new batches")
   run = runner.Run(config)
   store = UpdateStore(os.path.join(config.out, "updates"))
   for client in store.clients(1):
@@ -517,6 +542,27 @@ def test_fedavg_schedule_matches_the_attackers_simulation(tmp_path):
         tf.constant(x[order]), tf.one_hot(y[order], 10), 0.3, per_epoch * 2)
     for got, want in zip(record.upload, delta):
       np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(method="fedavg", method_kwargs={"local_epochs": 2}), None),  # one batch
+    (dict(method="fedavg", method_kwargs={"local_epochs": 2}, batch_size=8),
+     "each of the 2 local epochs shuffles"),
+    (dict(method="dp_sgd_fedavg", method_kwargs={"noise_multiplier": 1.0}),
+     "method 'dp_sgd_fedavg' draws its DP-SGD batches at random"),
+    (dict(method="fedsgd", defense="dp_fedavg",
+          defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0}),
+     "defense 'dp_fedavg' noises the aggregate on the server"),
+    (dict(method="fedre"), "the server aggregates by pda_pam"),
+    (dict(method="hyperfl"), "method 'hyperfl' keeps private client state")])
+def test_clean_uploads_are_simulated_only_where_the_protocol_fixes_them(
+    tmp_path, kwargs, reason):
+  config = runner.RunConfig(**{"out": str(tmp_path), **SMALL, "clients": 8,
+                               "batch_size": 1000, **kwargs})
+  run = runner.Run(config)
+  clients = run.round_data(1)
+  got = runner.clean_uploads_unavailable(run, clients)
+  assert got is None if reason is None else got.startswith(reason)
 
 
 def _plain_scores(spec, weights, x, y) -> dict[str, float]:
