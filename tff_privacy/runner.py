@@ -14,7 +14,11 @@
   `personal_<primary metric>_std` / `_min`, of each client's own model on
   its own test split, over the clients that have test samples, and
   `clients_without_test_data`, how many were left out;
-  `train_loss`, `seconds`, ...; at captured rounds the aggregate update's
+  `train_loss`, `seconds`, ...; with a client-side defence
+  `unperturbed_share`, the share of the round's uploads it left exactly
+  unchanged, and its own measurements as `<defence>/<name>`, e.g.
+  `recupfl/zero_gradient_steps` (`client_defense_measurements`); at
+  captured rounds the aggregate update's
   `update_cosine` and `update_relative_error` against the clients' clean
   uploads, or `update_error_unavailable` and why (`update_fidelity`), and
   with `infer_attributes` the attack success rates with their 95%
