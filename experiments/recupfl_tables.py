@@ -427,6 +427,7 @@ def _plot_tradeoff(rows: list[dict], args, attribute: str, kind: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
+  from matplotlib.ticker import MaxNLocator
   curves = list(dict.fromkeys(r["curve"] for r in rows))
   colours = {c: f"C{i}" for i, c in enumerate(curves)}
   columns = [(axis, label, log, adversary) for axis, label, log in UTILITY_AXES
@@ -437,13 +438,19 @@ def _plot_tradeoff(rows: list[dict], args, attribute: str, kind: str) -> None:
     for j, (axis, label, log, adversary) in enumerate(columns):
       ax = axes[i][j]
       pick = [r for r in rows if r["round"] == round_num and r["attribute"] == attribute
-              and r["adversary"] == adversary and r.get(axis) is not None
-              and (not log or r[axis] > 0)]
+              and r["adversary"] == adversary and r.get(axis) is not None]
+      for r in pick:
+        if r["defense"] == "none":  # its update error is rounding alone
+          ax.axhline(r[kind], color=colours[r["curve"]], linewidth=1,
+                     label=r["curve"])
       for curve in curves:
+        if curve == "no defence":
+          continue
         for prefix, style in (("", "o-"), ("adaptive_", "s--")):
           key = prefix + kind
           points = sorted((r[axis], r[key], r[key + "_low"], r[key + "_high"])
-                          for r in pick if r["curve"] == curve and key in r)
+                          for r in pick if r["curve"] == curve and key in r
+                          and (not log or r[axis] > 0))
           if not points:
             continue
           x, y, low, high = (np.array(v) for v in zip(*points))
@@ -456,7 +463,7 @@ def _plot_tradeoff(rows: list[dict], args, attribute: str, kind: str) -> None:
       if log:
         ax.set_xscale("log")
       else:
-        ax.ticklabel_format(axis="x", useOffset=False)
+        ax.xaxis.set_major_locator(MaxNLocator(3))
       ax.set_title(f"round {round_num}, {adversary}", fontsize=9)
       ax.set_xlabel(label, fontsize=8)
       ax.set_ylabel(kind.replace("_", " "), fontsize=8)
