@@ -284,8 +284,10 @@ def tradeoff_settings(args) -> list[tuple[str, str, float, dict]]:
     protections.append((f"RECUP-FL ({args.attribute}, {args.second})",
                         {"protect": f"{args.attribute},{args.second}"}))
   for curve, extra in protections:
-    settings += [(curve, "recupfl", level, extra)
-                 for level in levels("recupfl", *ranges["recupfl"], args.levels)]
+    budgets = levels("recupfl", *ranges["recupfl"], args.levels)
+    if extra and args.two_attribute_levels:
+      budgets = args.two_attribute_levels
+    settings += [(curve, "recupfl", level, extra) for level in budgets]
   for defense in ("ldp_gaussian", "ldp_laplace") + tuple(args.tradeoff_extra):
     settings += [(LABELS[defense], defense, level, {})
                  for level in levels(defense, *ranges[defense], args.levels)]
@@ -754,6 +756,9 @@ def main() -> None:
   parser.add_argument("--noise-seeds", type=int, default=2,
                       help="extra undefended runs whose spread is the learning "
                       "loss's noise")
+  parser.add_argument("--two-attribute-levels",
+                      help="RECUP-FL's budgets protecting both attributes "
+                      "(comma-separated; default: the trade-off's levels)")
   parser.add_argument("--tradeoff-extra",
                       help="defences beside DP Gaussian and Laplace in the "
                       "trade-off: sparsification, soteria (comma-separated)")
@@ -772,6 +777,13 @@ def main() -> None:
     if getattr(args, name) is None:
       setattr(args, name, value)
   args.tradeoff_extra = [d for d in args.tradeoff_extra.split(",") if d]
+  try:
+    args.two_attribute_levels = [float(v) for v in
+                                 (args.two_attribute_levels or "").split(",") if v]
+  except ValueError:
+    parser.error("--two-attribute-levels takes comma-separated budgets > 0")
+  if any(not v > 0 for v in args.two_attribute_levels):
+    parser.error("--two-attribute-levels takes comma-separated budgets > 0")
   if set(args.tradeoff_extra) - {"sparsification", "soteria"}:
     parser.error("--tradeoff-extra takes sparsification, soteria")
   tables = [t for t in args.tables.split(",") if t]
