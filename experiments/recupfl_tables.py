@@ -147,7 +147,8 @@ def defense_kwargs(defense: str, level: float, args, attribute: str,
                    dataset: str) -> dict:
   if defense == "recupfl":
     return {"protect": attribute, "perturbation_budget": level,
-            "zoo_epochs": args.zoo_epochs, "zoo_refresh": args.zoo_refresh}
+            "zoo_epochs": args.zoo_epochs, "zoo_refresh": args.zoo_refresh,
+            "shadow_samples": args.shadow_samples}
   if defense in ("ldp_gaussian", "ldp_laplace"):
     return {"clip": CLIP, "noise_multiplier": level / CLIP}
   layer = DATASETS[dataset].get("soteria_layer")
@@ -173,19 +174,14 @@ class Experiment:
           attributes: tuple[str, ...], defense=None, kwargs=None,
           clients_per_round=None, adaptive: bool = False) -> list[dict]:
     """The metrics of run `name`, trained unless already complete."""
-    out = os.path.join(self.runs, name)
-    path = os.path.join(out, "metrics.json")
-    if os.path.exists(path) and len(io.read_json(path)) == rounds:
-      return io.read_json(path)
-    print(f"{name}: {defense or 'no defence'} {kwargs or ''}", flush=True)
     config = runner.RunConfig(
-        out=out, rounds=rounds, capture_rounds=capture, infer_attributes=attributes,
+        out=os.path.join(self.runs, name), rounds=rounds, capture_rounds=capture,
+        infer_attributes=attributes,
         clients_per_round=clients_per_round or self.args.clients_per_round,
         defense=defense, defense_kwargs=kwargs or {}, adaptive_adversaries=adaptive,
         **self.common)
-    history = runner.run(config, progress=not self.args.quiet)
-    runtime.renew()  # a worker's memory grows with every run it serves
-    return history
+    return trained(config, f"{name}: {defense or 'no defence'} {kwargs or ''}",
+                   self.args.quiet)
 
   def point(self, defense: str, level, rounds=ROUNDS, attributes=None,
             adaptive: bool = False, curve: str = None, **recupfl) -> list[dict]:
@@ -230,18 +226,34 @@ class Experiment:
     if seed == self.args.seed:
       history = self.histories[("no defence", None)]
     else:
-      out = os.path.join(self.runs, f"none_seed{seed}_r{rounds}")
-      path = os.path.join(out, "metrics.json")
-      if os.path.exists(path) and len(io.read_json(path)) == rounds:
-        history = io.read_json(path)
-      else:
-        print(f"none_seed{seed}: no defence, seed {seed}", flush=True)
-        config = runner.RunConfig(
-            out=out, rounds=rounds, clients_per_round=self.args.clients_per_round,
-            **dict(self.common, seed=seed))
-        history = runner.run(config, progress=not self.args.quiet)
-        runtime.renew()
+      config = runner.RunConfig(
+          out=os.path.join(self.runs, f"none_seed{seed}_r{rounds}"), rounds=rounds,
+          clients_per_round=self.args.clients_per_round,
+          **dict(self.common, seed=seed))
+      history = trained(config, f"none_seed{seed}: no defence, seed {seed}",
+                        self.args.quiet)
     return [e["test_loss"] for e in history]
+
+
+def trained(config: runner.RunConfig, announce: str, quiet: bool) -> list[dict]:
+  """The metrics of the run `config` describes: read back when its folder
+  holds all its rounds, else trained (resumed) after printing `announce`.
+
+  Raises:
+    SystemExit: in one line, when the folder holds a run made with another
+      config (e.g. by an older version of a defence).
+  """
+  try:
+    runner.check_config(config)
+  except ValueError as e:
+    raise SystemExit(str(e)) from None
+  path = os.path.join(config.out, "metrics.json")
+  if os.path.exists(path) and len(io.read_json(path)) == config.rounds:
+    return io.read_json(path)
+  print(announce, flush=True)
+  history = runner.run(config, progress=not quiet)
+  runtime.renew()  # a worker's memory grows with every run it serves
+  return history
 
 
 def _rates(entry: dict, attribute: str, adversary: str) -> dict:
@@ -350,6 +362,24 @@ def verdict(ours: tuple[float, float], theirs: tuple[float, float]) -> str:
   return "overlap"
 
 
+def noise_robust_verdict(row: dict, kind: str, curve: list[dict], key: str,
+                         axis: str, log: bool, sigma: float) -> str:
+  """`verdict` of `row`'s `kind` interval against the baseline `curve`'s
+  `key` interval read at `row`'s utility, and at that utility -+ 2 `sigma`
+  (where the curve reaches): 'within noise' when they disagree, since the
+  axis cannot say which of those utilities is the equal one."""
+  ours = (row[f"{kind}_low"], row[f"{kind}_high"])
+  said = set()
+  for value in sorted({row[axis] - 2 * sigma, row[axis], row[axis] + 2 * sigma}):
+    bounds = tuple(interpolate_at(value, curve, k, axis, log)
+                   for k in (f"{key}_low", f"{key}_high"))
+    if value == row[axis] or not math.isnan(bounds[0]):
+      said.add(verdict(ours, bounds))
+  centre = verdict(ours, tuple(interpolate_at(row[axis], curve, k, axis, log)
+                               for k in (f"{key}_low", f"{key}_high")))
+  return centre if centre == "-" or len(said - {"-"}) == 1 else "within noise"
+
+
 def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
                         noise: dict) -> str:
   """Each RECUP-FL point's `kind` ASR of `attribute` beside DP Gaussian's
@@ -358,7 +388,8 @@ def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
 
   A baseline's ASR and its interval bounds are interpolated between the two
   measured points that bracket RECUP-FL's utility (in log10 of the update
-  error). Where the spread of an axis over a round's defended points is
+  error); a verdict that changes within -+ twice the axis's noise of that
+  utility reads 'within noise' (`noise_robust_verdict`). Where the spread of an axis over a round's defended points is
   below twice its noise (`noise[axis][round]`, the learning loss's
   seed-to-seed standard deviation without defence; 0 for the update error,
   which is paired: the same clients at the same model), the axis cannot
@@ -400,7 +431,8 @@ def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
                 continue
               read = [interpolate_at(r[axis], curve_rows, k, axis, log)
                       for k in (key, f"{key}_low", f"{key}_high")]
-              said = verdict((r[f"{kind}_low"], r[f"{kind}_high"]), tuple(read[1:]))
+              said = noise_robust_verdict(r, kind, curve_rows, key, axis, log,
+                                          noise[axis][round_num])
               counts[(axis, curve + (" (adaptive)" if prefix else ""), said)] = (
                   counts.get((axis, curve + (" (adaptive)" if prefix else ""), said),
                              0) + 1)
@@ -415,7 +447,7 @@ def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
             "baseline's, interpolated): "
             + "; ".join(f"{axis} vs {curve}: " + ", ".join(
                 f"{said} {counts.get((axis, curve, said), 0)}"
-                for said in ("lower", "overlap", "higher"))
+                for said in ("lower", "overlap", "higher", "within noise"))
                 for axis, _, _ in UTILITY_AXES
                 for curve in [c + s for c in DP_CURVES for s in ("", " (adaptive)")]),
             "", "'-': the baseline's measured points do not reach that utility."]
@@ -456,7 +488,8 @@ def _plot_tradeoff(rows: list[dict], args, attribute: str, kind: str) -> None:
           if not points:
             continue
           x, y, low, high = (np.array(v) for v in zip(*points))
-          ax.errorbar(x, y, yerr=[y - low, high - y], fmt=style, markersize=3,
+          ax.errorbar(x, y, yerr=[np.maximum(y - low, 0), np.maximum(high - y, 0)],
+                      fmt=style, markersize=3,
                       capsize=2, linewidth=1, color=colours[curve],
                       label=curve + (" (adaptive)" if prefix else ""))
       if pick:
@@ -638,18 +671,13 @@ def participation(exp: Experiment) -> list[dict]:
     per_round = max(1, round(ratio * exp.args.participation_clients))
     name = f"participation_{ratio:g}"
     common = dict(exp.common, clients=exp.args.participation_clients)
-    out = os.path.join(exp.args.out, "runs", name)
-    history = (io.read_json(os.path.join(out, "metrics.json"))
-               if os.path.exists(os.path.join(out, "metrics.json")) else [])
-    if len(history) != exp.args.participation_rounds:
-      print(f"{name}: RECUP-FL, {per_round} clients per round", flush=True)
-      history = runner.run(runner.RunConfig(
-          out=out, rounds=exp.args.participation_rounds, clients_per_round=per_round,
-          defense="recupfl", defense_kwargs=defense_kwargs(
-              "recupfl", exp.args.epsilon, exp.args, exp.args.attribute,
-              exp.dataset), **common),
-          progress=not exp.args.quiet)
-      runtime.renew()
+    history = trained(runner.RunConfig(
+        out=os.path.join(exp.args.out, "runs", name),
+        rounds=exp.args.participation_rounds, clients_per_round=per_round,
+        defense="recupfl", defense_kwargs=defense_kwargs(
+            "recupfl", exp.args.epsilon, exp.args, exp.args.attribute,
+            exp.dataset), **common),
+        f"{name}: RECUP-FL, {per_round} clients per round", exp.args.quiet)
     rows += [{"ratio": ratio, "round": e["round"], "learning_loss": e["test_loss"]}
              for e in history]
   _plot_participation(rows, exp.args)
@@ -742,7 +770,8 @@ def main() -> None:
                       help="the victims attacked per captured round")
   parser.add_argument("--adversaries", default=",".join(ADVERSARIES))
   parser.add_argument("--shadow-samples", type=int, default=1000,
-                      help="test samples the adversaries train on")
+                      help="training records the adversaries and RECUP-FL's "
+                      "zoo train on")
   parser.add_argument("--scale", choices=sorted(SCALES), default="small",
                       help="defaults of the settings below: 'small' (20 zoo "
                       "epochs, zoo retrained at rounds 1, 3, 5, 4 levels) or "

@@ -164,7 +164,8 @@ def test_equal_utility_table_reads_each_baseline_at_recupfl_utility(tables, tmp_
   assert cells[6] == "0.700 [0.650, 0.750] (RECUP-FL lower)"
   # below Laplace's smallest error 0.2: no reading
   assert cells[8] == "-"
-  assert "learning_loss vs DP Gaussian: lower 1, overlap 0, higher 0" in table
+  assert ("learning_loss vs DP Gaussian: lower 1, overlap 0, higher 0, "
+          "within noise 0") in table
 
 
 def test_equal_utility_table_says_when_an_axis_spreads_less_than_its_noise(
@@ -295,3 +296,46 @@ def test_tradeoff_reads_finished_runs_into_tables_and_figures(tables, tmp_path):
   for figure in ("tradeoff_race_asr.png", "tradeoff_sex_balanced_asr.png",
                  "loss_curves.png"):
     assert os.path.getsize(os.path.join(args.out, figure)) > 10_000
+
+
+def test_a_verdict_that_changes_within_the_noise_of_the_utility_is_within_noise(
+    tables):
+  curve = [_point("DP Gaussian", "ldp_gaussian", 0.01, 1, 0.20, 0.01, 0.9),
+           _point("DP Gaussian", "ldp_gaussian", 0.1, 1, 0.40, 1.0, 0.1)]
+  ours = _point("RECUP-FL (race)", "recupfl", 0.01, 1, 0.30, 0.1, 0.5)
+  # ours 0.5 [0.45, 0.55]; at loss 0.30 the baseline reads 0.5 [0.45, 0.55]: overlap. Within
+  # 2 sigma = 0.02 it reads 0.58 [0.53, 0.63] and 0.42 [0.37, 0.47]: overlap
+  assert tables.noise_robust_verdict(ours, "asr", curve, "asr", "learning_loss",
+                                     False, 0.01) == "overlap"
+  # 2 sigma = 0.1: 0.7 [0.65, 0.75] (lower) and 0.3 [0.25, 0.35] (higher)
+  assert tables.noise_robust_verdict(ours, "asr", curve, "asr", "learning_loss",
+                                     False, 0.05) == "within noise"
+  # without noise, the plain verdict; outside the curve, no reading
+  assert tables.noise_robust_verdict(ours, "asr", curve, "asr", "learning_loss",
+                                     False, 0.0) == "overlap"
+  far = _point("RECUP-FL (race)", "recupfl", 0.01, 1, 0.50, 0.1, 0.5)
+  assert tables.noise_robust_verdict(far, "asr", curve, "asr", "learning_loss",
+                                     False, 0.01) == "-"
+
+
+def test_a_cached_run_made_with_another_config_is_refused_in_one_line(tables,
+                                                                        tmp_path):
+  args = _args(tmp_path)
+  exp = tables.Experiment(args, "adult", os.path.join(args.out, "runs"))
+  name = "recupfl_0.01_r1"
+  io.write_json(os.path.join(args.out, "runs", name, "metrics.json"),
+                _history(1, [0.5], {"stru_nn": 0.7, "rf": 0.9}))
+  config = tables.runner.RunConfig(
+      out=os.path.join(args.out, "runs", name), rounds=1, capture_rounds=(1,),
+      infer_attributes=("race",), clients_per_round=args.clients_per_round,
+      defense="recupfl", defense_kwargs=tables.defense_kwargs(
+          "recupfl", 0.01, args, "race", "adult"), **exp.common).to_json()
+  config["defense_kwargs"]["attack_loss"] = "cross_entropy"  # an older run
+  io.write_json(os.path.join(args.out, "runs", name, "config.json"), config)
+  with pytest.raises(SystemExit, match=r"holds a run with another config \(differs "
+                     r'in defense_kwargs.attack_loss: "cross_entropy" there, '
+                     r'"logit_margin" now\)'):
+    exp.point("recupfl", 0.01, rounds=(1,))
+  config["defense_kwargs"]["attack_loss"] = "logit_margin"
+  io.write_json(os.path.join(args.out, "runs", name, "config.json"), config)
+  assert len(exp.point("recupfl", 0.01, rounds=(1,))) == 2  # read back

@@ -715,7 +715,7 @@ def check_workers(config: RunConfig, remote: bool) -> None:
                      "which workers elsewhere do not see; use --workers N")
 
 
-def _check_config(config: RunConfig) -> None:
+def check_config(config: RunConfig) -> None:
   """Refuses an output path that is a file, or a folder holding a run made
   with another config, naming every differing key with both values. The
   exception is `rounds` above the rounds done, which resumes (except for
@@ -800,7 +800,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   method's processes have been built from the config without error."""
   config = _pinned_as_saved(config)
   check_workers(config, runtime.serves_remotely())
-  _check_config(config)
+  check_config(config)
   r = Run(config)
   if (config.infer_attributes
       and r.algorithm.upload_kind not in attribute_inference.UPLOAD_KINDS):
