@@ -155,5 +155,42 @@ def test_aggregate_fidelity_refuses_what_it_cannot_compare():
     aggregate_fidelity(clean, [u[:1] for u in clean], [1, 1])
   with pytest.raises(ValueError, match="weights: 1 given for 2 uploads"):
     aggregate_fidelity(clean, clean, [1])
-  with pytest.raises(ValueError, match="weights must be >= 0 with a positive sum"):
+  with pytest.raises(ValueError, match=r"weights must be >= 0, got \[1.0, -1.0\]"):
+    aggregate_fidelity(clean, clean, [1, -1])
+
+
+def test_clients_of_weight_zero_are_left_out_of_both_aggregates():
+  """TFF zeroes a non-finite update and weighs it 0; the clean simulation
+  of that client is still NaN or infinite."""
+  from tff_privacy.metrics.updates import aggregate_fidelity
+  rng = np.random.default_rng(2)
+  clean, weights = _uploads(rng, 4), [2.0, 0.0, 3.0, 0.0]
+  clean[1] = [np.full_like(t, np.nan) for t in clean[1]]
+  clean[3][0][1, 2] = np.inf
+  defended = [[t + rng.normal(0, 0.3, t.shape).astype(np.float32) for t in u]
+              for u in clean]
+  defended[1] = [np.zeros_like(t) for t in clean[1]]
+  flat = lambda u: np.concatenate([u[0].ravel(), u[1]]).astype(np.float64)
+  c = (2 * flat(clean[0]) + 3 * flat(clean[2])) / 5
+  d = (2 * flat(defended[0]) + 3 * flat(defended[2])) / 5
+  got = aggregate_fidelity(clean, defended, weights)
+  assert got["update_cosine"] == pytest.approx(
+      np.dot(c, d) / np.sqrt(np.dot(c, c) * np.dot(d, d)), rel=1e-12)
+  assert got["update_relative_error"] == pytest.approx(
+      np.sqrt(np.sum((d - c) ** 2) / np.sum(c ** 2)), rel=1e-12)
+
+
+def test_fidelity_without_a_weighed_client_or_finite_aggregate_is_undefined():
+  from tff_privacy.metrics.updates import UndefinedFidelity, aggregate_fidelity
+  clean = _uploads(np.random.default_rng(3), 2)
+  with pytest.raises(UndefinedFidelity, match=r"no client has a positive weight "
+                     r"\(weights \[0.0, 0.0\]\)"):
     aggregate_fidelity(clean, clean, [0, 0])
+  infinite = [[t.copy() for t in u] for u in clean]
+  infinite[0][1][0] = np.inf
+  with pytest.raises(UndefinedFidelity, match="the clean aggregate update is not finite"):
+    aggregate_fidelity(infinite, clean, [1, 1])
+  infinite[0][1][0] = np.nan
+  with pytest.raises(UndefinedFidelity,
+                     match="the defended aggregate update is not finite"):
+    aggregate_fidelity(clean, infinite, [1, 1])

@@ -88,6 +88,41 @@ def test_client_defense_measurements_are_named_by_their_defence():
   assert runner.client_defense_measurements({"client_work": {"train": {}}}) == {}
 
 
+def _fidelity_of(monkeypatch, clean, defended, weights):
+  """`runner.update_fidelity` of a round whose clients' clean uploads are
+  `clean` and whose captured uploads and weights are `defended`, `weights`."""
+  monkeypatch.setattr(runner, "clean_uploads_unavailable", lambda r, c: None)
+  monkeypatch.setattr(runner, "_clean_uploads", lambda r, b, c: clean)
+  captured = {"uploads": [np.stack([u[k] for u in defended])
+                          for k in range(len(defended[0]))],
+              "upload_weights": np.asarray(weights, np.float32)}
+  return runner.update_fidelity(None, [], list(range(len(clean))), captured)
+
+
+def test_update_fidelity_leaves_out_clients_of_weight_zero(monkeypatch):
+  """TFF sends a non-finite update as zeros of weight 0; the clean
+  simulation of that client is NaN, and without a weighed client the
+  round says why instead of failing."""
+  rng = np.random.default_rng(0)
+  clean = [[rng.normal(size=(2, 3)), rng.normal(size=3)] for _ in range(3)]
+  defended = [[t + 0.1 for t in u] for u in clean]
+  clean[1] = [np.full_like(t, np.nan) for t in clean[1]]
+  defended[1] = [np.zeros_like(t) for t in clean[1]]
+  c = (np.r_[clean[0][0].ravel(), clean[0][1]]
+       + 3 * np.r_[clean[2][0].ravel(), clean[2][1]]) / 4
+  d = c + 0.1
+  got = _fidelity_of(monkeypatch, clean, defended, [1, 0, 3])
+  assert got["update_cosine"] == pytest.approx(
+      c @ d / np.sqrt((c @ c) * (d @ d)), rel=1e-9)
+  assert got["update_relative_error"] == pytest.approx(
+      np.linalg.norm(d - c) / np.linalg.norm(c), rel=1e-9)
+  assert _fidelity_of(monkeypatch, clean, defended, [0, 0, 0]) == {
+      "update_error_unavailable": "no client has a positive weight (weights "
+      "[0.0, 0.0, 0.0]): the mean update is undefined"}
+  assert _fidelity_of(monkeypatch, clean, defended, [1, 1, 1]) == {
+      "update_error_unavailable": "the clean aggregate update is not finite"}
+
+
 @pytest.mark.parametrize("defense,kwargs,share", [
     ("sparsification", {"p": 0.0}, 1.0),  # keeps every entry
     ("ldp_gaussian", {"clip": 0.5, "noise_multiplier": 0.5}, 0.0),  # noise everywhere

@@ -986,9 +986,12 @@ def update_fidelity(r: Run, broadcast: Sequence[np.ndarray], clients,
   clean uploads at the same `broadcast` model (`functional.simulate_upload`
   from their samples), as 'update_cosine' and 'update_relative_error'
   (`tff_privacy.metrics.updates.aggregate_fidelity`); without a defence,
-  cosine 1 and error 0 up to rounding. Where the clean uploads cannot be
-  reproduced (`clean_uploads_unavailable`) or an aggregate is zero,
-  'update_error_unavailable' says why instead."""
+  cosine 1 and error 0 up to rounding. Clients of weight 0 (TFF's for a
+  non-finite update, which it sends as zeros) are left out of both means.
+  Where the clean uploads cannot be reproduced
+  (`clean_uploads_unavailable`), no client has a positive weight, or an
+  aggregate is zero or not finite, 'update_error_unavailable' says why
+  instead."""
   reason = clean_uploads_unavailable(r, clients)
   if reason is None:
     defended = [[u[i] for u in captured["uploads"]] for i in range(len(clients))]
