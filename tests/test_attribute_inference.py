@@ -15,13 +15,21 @@ from tff_privacy.attacks import attribute
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
-def test_shadow_indices_are_the_first_records_or_balanced_from_the_end():
-  classes = np.array([0, 1, 0, 2, 0, 1, 0])
+def test_shadow_indices_are_the_first_records_or_balanced_after_them():
+  classes = np.array([2, 0, 1, 0, 1, 2, 0, 1, 0])
   np.testing.assert_array_equal(attribute.shadow_indices(classes, 4), [0, 1, 2, 3])
-  np.testing.assert_array_equal(attribute.shadow_indices(classes, 9), np.arange(7))
-  # ceil(4 / 3) = 2 per class, the last ones of each; class 2 has only one
+  np.testing.assert_array_equal(attribute.shadow_indices(classes, 12), np.arange(9))
+  # after the zoo's first 4: ceil(4 / 3) = 2 per class, the last ones of
+  # each (0: 6, 8; 1: 4, 7); the rare class 2 has only 5 there, not 0
   np.testing.assert_array_equal(
-      attribute.shadow_indices(classes, 4, "disjoint_test"), [1, 3, 4, 5, 6])
+      attribute.shadow_indices(classes, 4, "disjoint_test"), [4, 5, 6, 7, 8])
+  # class 0 only among the first 3: 2 per class of classes 1 and 2
+  np.testing.assert_array_equal(
+      attribute.shadow_indices(np.array([0, 0, 0, 1, 2, 1, 2, 1]), 3,
+                               "disjoint_test"), [4, 5, 6, 7])
+  with pytest.raises(ValueError, match="shadow_samples=9: the test split's 9 "
+                     "records leave none after the zoo's first 9"):
+    attribute.shadow_indices(classes, 9, "disjoint_test")
   with pytest.raises(ValueError, match="shadow_pool='test'; choose one of "
                      "'train', 'disjoint_test'"):
     attribute.shadow_indices(classes, 4, "test")

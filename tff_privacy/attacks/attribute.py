@@ -146,17 +146,28 @@ def shadow_indices(attributes: np.ndarray, n: int, pool: str = "train") -> np.nd
 
   'train': the first n, in their natural proportions: the records RECUP-FL's
   defender zoo trains on (`tff_privacy.defenses.recupfl.RecupFL`).
-  'disjoint_test': from the end of the test split, so that they do not
-  overlap the zoo's first test records, balanced: up to ceil(n / classes)
-  of each class present (the rare classes of Adult's race fall short).
+  'disjoint_test': balanced, the last ceil(n / classes) of each class
+  present among the test records after the first n, so that none is among
+  the zoo's first n test records (when it trains on as many); a class with
+  fewer there gives what it has (the rare classes of Adult's race fall
+  short).
+
+  Raises:
+    ValueError: for an unknown pool, or 'disjoint_test' with no test record
+      after the first n.
   """
   check_shadow_pool(pool)
   if pool == "train":
     return np.arange(min(n, len(attributes)))
-  present = np.unique(attributes)
+  rest = np.asarray(attributes)[n:]
+  if not len(rest):
+    raise ValueError(f"shadow_samples={n}: the test split's {len(attributes)} "
+                     f"records leave none after the zoo's first {n} for "
+                     "shadow pool 'disjoint_test'; give fewer")
+  present = np.unique(rest)
   per_class = -(-n // len(present))
-  return np.sort(np.concatenate(
-      [np.flatnonzero(attributes == c)[-per_class:] for c in present]))
+  return n + np.sort(np.concatenate(
+      [np.flatnonzero(rest == c)[-per_class:] for c in present]))
 
 
 def predictions(train_features: np.ndarray, train_attributes: np.ndarray,
