@@ -103,6 +103,19 @@ def test_the_balanced_rates_bootstrap_interval():
   assert wide[1] - wide[0] < 0.5 * (high - low)
 
 
+@pytest.mark.parametrize("right", [True, False])
+def test_a_bootstrap_interval_of_zero_width_becomes_the_classes_wilson_mean(right):
+  """Every victim inferred correctly (or every one wrongly): each resample's
+  balanced rate is 1 (or 0), and the interval the mean over the classes of
+  each class's Wilson bounds of its recall."""
+  counts = [24, 10, 6]
+  truth = np.repeat([0, 1, 2], counts)
+  guessed = truth if right else (truth + 1) % 3
+  bounds = np.array([_wilson(n if right else 0, n) for n in counts])
+  assert attribute.balanced_interval(guessed, truth, seed=3) == pytest.approx(
+      bounds.mean(0), abs=1e-12)
+
+
 def test_a_resample_missing_a_class_averages_the_others():
   truth = np.r_[np.zeros(39), 1].astype(np.int64)  # 36% of resamples lack class 1
   guessed = _guesses(truth, 0.7, seed=1)

@@ -27,7 +27,9 @@ is learnt, so the balanced ASR (the mean recall over the classes, chance 1 /
 classes) is reported beside it; the paper reports plain accuracy. A few
 dozen victims leave either rate uncertain by several points (about 0.07
 standard error at 40), so each comes with its 95% interval: Wilson's for
-the plain rate, a percentile bootstrap over victims for the balanced one.
+the plain rate, a percentile bootstrap over victims for the balanced one
+(or, where every resample gives the same rate, e.g. when every victim is
+inferred correctly, the mean of the classes' Wilson intervals).
 """
 
 from __future__ import annotations
@@ -238,14 +240,31 @@ def balanced_interval(guessed: np.ndarray, truth: np.ndarray, seed: int = 0,
   victims resampled with replacement `resamples` times, each keeping its
   (guess, truth) pair (scipy's `bootstrap`, paired), from `seed`. With one
   victim, whom no resample can vary, the balanced rate is the plain one and
-  so is its (Wilson) interval."""
+  so is its (Wilson) interval. Where the bootstrap interval has zero width
+  (every resample gives the same rate, as when every victim is inferred
+  correctly, or every one wrongly), which would read as certainty, it is
+  `recall_interval`'s instead, a conservative one."""
   if len(truth) < 2:
     return rate_interval(guessed, truth, confidence)
   interval = scipy.stats.bootstrap(
       (np.asarray(guessed), np.asarray(truth)), _balanced_rates, paired=True,
       n_resamples=resamples, confidence_level=confidence, method="percentile",
       random_state=np.random.default_rng(seed)).confidence_interval
+  if interval.low == interval.high:
+    return recall_interval(guessed, truth, confidence)
   return [float(interval.low), float(interval.high)]
+
+
+def recall_interval(guessed: np.ndarray, truth: np.ndarray,
+                    confidence: float = CONFIDENCE) -> list[float]:
+  """[low, high]: the means over the victims' attribute classes of the
+  bounds of each class's Wilson interval of its recall (`rate_interval` of
+  its victims): the balanced rate were every class's recall at its own
+  bound at once, a conservative interval, which never has zero width."""
+  guessed, truth = np.asarray(guessed), np.asarray(truth)
+  bounds = [rate_interval(guessed[truth == c], truth[truth == c], confidence)
+            for c in np.unique(truth)]
+  return [float(b) for b in np.mean(bounds, axis=0)]
 
 
 def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
@@ -279,7 +298,8 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
     {'asr': {adversary: accuracy}, 'balanced_asr': {adversary: balanced
     accuracy}, 'asr_ci' and 'balanced_asr_ci': {adversary: [low, high]},
     their 95% intervals (`rate_interval`: Wilson; `balanced_interval`: a
-    bootstrap over victims), 'chance': most frequent class share,
+    bootstrap over victims, `recall_interval` where that has zero width),
+    'chance': most frequent class share,
     'balanced_chance': 1 / classes present, 'victims', 'shadow_uploads',
     'samples_per_upload'}.
 
