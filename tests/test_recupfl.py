@@ -82,22 +82,55 @@ def _first_maxima(x):
                    np.array_split(np.arange(SIZE), LENGTH)])
 
 
-def test_pool_is_the_adversaries_max_pooling():
+def _pooled(flat):
+  """The upload's entries at its bins' `first_maxima`, [1, LENGTH]: what the
+  defenders read."""
+  flat = tf.constant(flat)
+  return tf.gather(flat, recupfl.first_maxima(
+      flat, recupfl.pool_segments(SIZE, LENGTH)))[None]
+
+
+def test_first_maxima_gather_the_adversaries_max_pooling():
   rng = np.random.default_rng(1)
   upload = [rng.normal(size=(7, 9)), rng.normal(size=140)]
   flat = np.concatenate([u.ravel() for u in upload]).astype(np.float32)
-  got = recupfl.pool(tf.constant(flat), recupfl.pool_segments(SIZE, LENGTH))
-  np.testing.assert_allclose(got.numpy()[0], attribute.pooled(upload, LENGTH))
+  np.testing.assert_allclose(_pooled(flat).numpy()[0],
+                             attribute.pooled(upload, LENGTH))
 
 
-def test_pool_on_ties_is_the_adversaries_max_pooling():
+def test_first_maxima_on_ties_gather_the_adversaries_max_pooling():
   flat = _sparse(11)
   flat[[3, 4, 40]] = 2.5  # ties of a non-zero maximum
   flat[[60, 61]] = -0.0, np.nan
   flat[200] = -np.inf
   upload = [flat[:63].reshape(7, 9), flat[63:]]
-  got = recupfl.pool(tf.constant(flat), recupfl.pool_segments(SIZE, LENGTH))
-  np.testing.assert_array_equal(got.numpy()[0], attribute.pooled(upload, LENGTH))
+  np.testing.assert_array_equal(_pooled(flat).numpy()[0],
+                                attribute.pooled(upload, LENGTH))
+
+
+SEGMENT_MAX = tf.math.segment_max
+
+
+def _segment_max_from_lowest(data, ids):
+  """`tf.math.segment_max` as TF's GPU kernel computes it: from -FLT_MAX,
+  so that an all -inf bin's maximum is -FLT_MAX, which no entry equals."""
+  lowest = tf.constant(np.finfo(np.float32).min)
+  maxima = SEGMENT_MAX(data, ids)
+  return tf.where(tf.math.is_nan(maxima), maxima, tf.maximum(maxima, lowest))
+
+
+@pytest.mark.parametrize("segment_max", [SEGMENT_MAX, _segment_max_from_lowest])
+def test_first_maxima_by_hand(monkeypatch, segment_max):
+  """NaNs first, then the first maximum; an all -inf bin gives its first
+  entry, on the CPU's segment maximum and on the GPU's."""
+  monkeypatch.setattr(tf.math, "segment_max", segment_max)
+  inf, nan = np.inf, np.nan
+  flat = tf.constant([1.0, nan, 3.0, nan,  # two NaNs: the first, 1
+                      -inf, -inf, -inf,  # all -inf: the first, 4
+                      0.5, 2.0, -1.0, 2.0,  # tied maxima: the first, 8
+                      -inf, -3.0, -3.0], tf.float32)  # the first -3, 12
+  segments = np.repeat(np.arange(4), [4, 3, 4, 3])
+  np.testing.assert_array_equal(recupfl.first_maxima(flat, segments), [1, 4, 8, 12])
 
 
 def test_a_step_moves_only_the_first_maximum_of_each_pooling_bin():
@@ -142,10 +175,9 @@ def test_recupfl_moves_entries_by_multiples_of_epsilon_and_fools_the_zoo():
   steps = delta / 0.05
   np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
   assert np.abs(steps).max() <= 10 + 1e-3 and np.abs(steps).sum() > 0
-  segments = recupfl.pool_segments(SIZE, LENGTH)
 
   def mean_loss(v):
-    z = recupfl.pool(tf.constant(v), segments)
+    z = _pooled(v)
     return np.mean([float(tf.keras.losses.sparse_categorical_crossentropy(
         [0], d(z), from_logits=True)[0]) for d in _defenders(zoo)])
   assert mean_loss(x + delta) > mean_loss(x)

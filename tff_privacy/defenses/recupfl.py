@@ -3,7 +3,7 @@ eqs. 4-9, and the FGSM variants of Appendix E).
 
 A client protects attribute a of its data against an attacker who infers it
 from its upload. It holds a zoo S of defender models, each mapping a
-max-pooled upload (`pool`, the adversaries' features:
+max-pooled upload (its bins' `first_maxima`, the adversaries' features:
 `tff_privacy.attacks.attribute.pooled`) to logits over a's classes, and
 moves its upload w so that they mispredict a. With P iterations of Q models
 sampled from the zoo and budget epsilon, 'recupfl' (Algorithm 1) is, from
@@ -94,23 +94,20 @@ def pool_segments(size: int, length: int) -> np.ndarray:
                          enumerate(np.array_split(np.arange(size), length))])
 
 
-def pool(flat: tf.Tensor, segments: np.ndarray) -> tf.Tensor:
-  """Max of each bin of the flat upload, [1, length], read from the bin's
-  first maximum (`first_maxima`), so that the gradient reaches that one
-  entry and not every tied one."""
-  return tf.gather(flat, first_maxima(flat, segments))[None]
-
-
 def first_maxima(flat: tf.Tensor, segments: np.ndarray) -> tf.Tensor:
-  """The index of each bin's first maximum, [length] (its first NaN if it
-  holds one, where `np.max` gives NaN), as PyTorch's max_pool1d picks it."""
+  """The int64 index of each bin's first maximum, [length] (its first NaN
+  if it holds one, where `np.max` gives NaN), as PyTorch's max_pool1d picks
+  it: gathered, the max-pooled upload, through which the gradient reaches
+  that one entry and not every tied one."""
   ids = tf.constant(segments, tf.int32)
-  size = tf.size(flat)
+  size = tf.size(flat, out_type=tf.int64)
   positions = tf.range(size)
   at_max = tf.equal(flat, tf.gather(tf.math.segment_max(flat, ids), ids))
-  # NaNs rank before maxima, maxima before the rest
+  # NaNs rank before maxima, maxima before the rest, each by position; in
+  # int64, as ranks reach 3 * size. An all -inf bin may match no maximum
+  # (TF's GPU kernel starts its maximum from -FLT_MAX): its first entry.
   rank = tf.where(tf.math.is_nan(flat), positions,
-                  tf.where(at_max, positions + size, 2 * size))
+                  tf.where(at_max, positions + size, positions + 2 * size))
   return tf.math.segment_min(rank, ids) % size
 
 
@@ -137,8 +134,8 @@ def logit_gradient(logits: tf.Tensor, label, attack_loss: str) -> tf.Tensor:
 
 def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments,
                      attack_loss):
-  """d loss(S_index(pool(x)), label) / dx (`logit_gradient`): the gradient
-  at the pooled upload, placed at each bin's first maximum."""
+  """d loss(S_index(max-pooled x), label) / dx (`logit_gradient`): the
+  gradient at the pooled upload, placed at each bin's first maximum."""
   first = first_maxima(x, segments)
   pooled = tf.gather(x, first)[None]
 
@@ -152,7 +149,8 @@ def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments,
     return gradient
 
   pooled_gradient = tf.switch_case(index, [branch(d) for d in defenders])
-  return tf.scatter_nd(first[:, None], pooled_gradient, tf.shape(x))
+  return tf.scatter_nd(first[:, None], pooled_gradient,
+                       tf.shape(x, out_type=tf.int64))
 
 
 def _fgsm_steps(variant: str, iterations: int, sampled: int) -> int:
