@@ -280,6 +280,41 @@ def test_a_saturated_defender_stops_the_cross_entropy_not_the_logit_margin(varia
   assert np.count_nonzero(delta.numpy()) >= LENGTH // 2
 
 
+def test_a_saturated_three_class_cross_entropy_strays_without_vanishing():
+  """Three classes, the true one leading the next by 40: in float32 p_a is
+  1, the next one's p_c about e^-40. The cross-entropy's gradient keeps
+  sum_{c != a} p_c J_c but loses -J_a (J_c = W[:, c] for a linear
+  defender): non-zero, so no zero-gradient step, and signed unlike the
+  logit margin's."""
+  rng = np.random.default_rng(25)
+  x = rng.normal(size=SIZE).astype(np.float32)
+  z = x[_first_maxima(x)].astype(np.float64)
+  w = rng.normal(size=(LENGTH, CLASSES))
+  logits = z @ w
+  label = int(np.argmax(logits))
+  lead = logits[label] - np.max(np.delete(logits, label))
+  w = (w * 40 / lead).astype(np.float32)  # the lead is now 40
+  defender = lambda v: tf.matmul(v, w)
+  logits = (z @ w).astype(np.float32)
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  assert p[label] == 1.0 and 0 < np.delete(p, label).max()
+  cross_entropy = np.delete(p, label) @ np.delete(w, label, 1).T
+  others = np.exp(np.delete(logits, label) - np.delete(logits, label).max())
+  margin = (others / others.sum()) @ np.delete(w, label, 1).T - w[:, label]
+  signs = {}
+  for attack_loss in recupfl.ATTACK_LOSSES:
+    delta, zero_share = recupfl.measured_perturbation(
+        x, label, [defender], epsilon=0.01, pool_length=LENGTH,
+        seed=tf.constant([1, 1], tf.int64), sampled=1, variant="one_step",
+        attack_loss=attack_loss)
+    assert float(zero_share) == 0.0
+    signs[attack_loss] = np.sign(delta.numpy()[_first_maxima(x)])
+  np.testing.assert_array_equal(signs["cross_entropy"], np.sign(cross_entropy))
+  np.testing.assert_array_equal(signs["logit_margin"], np.sign(margin))
+  assert np.any(signs["cross_entropy"] != signs["logit_margin"])
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"variant": "pgd"}, "variant='pgd'"), ({"epsilon": 0.0}, "epsilon must be > 0"),
     ({"attack_loss": "mse"}, "attack_loss='mse'; choose one of"),

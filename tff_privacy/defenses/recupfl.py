@@ -29,14 +29,21 @@ The steps' signs are taken, by default (attack_loss 'logit_margin'), from
 the gradient of L' = logsumexp_{c != a} z_c - z_a of the defender's logits
 z at the true class a instead of CE = logsumexp_c z_c - z_a itself:
 d CE / dz = (1 - p_a) d L' / dz with p = softmax(z), a positive factor, so
-both give the same signs, hence the same steps (and the same momentum
-directions, which are normalised), wherever CE's gradient is non-zero. CE's
-is exactly 0 where p_a rounds to 1, as it does in float32 once z_a leads
-the other logits by about 17 (the defenders standardise the pooled upload
-by per-feature scales that are tiny for mostly-zero entries, so budgets
-near 0.1 give logits in the thousands): its steps then vanish and the
-upload leaves unprotected, while L' (-z for a binary defender's [0, z] at
-a = 1) never saturates. attack_loss 'cross_entropy' takes the paper's CE.
+in exact arithmetic both give the same signs, hence the same steps (and the
+same momentum directions, which are normalised). In float32 they part once
+z_a leads the other logits by about 17 (the defenders standardise the
+pooled upload by per-feature scales that are tiny for mostly-zero entries,
+so budgets near 0.1 give logits in the thousands): p_a rounds to 1, so
+CE's d / dz = p - e_a loses its entry at a, while the other p_c stay
+positive until they underflow at a lead of about 87. CE's gradient at the
+upload is then sum_{c != a} p_c J_c (J_c = d z_c / dx) without the -J_a
+term: for a binary defender (logits [0, z], J_0 = 0) exactly 0 at a = 1 and
+along L''s at a = 0; with more classes non-zero but pointing elsewhere than
+L''s (so not counted by `measured_perturbation`'s zero-gradient share).
+Beyond a lead of about 87 it is 0 in every entry. Either way CE's steps
+vanish or stray and the upload leaves unprotected, while L' (-z for a
+binary defender's [0, z] at a = 1) never saturates. attack_loss
+'cross_entropy' takes the paper's CE.
 
 Several attributes (eq. 9, Algorithm 1 line 23): the upload sent is
 w + sum_m gamma_m (w^(P, m) - w), each attribute's perturbation computed
@@ -175,8 +182,10 @@ def measured_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender],
                           ) -> tuple[tf.Tensor, tf.Tensor]:
   """The perturbation (w' - w) of one flat upload `flat` that protects
   attribute value `label` against the zoo `defenders`, and the share of
-  its FGSM steps whose gradient was zero in every entry (steps that move
-  nothing).
+  its FGSM steps whose gradient was zero in every entry (such a step may
+  still move: with 'momentum' by the sign of the accumulated direction;
+  and 'recupfl''s meta-train steps never move the upload, whatever their
+  gradient).
 
   Args:
     flat: the upload, flattened to one vector.
@@ -191,7 +200,8 @@ def measured_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender],
     variant: one of `VARIANTS` (see the module).
     attack_loss: one of `ATTACK_LOSSES`: whose gradient's signs the steps
       take (see the module; 'cross_entropy' is the paper's, whose steps
-      vanish where the defender's softmax saturates).
+      vanish, or with more than two classes stray, where the defender's
+      softmax saturates).
 
   Returns:
     A tensor shaped like `flat`, and a float32 scalar in [0, 1].
@@ -398,8 +408,8 @@ class RecupFL(UpdateDefense):
             "defenders' input", minimum=1),
       Param("attack_loss", str, "logit_margin", "the loss whose gradient's signs "
             "the FGSM steps take: logit_margin (the cross-entropy's signs, without "
-            "its saturation) or cross_entropy (the paper's: no step where a "
-            "defender's softmax rounds to 1)", choices=ATTACK_LOSSES))
+            "its saturation) or cross_entropy (the paper's: its steps vanish or "
+            "stray where a defender's softmax rounds to 1)", choices=ATTACK_LOSSES))
 
   def __init__(self, model, data, out: str, *, protect: str,
                perturbation_budget: float = 0.001, iterations: int = 10,
