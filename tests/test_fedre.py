@@ -399,6 +399,18 @@ def test_pixel_perturbation_noises_each_image_once_inside_its_region():
     _mechanism(pixel_noise=0.5)
 
 
+def test_pixel_perturbation_reports_no_share_of_unperturbed_uploads():
+  """It acts on the training images, not the update, which its `apply`
+  returns as it is: a share of 1 would read as 'left unprotected'."""
+  from tff_privacy.algorithms.defended import measured_defense
+  update = [tf.constant(w) for w in SPEC.initial_weights(0)]
+  pixels = _mechanism(perturbation="pixels", pixel_noise=0.5)
+  defended, measured = measured_defense(pixels, update, tf.constant([1, 2], tf.int64))
+  for d, u in zip(defended, update):
+    np.testing.assert_array_equal(d, u)
+  assert "unperturbed_share" not in measured
+
+
 def test_pixel_perturbation_uploads_the_plain_update_and_claims_no_epsilon(tmp_path):
   def uploads(out, method, **kwargs):
     config = runner.RunConfig(out=str(tmp_path / out), method=method, rounds=1,
@@ -419,3 +431,4 @@ def test_pixel_perturbation_uploads_the_plain_update_and_claims_no_epsilon(tmp_p
       np.testing.assert_allclose(b, a, atol=1e-6)
     assert not np.allclose(n[0], p[0], atol=1e-4)
   assert "epsilon" not in history[-1] and "paper_epsilon" not in history[-1]
+  assert "unperturbed_share" not in history[-1]

@@ -14,7 +14,8 @@
   `personal_<primary metric>_std` / `_min`, of each client's own model on
   its own test split, over the clients that have test samples, and
   `clients_without_test_data`, how many were left out;
-  `train_loss`, `seconds`, ...; with a client-side defence
+  `train_loss`, `seconds`, ...; with a client-side defence that acts on
+  the update (not an input perturbation such as FedRE's 'pixels')
   `unperturbed_share`, the share of the round's uploads it left exactly
   unchanged, and its own measurements as `<defence>/<name>`, e.g.
   `recupfl/zero_gradient_steps` (`client_defense_measurements`); at
@@ -898,7 +899,8 @@ def server_step_measurements(metrics) -> dict:
 def client_defense_measurements(metrics) -> dict:
   """What a round's client-side defence reports, averaged over the round's
   clients, for metrics.json: `unperturbed_share` (the share of uploads it
-  left exactly as they were) and its own measurements as
+  left exactly as they were; only from a defence that acts on the update,
+  `UpdateDefense.acts_on_update`) and its own measurements as
   '<defence>/<name>' (`tff_privacy.algorithms.defended`)."""
   out = {}
   for name, value in (metrics["client_work"].get("defense") or {}).items():

@@ -9,11 +9,12 @@ eavesdropper see only the defended update. Defences with
 `needs_client_view` (Soteria) also receive the broadcast weights and the
 client's data set as a `ClientView`. Beside the inner client work's
 measurements, the round reports under 'defense' the share of its clients
-whose update the defence left exactly as it was ('unperturbed_share'), and
-the defence's own measurements (`UpdateDefense.apply_measured`) averaged
-over the clients, under its name. The client's noise seed travels in
-its data (a 'seed' entry in every batch, see `Algorithm.client_inputs`), so a
-run is reproducible while every client and round gets fresh noise.
+whose update the defence left exactly as it was ('unperturbed_share', for
+a defence that acts on the update), and the defence's own measurements
+(`UpdateDefense.apply_measured`) averaged over the clients, under its
+name. The client's noise seed travels in its data (a 'seed' entry in every
+batch, see `Algorithm.client_inputs`), so a run is reproducible while every
+client and round gets fresh noise.
 
 `compose_defended` builds the full `LearningProcess` around such a client
 work with TFF's own distributor, aggregator and optimizer finalizer, the same
@@ -44,13 +45,17 @@ def client_seed(run_seed: int, round_num: int, client: int) -> np.ndarray:
 
 def measured_defense(defense: UpdateDefense, update: list[tf.Tensor], seed,
                      client=None) -> tuple[list[tf.Tensor], dict]:
-  """The defended `update` and its measurements: 'unperturbed_share' (1.0
-  where the defence left every entry exactly as it was, else 0.0) and, under
-  the defence's name, its own (`UpdateDefense.apply_measured`)."""
+  """The defended `update` and its measurements: for a defence that acts on
+  the update (`UpdateDefense.acts_on_update`; not an input perturbation,
+  which leaves every update as it is) 'unperturbed_share' (1.0 where the
+  defence left every entry exactly as it was, else 0.0) and, under the
+  defence's name, its own (`UpdateDefense.apply_measured`)."""
   defended, own = defense.apply_measured(update, seed, client)
-  same = tf.reduce_all([tf.reduce_all(tf.equal(d, u))
-                        for d, u in zip(defended, update)])
-  measured = collections.OrderedDict(unperturbed_share=tf.cast(same, tf.float32))
+  measured = collections.OrderedDict()
+  if defense.acts_on_update:
+    same = tf.reduce_all([tf.reduce_all(tf.equal(d, u))
+                          for d, u in zip(defended, update)])
+    measured["unperturbed_share"] = tf.cast(same, tf.float32)
   if own:
     measured[defense.name] = collections.OrderedDict(
         (k, tf.cast(v, tf.float32)) for k, v in sorted(own.items()))

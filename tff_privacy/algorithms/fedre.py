@@ -246,6 +246,7 @@ class FedREMechanism(UpdateDefense):
       pixel_noise = DEFAULT_PIXEL_NOISE
     self.spec = spec
     self.perturbation, self.pixel_noise, self.seed = perturbation, pixel_noise, seed
+    self.acts_on_update = perturbation == "gradient"  # 'pixels': transform_batch
     self.num_layers = len(spec.initial_weights(0))
     self.epsilon, self.delta, self.rounds, self.clip = epsilon, delta, rounds, clip
     self.budget_split, self.noise_calibration = budget_split, noise_calibration

@@ -89,6 +89,10 @@ class UpdateDefense(abc.ABC):
   # per-client inputs beyond the noise seed: {name: tff.TensorType}, given
   # by the method's `client_inputs` and read from `ClientView.inputs`
   client_input_types: dict = {}
+  # acts in `apply`; an input perturbation that acts in `transform_batch`
+  # only sets False, and its runs report no unperturbed_share (its `apply`
+  # returns every update as it is)
+  acts_on_update = True
   PARAMETERS = Params()
   # what two inputs the reported epsilon calls neighbours
   dp_relation = LOCAL_RELATION
