@@ -187,14 +187,18 @@ def test_several_attributes_add_their_weighted_perturbations():
   rng = np.random.default_rng(4)
   upload = [tf.constant(rng.normal(size=(7, 9)), tf.float32),
             tf.constant(rng.normal(size=140), tf.float32)]
-  flat = tf.concat([tf.reshape(u, [-1]) for u in upload], 0)
-  first, second = _defenders(_zoo(6)), _defenders(_zoo(7))
+  flat = np.concatenate([u.numpy().ravel() for u in upload]).astype(np.float64)
+  zoos = [_zoo(6), _zoo(7)]
   seeds = [tf.constant([1, k], tf.int64) for k in (1, 2)]
-  kwargs = dict(epsilon=0.02, pool_length=LENGTH, iterations=3, sampled=2)
-  got = recupfl.perturb_upload(upload, [(2, first, 0.25, seeds[0]),
-                                        (0, second, 0.75, seeds[1])], **kwargs)
-  expected = (flat + 0.25 * recupfl.attribute_perturbation(flat, 2, first, seed=seeds[0], **kwargs)
-              + 0.75 * recupfl.attribute_perturbation(flat, 0, second, seed=seeds[1], **kwargs))
+  got = recupfl.perturb_upload(
+      upload, [(2, _defenders(zoos[0]), 0.25, seeds[0]),
+               (0, _defenders(zoos[1]), 0.75, seeds[1])],
+      epsilon=0.02, pool_length=LENGTH, iterations=3, sampled=2)
+  expected = flat + sum(
+      gamma * _np_perturbation(flat, label, zoo,
+                               recupfl.model_choices(seed, 3, ZOO, 2).numpy(),
+                               0.02, 3, 2, "recupfl")
+      for label, zoo, gamma, seed in zip((2, 0), zoos, (0.25, 0.75), seeds))
   assert [g.shape for g in got] == [u.shape for u in upload]
   np.testing.assert_allclose(tf.concat([tf.reshape(g, [-1]) for g in got], 0),
                              expected, atol=1e-6)
@@ -495,7 +499,8 @@ def _adult_config(out, **defense_kwargs):
 def test_captured_upload_is_the_gradient_perturbed_against_the_zoo_files(tmp_path):
   path = tmp_path / "protect.json"  # client 1 protects nothing: sent as it is
   path.write_text('{"default": "race", "clients": {"1": "race=0"}}')
-  # the test split's class-balanced records: every race in 60 of them
+  # the zoo trains on the test split's first 60 records, which hold every
+  # race (the training split's first 60 lack one)
   config = _adult_config(tmp_path / "run", protect=str(path),
                          shadow_pool="disjoint_test")
   history = runner.run(config, progress=False)
