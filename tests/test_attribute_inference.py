@@ -15,10 +15,19 @@ from tff_privacy.attacks import attribute
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 
-def test_shadow_indices_are_the_first_records_or_balanced_after_them():
+def _training_sample(size, n):
+  """The documented draw: numpy's default_rng(0) permutation, first n, sorted."""
+  return sorted(np.random.default_rng(0).permutation(size)[:n])
+
+
+def test_shadow_indices_are_a_training_sample_or_balanced_after_the_first():
   classes = np.array([2, 0, 1, 0, 1, 2, 0, 1, 0])
-  np.testing.assert_array_equal(attribute.shadow_indices(classes, 4), [0, 1, 2, 3])
+  np.testing.assert_array_equal(attribute.shadow_indices(classes, 4),
+                                _training_sample(9, 4))
   np.testing.assert_array_equal(attribute.shadow_indices(classes, 12), np.arange(9))
+  # a split stored sorted by class still gives both classes
+  ordered = np.repeat([0, 1], 500)
+  assert set(ordered[attribute.shadow_indices(ordered, 20)]) == {0, 1}
   # after the zoo's first 4: ceil(4 / 3) = 2 per class, the last ones of
   # each (0: 6, 8; 1: 4, 7); the rare class 2 has only 5 there, not 0
   np.testing.assert_array_equal(
@@ -168,10 +177,11 @@ def test_metrics_hold_the_rates_of_adversaries_fitted_on_plain_gradients(adult_r
   for name in ("race", "sex"):
     truth = np.array([source.attributes.train[name][fed.client_indices[r.client_index][0]]
                       for r in records])
-    # the first 60 training records, as RECUP-FL's zoo's
-    shadow = source.attributes.train[name][:60]
+    # the training sample of 60, as RECUP-FL's zoo's
+    rows = _training_sample(len(source.y_train), 60)
+    shadow = source.attributes.train[name][rows]
     features = []
-    for i in range(60):
+    for i in rows:
       with tf.GradientTape() as tape:
         p = tf.sigmoid(model(source.x_train[i:i + 1])[:, 0])
         loss = tf.reduce_mean(tf.square(p - source.y_train[i]))
@@ -246,10 +256,11 @@ def test_the_zoo_and_the_adversaries_share_records_unless_disjoint(
   adversaries = _shadow_records(monkeypatch, lambda: evaluate.infer_attributes_round(
       os.path.join(adult_run.out, "updates"), 1, "race", adversaries=("rf",),
       shadow_samples=60, shadow_pool=pool))
-  if pool == "train":  # both the first 60 training records
+  if pool == "train":  # both the same sample of 60 training records
+    rows = _training_sample(len(source.y_train), 60)
     for got in (zoo, adversaries):
-      np.testing.assert_array_equal(got[0], source.x_train[:60])
-      np.testing.assert_array_equal(got[1], source.y_train[:60])
+      np.testing.assert_array_equal(got[0], source.x_train[rows])
+      np.testing.assert_array_equal(got[1], source.y_train[rows])
     return
   np.testing.assert_array_equal(zoo[0], source.x_test[:60])
   # the adversaries': the last 12 test records of each of race's 5 classes
@@ -283,9 +294,10 @@ def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_pa
   victims = np.stack([_plain_pooled(r.upload) for r in records])
   truth = np.array([source.attributes.train["sex"][fed.client_indices[r.client_index][0]]
                     for r in records])
-  shadow = source.attributes.train["sex"][:60]
+  rows = _training_sample(len(source.y_train), 60)
+  shadow = source.attributes.train["sex"][rows]
   features = {"clean": [], "adaptive": []}
-  for i in range(60):
+  for i in rows:
     with tf.GradientTape() as tape:
       p = tf.sigmoid(model(source.x_train[i:i + 1])[:, 0])
       loss = tf.reduce_mean(tf.square(p - source.y_train[i]))
@@ -299,8 +311,8 @@ def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_pa
                                                          abs=1 / 40)
   # the adaptive adversary's shadow uploads themselves, whatever the rates
   got = attribute.shadow_features(
-      records[0].model_spec, records[0].broadcast, source.x_train[:60],
-      source.y_train[:60], records[0].upload_kind, records[0].metadata["protocol"],
+      records[0].model_spec, records[0].broadcast, source.x_train[rows],
+      source.y_train[rows], records[0].upload_kind, records[0].metadata["protocol"],
       defend=evaluate.adaptive_defense(records[0]))
   np.testing.assert_allclose(got, np.stack(features["adaptive"]), rtol=1e-5, atol=1e-7)
   assert not np.allclose(got, np.stack(features["clean"]))

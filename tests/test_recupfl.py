@@ -536,7 +536,7 @@ def test_captured_upload_is_the_gradient_perturbed_against_the_zoo_files(tmp_pat
 def test_clients_protect_what_their_json_says_with_their_own_class(tmp_path):
   path = tmp_path / "protect.json"
   path.write_text('{"default": "race", "clients": {"1": "sex=0.5", "3": "sex=0.5"}}')
-  # the first 200 training records hold every race (the first 60 lack one)
+  # the sample of 200 training records holds every race (of 60, two lack)
   run = runner.Run(_adult_config(tmp_path / "run", protect=str(path),
                                  shadow_samples=200))
   defense, fed = run.client_defense, run.fed

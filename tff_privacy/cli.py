@@ -424,7 +424,7 @@ def _infer_parser(sub) -> None:
                  help="records the adversaries train on")
   p.add_argument("--shadow-pool", choices=attribute.SHADOW_POOLS,
                  default="train", help="where those records come from: "
-                 "'train', the first of the training split, which RECUP-FL's "
+                 "'train', a seeded sample of the training split, which RECUP-FL's "
                  "zoo trains on too (the paper's adversary), or "
                  "'disjoint_test', the test split's last, class-balanced "
                  "(default train)")

@@ -245,7 +245,7 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   upload (`tff_privacy.attacks.attribute.infer_round`) with each of
   `adversaries`, trained on uploads of `shadow_samples` records of
   `shadow_pool` (`tff_privacy.attacks.attribute.shadow_indices`): 'train',
-  the first records of the training split, which RECUP-FL's defender zoo
+  a seeded sample of the training split, which RECUP-FL's defender zoo
   trains on too (the paper's adversary, Sec. 5.4; clients hold training
   records, so a victim's may be among them), or 'disjoint_test', records
   from the end of the test split balanced over the attribute's classes,

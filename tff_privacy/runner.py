@@ -125,7 +125,7 @@ RUN_PARAMETERS = params.Params(
                  "attribute-inference adversaries train on (infer_attributes)",
                  minimum=2),
     params.Param("attribute_shadow_pool", str, "train", "where those records "
-                 "come from: 'train', the first of the training split, which "
+                 "come from: 'train', a seeded sample of the training split, which "
                  "RECUP-FL's zoo trains on too (the paper's adversary), or "
                  "'disjoint_test', the test split's last, class-balanced, "
                  "disjoint from the zoo's", choices=attribute_inference.SHADOW_POOLS),

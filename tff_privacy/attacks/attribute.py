@@ -142,12 +142,24 @@ def shadow_split(source, pool: str
   return source.x_test, source.y_test, source.attributes.test
 
 
+SHADOW_SEED = 0
+
+
+def training_sample(size: int, n: int) -> np.ndarray:
+  """The shadow records of pool 'train': `n` of the training split's `size`
+  records (all if fewer), drawn without replacement by numpy's
+  `default_rng(SHADOW_SEED)` and sorted, the same for the defender zoo and
+  the adversaries. A sample rather than the first n, since a split may be
+  stored in some order (the bundled digits' first records are all even)."""
+  return np.sort(np.random.default_rng(SHADOW_SEED).permutation(size)[:n])
+
+
 def shadow_indices(attributes: np.ndarray, n: int, pool: str = "train") -> np.ndarray:
   """Indices, into `shadow_split`'s records of `pool`, of the adversary's
   `n` shadow records (`attributes`: the records' classes of the attribute).
 
-  'train': the first n, in their natural proportions: the records RECUP-FL's
-  defender zoo trains on (`tff_privacy.defenses.recupfl.RecupFL`).
+  'train': `training_sample`, in their natural proportions: the records
+  RECUP-FL's defender zoo trains on (`tff_privacy.defenses.recupfl.RecupFL`).
   'disjoint_test': balanced, the last ceil(n / classes) of each class
   present among the test records after the first n, so that none is among
   the zoo's first n test records (when it trains on as many); a class with
@@ -160,7 +172,7 @@ def shadow_indices(attributes: np.ndarray, n: int, pool: str = "train") -> np.nd
   """
   check_shadow_pool(pool)
   if pool == "train":
-    return np.arange(min(n, len(attributes)))
+    return training_sample(len(attributes), n)
   rest = np.asarray(attributes)[n:]
   if not len(rest):
     raise ValueError(f"shadow_samples={n}: the test split's {len(attributes)} "

@@ -355,12 +355,13 @@ class RecupFL(UpdateDefense):
 
   The server side: before every `zoo_refresh`-th round (and whenever a
   zoo is missing) the zoo of each protected attribute is retrained at that
-  round's broadcast model (`prepare_round`) on the first `shadow_samples`
-  records of the split `shadow_pool` names
-  (`tff_privacy.attacks.attribute.shadow_split`): by default the training
-  split, whose first records the attribute-inference adversaries train on
-  too (the paper's D_train, Sec. 5.4; clients hold these records too), or
-  the test split ('disjoint_test', an ablation), each one a shadow upload
+  round's broadcast model (`prepare_round`) on `shadow_samples` records
+  of the split `shadow_pool` names
+  (`tff_privacy.attacks.attribute.shadow_split`): by default a seeded
+  sample of the training split (`attribute.training_sample`), which the
+  attribute-inference adversaries train on too (the paper's D_train, Sec.
+  5.4; clients hold these records too), or the first records of the test
+  split ('disjoint_test', an ablation), each one a shadow upload
   of a one-sample client (Sec. 5.1), and written to
   OUT/recupfl_zoo/<attribute>/; the paper pre-trains the zoo before
   training and does not say whether it follows the model. The client work
@@ -401,7 +402,7 @@ class RecupFL(UpdateDefense):
       Param("shadow_samples", int, 1000, "records the zoo is trained on",
             minimum=10),
       Param("shadow_pool", str, "train", "where those records come from: the "
-            "first of the training split (the adversaries' too, Sec. 5.4) or, "
+            "seeded sample of the training split (the adversaries' too, Sec. 5.4) or, "
             "'disjoint_test', of the test split", choices=attribute.SHADOW_POOLS),
       Param("zoo_epochs", int, 80, "epochs of each defender's SGD", minimum=1),
       Param("pool_length", int, 1024, "max-pooled length of an upload, the "
@@ -476,17 +477,20 @@ class RecupFL(UpdateDefense):
     """Retrains and writes each attribute's zoo when due (see the class)."""
     due = (round_num - 1) % self._settings["zoo_refresh"] == 0
     source, n = self._data.source, self._settings["shadow_samples"]
-    x, y, classes = attribute.shadow_split(source, self._settings["shadow_pool"])
+    pool = self._settings["shadow_pool"]
+    x, y, classes = attribute.shadow_split(source, pool)
+    rows = (attribute.training_sample(len(y), n) if pool == "train"
+            else np.arange(min(n, len(y))))
     features = None
     for a in self._names:
       if not due and self._has_zoo(a):
         continue
       if features is None:  # one-sample shadow uploads at the broadcast model
         features = attribute.shadow_features(
-            self._model, broadcast, x[:n], y[:n], upload_kind, protocol,
+            self._model, broadcast, x[rows], y[rows], upload_kind, protocol,
             length=self._settings["pool_length"])
       pipelines = defender_zoo.fit_defenders(
-          features, classes[a][:n], widths=self._widths,
+          features, classes[a][rows], widths=self._widths,
           epochs=self._settings["zoo_epochs"], seed=round_num,
           progress=f"round {round_num}: zoo of {a}")
       defender_zoo.save_zoo(defender_zoo.zoo_from_pipelines(
