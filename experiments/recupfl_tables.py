@@ -301,8 +301,10 @@ def tradeoff_settings(args) -> list[tuple[str, str, float, dict]]:
       budgets = args.two_attribute_levels
     settings += [(curve, "recupfl", level, extra) for level in budgets]
   for defense in ("ldp_gaussian", "ldp_laplace") + tuple(args.tradeoff_extra):
-    settings += [(LABELS[defense], defense, level, {})
-                 for level in levels(defense, *ranges[defense], args.levels)]
+    chosen = levels(defense, *ranges[defense], args.levels)
+    if defense in ("ldp_gaussian", "ldp_laplace") and args.dp_levels:
+      chosen = args.dp_levels
+    settings += [(LABELS[defense], defense, level, {}) for level in chosen]
   return settings
 
 
@@ -788,6 +790,9 @@ def main() -> None:
   parser.add_argument("--two-attribute-levels",
                       help="RECUP-FL's budgets protecting both attributes "
                       "(comma-separated; default: the trade-off's levels)")
+  parser.add_argument("--dp-levels",
+                      help="DP Gaussian's and Laplace's noise levels sigma "
+                      "(comma-separated; default: the trade-off's levels)")
   parser.add_argument("--tradeoff-extra",
                       help="defences beside DP Gaussian and Laplace in the "
                       "trade-off: sparsification, soteria (comma-separated)")
@@ -806,13 +811,15 @@ def main() -> None:
     if getattr(args, name) is None:
       setattr(args, name, value)
   args.tradeoff_extra = [d for d in args.tradeoff_extra.split(",") if d]
-  try:
-    args.two_attribute_levels = [float(v) for v in
-                                 (args.two_attribute_levels or "").split(",") if v]
-  except ValueError:
-    parser.error("--two-attribute-levels takes comma-separated budgets > 0")
-  if any(not v > 0 for v in args.two_attribute_levels):
-    parser.error("--two-attribute-levels takes comma-separated budgets > 0")
+  for name in ("two_attribute_levels", "dp_levels"):
+    flag = "--" + name.replace("_", "-")
+    try:
+      values = [float(v) for v in (getattr(args, name) or "").split(",") if v]
+    except ValueError:
+      values = [math.nan]
+    if any(not v > 0 for v in values):
+      parser.error(f"{flag} takes comma-separated levels > 0")
+    setattr(args, name, values)
   if set(args.tradeoff_extra) - {"sparsification", "soteria"}:
     parser.error("--tradeoff-extra takes sparsification, soteria")
   tables = [t for t in args.tables.split(",") if t]

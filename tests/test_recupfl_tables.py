@@ -186,7 +186,7 @@ def test_equal_utility_table_says_when_an_axis_spreads_less_than_its_noise(
 
 def test_tradeoff_settings_cover_both_protections_and_both_noises(tables, tmp_path):
   args = _args(tmp_path, levels=2, second="sex", tradeoff_extra=[],
-               two_attribute_levels=[])
+               two_attribute_levels=[], dp_levels=[])
   settings = tables.tradeoff_settings(args)
   curves = [s[0] for s in settings]
   assert curves == (["no defence"] + ["RECUP-FL (race)"] * 2
@@ -197,6 +197,9 @@ def test_tradeoff_settings_cover_both_protections_and_both_noises(tables, tmp_pa
   args.two_attribute_levels = [1e-3]
   assert [s[2] for s in tables.tradeoff_settings(args)
           if s[0] == "RECUP-FL (race, sex)"] == [1e-3]
+  args.dp_levels = [1e-3, 0.1]
+  assert [s[2] for s in tables.tradeoff_settings(args)
+          if s[1] == "ldp_laplace"] == [1e-3, 0.1]
 
 
 def test_equal_loss_reconstruction_picks_each_baseline_at_recupfl_loss(tables,
@@ -261,7 +264,8 @@ def test_the_reconstruction_grid_refuses_settings_with_other_victims(tables, tmp
 
 def test_tradeoff_reads_finished_runs_into_tables_and_figures(tables, tmp_path):
   args = _args(tmp_path, adversaries=["rf"], levels=2, second="sex",
-               tradeoff_extra=[], noise_seeds=1, two_attribute_levels=[])
+               tradeoff_extra=[], noise_seeds=1, two_attribute_levels=[],
+               dp_levels=[])
   exp = tables.Experiment(args, "adult", os.path.join(args.out, "runs"))
   rng = np.random.default_rng(0)
 
