@@ -336,7 +336,7 @@ def test_adaptive_gaussian_shadow_uploads_are_clipped_and_noised_per_upload(adul
   assert np.std(first) == pytest.approx(1e-3, rel=0.2)  # N(0, (z C)^2) dominates
 
 
-@pytest.mark.parametrize("name", ["fedre", "dp_fedavg", "recupfl"])
+@pytest.mark.parametrize("name", ["fedre", "dp_fedavg"])
 def test_adaptive_defense_refuses_defences_it_cannot_rebuild(adult_run, name):
   record = UpdateStore(os.path.join(adult_run.out, "updates")).records(1)[0]
   record = dataclasses.replace(record, metadata={**record.metadata,
@@ -349,14 +349,18 @@ def test_adaptive_defense_refuses_defences_it_cannot_rebuild(adult_run, name):
     ({}, r"give a client defence \(--defense\)"),
     ({"defense": "dp_fedavg", "defense_kwargs": {"clip": 1.0, "noise_multiplier": 1.0}},
      "defense=.dp_fedavg. cannot be re-applied"),
-    ({"defense": "recupfl", "defense_kwargs": {"protect": "race"}},
-     "defense='recupfl' cannot be re-applied"),
     ({"defense": "sparsification", "defense_kwargs": {"p": 0.5},
       "infer_attributes": (), "capture_rounds": ()},
      "adaptive_adversaries is a kind of infer_attributes")])
 def test_adaptive_adversaries_need_a_defence_they_can_rebuild(tmp_path, kwargs, match):
   with pytest.raises(ValueError, match=match):
     _config(tmp_path, adaptive_adversaries=True, **kwargs)
+
+
+def test_adaptive_adversaries_rebuild_recupfl_from_the_run(tmp_path):
+  config = _config(tmp_path, adaptive_adversaries=True, defense="recupfl",
+                   defense_kwargs={"protect": "race"})
+  assert config.adaptive_adversaries and config.defense == "recupfl"
 
 
 @pytest.mark.parametrize("kwargs,match", [

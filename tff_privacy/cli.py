@@ -432,7 +432,9 @@ def _infer_parser(sub) -> None:
                  "(default: the run's own)")
   p.add_argument("--adaptive", action="store_true", help="adaptive "
                  "adversaries: their shadow uploads go through the run's "
-                 "client defence with its parameters")
+                 "client defence with its parameters (RECUP-FL: against the "
+                 "zoo in the run's folder, so for the rounds it was used in; "
+                 "train with --adaptive-adversaries for the others)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", required=True)
 

@@ -299,7 +299,9 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   result = attribute_inference.infer_round(
       records, victims, x[shadow], y[shadow], classes[shadow],
       adversaries, pool_length, seed,
-      adaptive_defense(records[0], seed) if adaptive else None)
+      adaptive_defense(records[0], seed, run_dir,
+                       {a: v[shadow] for a, v in attributes.items()})
+      if adaptive else None)
   result.update(attribute=attribute, round=round_num, adaptive=adaptive,
                 shadow_pool=shadow_pool,
                 classes=list(source.attributes.classes[attribute]))
@@ -315,18 +317,20 @@ def attributes_file(round_num: int, attribute: str, adaptive: bool = False) -> s
           f"{'_adaptive' if adaptive else ''}.json")
 
 
-def adaptive_defense(record, seed: int = 0):
+def adaptive_defense(record, seed: int = 0, run_dir: Optional[str] = None,
+                     shadow_attributes: Optional[dict] = None):
   """The client defence of `record`'s run, rebuilt from its metadata with
   the same parameters, as `attacks.attribute.shadow_features`' `defend`:
   each shadow upload gets its own noise seed (from `seed` and its index),
   and a defence that reads the client's data (Soteria) sees the shadow
-  batch.
+  batch. A defence built from the run's data and files
+  (`adaptive_from_run`: RECUP-FL, with its round's zoo) is rebuilt by its
+  `adaptive_copy` from the run's folder `run_dir` and the shadow samples'
+  attribute classes `shadow_attributes` ({attribute: [samples]}).
 
   Raises:
     ValueError: the run has no client defence, or one the adversary cannot
-      rebuild from parameters alone (RECUP-FL needs its round's defender
-      zoo and the client's protection settings; DP-FedAvg adds its noise on
-      the server, after the uploads).
+      rebuild (DP-FedAvg adds its noise on the server, after the uploads).
   """
   from tff_privacy import defenses
   meta = record.metadata.get("defense")
@@ -338,6 +342,11 @@ def adaptive_defense(record, seed: int = 0):
   refused = (f"adaptive adversaries are not available against {name!r}: it "
              "cannot be re-applied to a shadow upload from its parameters alone")
   cls = defenses.CLIENT_DEFENSES.get(name)
+  if cls is not None and cls.adaptive_from_run:
+    if run_dir is None or shadow_attributes is None:
+      raise ValueError(f"adaptive adversaries rebuild {name!r} from the run's "
+                       "folder and the shadow samples' attributes")
+    return cls.adaptive_copy(record, run_dir, shadow_attributes, seed)
   if cls is None or getattr(cls, "needs_data", False):
     raise ValueError(refused)
   params = {k: v for k, v in meta.items() if k in cls.PARAMETERS}

@@ -1021,8 +1021,9 @@ def _check_adaptive(config: RunConfig) -> None:
   if config.defense is None:
     raise ValueError("adaptive_adversaries re-apply the clients' defence to "
                      "their shadow uploads: give a client defence (--defense)")
-  if config.defense == defenses.DPFedAvg.name or getattr(
-      defenses.defense_class(config.defense), "needs_data", False):
+  cls = defenses.defense_class(config.defense)
+  if config.defense == defenses.DPFedAvg.name or (
+      getattr(cls, "needs_data", False) and not getattr(cls, "adaptive_from_run", False)):
     raise ValueError(f"adaptive_adversaries re-apply the run's client defence "
                      f"to their shadow uploads; defense={config.defense!r} "
                      "cannot be re-applied from its parameters alone")

@@ -146,9 +146,11 @@ def weights_fingerprint(zoo: DefenderZoo) -> tf.Tensor:
   return tf.bitcast(tf.fingerprint(tf.concat(parts, 1))[0], tf.int64)
 
 
-def save_zoo(zoo: DefenderZoo, folder: str) -> None:
+def save_zoo(zoo: DefenderZoo, folder: str, trained_round: Optional[int] = None
+             ) -> None:
   """Writes `zoo` to `folder` (replaced whole: written beside it, then
-  renamed), its `weights_fingerprint` in zoo.json."""
+  renamed), its `weights_fingerprint` in zoo.json, and there as 'round'
+  the training round at whose broadcast model it was trained, if given."""
   parent = os.path.dirname(os.path.abspath(folder))
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(dir=parent, prefix=".zoo-")
@@ -161,7 +163,9 @@ def save_zoo(zoo: DefenderZoo, folder: str) -> None:
       json.dump({"attribute": zoo.attribute, "classes": list(zoo.classes),
                  "models": len(zoo.models),
                  "fingerprint": int(weights_fingerprint(zoo)),
-                 "shapes": {n: list(a.shape) for n, a in files.items()}}, f, indent=1)
+                 "shapes": {n: list(a.shape) for n, a in files.items()},
+                 **({} if trained_round is None else {"round": int(trained_round)})},
+                f, indent=1)
     if os.path.isdir(folder):
       shutil.rmtree(folder)
     os.replace(staging, folder)

@@ -342,6 +342,12 @@ def measured_upload(upload: Sequence[tf.Tensor], protections, **kwargs
           tf.reduce_mean(zero_shares))
 
 
+def zoo_round(round_num: int, zoo_refresh: int) -> int:
+  """The round at whose broadcast model the zoo used in `round_num` was
+  trained, when it is retrained every `zoo_refresh` rounds from round 1."""
+  return round_num - (round_num - 1) % zoo_refresh
+
+
 def _zoo_widths(size: int) -> tuple:
   """`size` of `defender_zoo.ZOO_WIDTHS`, a fixed spread of them."""
   order = np.random.default_rng(0).permutation(len(defender_zoo.ZOO_WIDTHS))
@@ -386,6 +392,7 @@ class RecupFL(UpdateDefense):
   needs_model_spec = True
   needs_data = True
   reads_run_files = True
+  adaptive_from_run = True
   PARAMETERS = Params(
       Param("protect", str, help="attributes to protect, with gamma: 'race', "
             "'race=0.5,sex=0.5', or a JSON file of them per client"),
@@ -453,6 +460,64 @@ class RecupFL(UpdateDefense):
   def params(self):
     return dict(self._settings, zoo_widths=[list(w) for w in self._widths])
 
+  @classmethod
+  def adaptive_copy(cls, record, run_dir, shadow_attributes, seed):
+    """RECUP-FL as the victims' clients applied it, on a shadow upload:
+    against the zoo the server trained for the record's round (read from
+    RUN_DIR/recupfl_zoo/, where it stays until the next retraining, so the
+    adversary runs right after the round, as the runner's
+    adaptive_adversaries do), with the run's parameters and gammas, each
+    shadow upload protecting its own samples' class of each attribute (the
+    most frequent one, as a client's). The zoo's model sampling is seeded
+    per shadow upload from `seed`.
+
+    Raises:
+      ValueError: per-client protection settings (a JSON file: each
+        client's own choice, which the server is not told), or a zoo that
+        is missing or was trained at another round.
+    """
+    meta = record.metadata["defense"]
+    if str(meta["protect"]).endswith(".json"):
+      raise ValueError(f"adaptive adversaries need the clients' protection "
+                       f"settings; protect={meta['protect']!r} sets them per "
+                       "client, which the server is not told")
+    levels = client_protections(meta["protect"], 1, tuple(shadow_attributes))[0]
+    trained = zoo_round(record.round_num, meta["zoo_refresh"])
+    protections = []
+    for a, gamma in levels.items():
+      folder = os.path.join(run_dir, "recupfl_zoo", a)
+      found = defender_zoo.read_index(folder).get("round")
+      if found != trained:
+        raise ValueError(f"adaptive adversaries of round {record.round_num} need "
+                         f"the zoo of {a!r} trained at round {trained}; {folder} "
+                         f"holds the one of round {found}: infer during training "
+                         "(adaptive_adversaries)")
+      protections.append((a, gamma, defender_zoo.defenders(
+          defender_zoo.load_zoo(folder))))
+    settings = dict(epsilon=meta["perturbation_budget"],
+                    pool_length=meta["pool_length"], iterations=meta["iterations"],
+                    sampled=meta["sampled_models"], variant=meta["fgsm"],
+                    attack_loss=meta["attack_loss"])
+
+    @tf.function
+    def perturb(upload, labels, seed_pair):
+      return perturb_upload(upload, [
+          (labels[k], defenders, gamma,
+           tf.random.experimental.stateless_fold_in(seed_pair, k))
+          for k, (_, gamma, defenders) in enumerate(protections)], **settings)
+
+    def defend(upload, index, x, y):
+      del x
+      rows = slice(index * len(y), (index + 1) * len(y))
+      labels = [np.bincount(shadow_attributes[a][rows]).argmax()
+                for a, _, _ in protections]
+      # four entries: never a client's (run seed, round, client) seed
+      state = np.random.SeedSequence([seed, record.round_num, index, 2]
+                                     ).generate_state(2)
+      return perturb(list(upload), tf.constant(labels, tf.int32),
+                     tf.constant(state.astype(np.int64)))
+    return defend
+
   def zoo_folder(self, attribute: str) -> str:
     return os.path.join(self._folder, attribute)
 
@@ -475,7 +540,7 @@ class RecupFL(UpdateDefense):
 
   def prepare_round(self, round_num, broadcast, upload_kind, protocol):
     """Retrains and writes each attribute's zoo when due (see the class)."""
-    due = (round_num - 1) % self._settings["zoo_refresh"] == 0
+    due = zoo_round(round_num, self._settings["zoo_refresh"]) == round_num
     source, n = self._data.source, self._settings["shadow_samples"]
     pool = self._settings["shadow_pool"]
     x, y, classes = attribute.shadow_split(source, pool)
@@ -494,7 +559,8 @@ class RecupFL(UpdateDefense):
           epochs=self._settings["zoo_epochs"], seed=round_num,
           progress=f"round {round_num}: zoo of {a}")
       defender_zoo.save_zoo(defender_zoo.zoo_from_pipelines(
-          pipelines, a, source.attributes.classes[a]), self.zoo_folder(a))
+          pipelines, a, source.attributes.classes[a]), self.zoo_folder(a),
+          trained_round=round_num)
 
   def _has_zoo(self, attribute: str) -> bool:
     """Whether the attribute's zoo is saved with its fingerprint (one saved

@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import dp_accounting
 import numpy as np
@@ -93,6 +93,10 @@ class UpdateDefense(abc.ABC):
   # only sets False, and its runs report no unperturbed_share (its `apply`
   # returns every update as it is)
   acts_on_update = True
+  # an adaptive adversary cannot rebuild it from `PARAMETERS` alone (it
+  # reads client inputs or the run's data) but from what the run's server
+  # holds, through `adaptive_copy`
+  adaptive_from_run = False
   PARAMETERS = Params()
   # what two inputs the reported epsilon calls neighbours
   dp_relation = LOCAL_RELATION
@@ -128,6 +132,21 @@ class UpdateDefense(abc.ABC):
     """Server-side work before round `round_num`'s clients run, at the
     model `broadcast` they receive (RECUP-FL retrains its zoo). Default:
     none."""
+
+  @classmethod
+  def adaptive_copy(cls, record, run_dir: str, shadow_attributes: dict,
+                    seed: int) -> Callable:
+    """For `adaptive_from_run` defences: the adaptive adversary's copy of
+    the defence, as `tff_privacy.attacks.attribute.shadow_features`'
+    `defend`, built from what the run's server holds: a victim's upload
+    `record` (the defence's parameters in its metadata), the run's folder
+    and the shadow samples' classes of each sensitive attribute
+    ({attribute: [samples]}); `seed` seeds its randomness.
+
+    Raises:
+      ValueError: the copy cannot be built from them."""
+    raise ValueError(f"adaptive adversaries cannot rebuild {cls.name!r} from "
+                     "the run's files")
 
   def params(self) -> dict[str, Any]:
     """The defence's parameters, for run metadata."""

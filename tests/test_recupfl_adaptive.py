@@ -1,0 +1,119 @@
+"""The adaptive attribute adversary's copy of RECUP-FL: shadow uploads
+perturbed against the round's zoo as the victims' were."""
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_privacy import evaluate, runner
+from tff_privacy.defenses import defender_zoo
+from tff_privacy.updates import UpdateStore
+
+LENGTH, EPSILON, ITERATIONS = 16, 0.05, 3
+
+
+def _upload(seed):
+  rng = np.random.default_rng(seed)
+  return [tf.constant(rng.normal(size=(7, 9)), tf.float32),
+          tf.constant(rng.normal(size=140), tf.float32)]
+
+
+def _pooled(upload):
+  """The first maximum of each bin (the adversaries' max-pooling), by hand."""
+  flat = np.concatenate([np.ravel(u) for u in upload])
+  return np.array([[b.max() for b in np.array_split(flat, LENGTH)]], np.float32)
+
+
+def _run_folder(tmp_path, trained_round=1):
+  features = np.stack([_pooled(_upload(s))[0] for s in range(40)])
+  classes = (features[:, 0] > np.median(features[:, 0])).astype(int)
+  pipelines = defender_zoo.fit_defenders(features, classes,
+                                         widths=((8, 4), (6, 3), (4, 2)), epochs=30)
+  zoo = defender_zoo.zoo_from_pipelines(pipelines, "race", ["a", "b"])
+  defender_zoo.save_zoo(zoo, str(tmp_path / "recupfl_zoo" / "race"),
+                        trained_round=trained_round)
+  return str(tmp_path), zoo
+
+
+def _record(round_num=2, **settings):
+  defense = {"name": "recupfl", "protect": "race", "perturbation_budget": EPSILON,
+             "pool_length": LENGTH, "iterations": ITERATIONS, "sampled_models": 2,
+             "fgsm": "recupfl", "attack_loss": "logit_margin", "zoo_refresh": 2,
+             **settings}
+  return types.SimpleNamespace(round_num=round_num, metadata={"defense": defense})
+
+
+def _margin(zoo, upload, label):
+  """Mean over the zoo of the true class's logit minus the other's."""
+  logits = [d(tf.constant(_pooled(upload))).numpy()[0]
+            for d in defender_zoo.defenders(zoo)]
+  return np.mean([z[label] - z[1 - label] for z in logits])
+
+
+def test_shadow_uploads_are_perturbed_against_their_own_class(tmp_path):
+  run_dir, zoo = _run_folder(tmp_path)
+  # groups of three shadow samples: classes [1, 1, 0] then [0, 0, 1]
+  shadow = {"race": np.array([1, 1, 0, 0, 0, 1]), "sex": np.zeros(6, int)}
+  defend = evaluate.adaptive_defense(_record(), 0, run_dir, shadow)
+  y = np.zeros(3, np.int32)
+  for index, label in ((0, 1), (1, 0)):
+    clean = _upload(10)
+    got = [g.numpy() for g in defend(clean, index, None, y)]
+    steps = np.concatenate([(g - c.numpy()).ravel() for g, c in zip(got, clean)])
+    steps /= EPSILON
+    assert np.count_nonzero(steps) > 0
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+    assert np.abs(steps).max() <= ITERATIONS + 1e-3
+    # the group's most frequent class is the one the zoo is pushed off
+    assert _margin(zoo, got, label) < _margin(zoo, clean, label)
+
+
+def test_shadow_uploads_draw_their_own_model_choices(tmp_path):
+  run_dir, _ = _run_folder(tmp_path)
+  shadow = {"race": np.ones(40, int)}
+  upload = _upload(3)
+  for seed in (0, 1):
+    defend = evaluate.adaptive_defense(_record(), seed, run_dir, shadow)
+    again = evaluate.adaptive_defense(_record(), seed, run_dir, shadow)
+    outputs = [np.concatenate([u.numpy().ravel() for u in d(upload, i, None, [0])])
+               for d in (defend, again) for i in range(20)]
+    np.testing.assert_array_equal(outputs[0], outputs[20])  # seeded
+    assert len({o.tobytes() for o in outputs[:20]}) > 1  # per shadow upload
+
+
+@pytest.mark.parametrize("record,match", [
+    (_record(round_num=2, zoo_refresh=1),
+     "need the zoo of 'race' trained at round 2; .* holds the one of round 1"),
+    (_record(protect="protect.json"), "sets them per client")])
+def test_a_copy_it_cannot_build_is_refused(tmp_path, record, match):
+  run_dir, _ = _run_folder(tmp_path)
+  with pytest.raises(ValueError, match=match):
+    evaluate.adaptive_defense(record, 0, run_dir, {"race": np.ones(4, int)})
+
+
+def test_a_run_infers_with_adaptive_adversaries_after_each_round(tmp_path):
+  config = runner.RunConfig(
+      out=str(tmp_path / "run"), method="fedsgd", dataset="adult", model="mlp",
+      model_kwargs={"hidden": [16]}, partition="one_per_client", clients=12,
+      rounds=2, batch_size=1, seed=3, capture_rounds=(1, 2),
+      infer_attributes=("race",), attribute_adversaries=("rf",),
+      attribute_shadow_samples=40, adaptive_adversaries=True, defense="recupfl",
+      defense_kwargs={"protect": "race", "zoo_size": 3, "sampled_models": 2,
+                      "iterations": 2, "shadow_samples": 400, "zoo_epochs": 2,
+                      "pool_length": 64, "perturbation_budget": 0.01})
+  runner.run(config, progress=False)
+  for entry in json.load(open(os.path.join(config.out, "metrics.json"))):
+    for prefix in ("", "adaptive_"):
+      assert 0 <= entry[f"{prefix}asr/race/rf"] <= 1
+  # afterwards the folder holds round 2's zoo only: round 1 is refused
+  with pytest.raises(ValueError, match="trained at round 1; .* round 2"):
+    evaluate.infer_attributes_round(os.path.join(config.out, "updates"), 1, "race",
+                                    adversaries=("rf",), shadow_samples=40,
+                                    adaptive=True)
+  record = UpdateStore(os.path.join(config.out, "updates")).records(2)[0]
+  index = defender_zoo.read_index(os.path.join(config.out, "recupfl_zoo", "race"))
+  assert index["round"] == record.round_num == 2
