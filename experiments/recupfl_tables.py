@@ -27,15 +27,17 @@ the tables say so instead of reading the curves there.
 Tables (CSV and Markdown in OUT; PNG figures):
 * tradeoff: ASR against each utility axis for no defence, RECUP-FL
   protecting the attribute (M = 1) and, on Adult, race and sex (M = 2),
-  DP Gaussian and DP Laplace (with their adaptive adversaries, trained on
-  shadow uploads through the same noise), and --tradeoff-extra defences,
+  DP Gaussian and DP Laplace, and --tradeoff-extra defences, every defence
+  also attacked by adaptive adversaries (trained on shadow uploads through
+  the same defence: the same noise; for RECUP-FL, perturbed against the
+  round's zoo as the victims' uploads are),
   each over its range of Sec. 5.3 / 5.5, for each adversary at rounds 1, 3
   and 5 (Figs. 2, 10, 11: tradeoff_<attribute>_<asr|balanced_asr>.png,
   error bars the 95% intervals; loss_curves.png, the learning loss over
   rounds). tradeoff.md reads DP Gaussian's and DP Laplace's ASR (and
   interval bounds) at each RECUP-FL point's utility, interpolated between
   the two measured points around it, and says whether RECUP-FL's interval
-  lies below, above or overlaps theirs;
+  lies below, above or overlaps theirs (adaptive against adaptive);
 * gamma: race and sex protected together with gamma_race swept 0 to 1 by
   0.25 and gamma_sex = 1 - gamma_race (Sec. 6.3), ASR of both at round 1;
 * attributes: M = 1 (race) and M = 2 (race and sex, gamma 1 each) protected
@@ -48,10 +50,10 @@ Tables (CSV and Markdown in OUT; PNG figures):
   digits (whatever --dataset is; RECUP-FL protects parity) under every
   setting of the trade-off, its MSE read at RECUP-FL's learning loss
   (Fig. 6; reconstruction.png shows each baseline at its nearest loss);
-* adaptive: round 1 of DP Gaussian, DP Laplace, sparsification and Soteria
-  at the trade-off's levels, ASR of the paper's adversaries beside that of
-  adaptive ones, trained on shadow uploads passed through the same defence
-  (not in the paper: clean-shadow adversaries misread noisy uploads).
+* adaptive: round 1 of every defence at the trade-off's levels, ASR of the
+  paper's adversaries beside that of adaptive ones, trained on shadow
+  uploads passed through the same defence (not in the paper: clean-shadow
+  adversaries misread noisy or perturbed uploads).
 
 Small scale (--scale small, the default): 1,000 clients, 400 sampled per
 round (the victims), the adversaries and the zoo trained on the same 1,000
@@ -299,6 +301,8 @@ def tradeoff_settings(args) -> list[tuple[str, str, float, dict]]:
     budgets = levels("recupfl", *ranges["recupfl"], args.levels)
     if extra and args.two_attribute_levels:
       budgets = args.two_attribute_levels
+    elif not extra and args.recupfl_levels:
+      budgets = args.recupfl_levels
     settings += [(curve, "recupfl", level, extra) for level in budgets]
   for defense in ("ldp_gaussian", "ldp_laplace") + tuple(args.tradeoff_extra):
     chosen = levels(defense, *ranges[defense], args.levels)
@@ -314,8 +318,8 @@ def tradeoff(exp: Experiment) -> tuple[list[dict], str]:
   attributes = (args.attribute,) + ((args.second,) if args.second else ())
   rows = []
   for curve, defense, level, extra in tradeoff_settings(args):
-    adaptive = defense in ("ldp_gaussian", "ldp_laplace", "sparsification")
-    rows += exp.point(defense, level, attributes=attributes, adaptive=adaptive,
+    rows += exp.point(defense, level, attributes=attributes,
+                      adaptive=defense != "none",
                       curve=curve, **extra)
   losses = np.array([exp.undefended_losses(args.seed + k, max(ROUNDS))
                      for k in range(args.noise_seeds + 1)])
@@ -384,9 +388,11 @@ def noise_robust_verdict(row: dict, kind: str, curve: list[dict], key: str,
 
 def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
                         noise: dict) -> str:
-  """Each RECUP-FL point's `kind` ASR of `attribute` beside DP Gaussian's
-  and DP Laplace's (their clean-shadow and adaptive adversaries) read at
-  the same utility, on each axis of `UTILITY_AXES`, at rounds 1, 3, 5.
+  """Each RECUP-FL point's `kind` ASR of `attribute` (its clean-shadow and
+  adaptive adversaries) beside DP Gaussian's and DP Laplace's (theirs)
+  read at the same utility, on each axis of `UTILITY_AXES`, at rounds 1,
+  3, 5; verdicts compare clean-shadow with clean-shadow and adaptive with
+  adaptive adversaries.
 
   A baseline's ASR and its interval bounds are interpolated between the two
   measured points that bracket RECUP-FL's utility (in log10 of the update
@@ -403,8 +409,9 @@ def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
   counts = {}
   for axis, label, log in UTILITY_AXES:
     lines += [f"#### at equal {label}", "",
-              "| round | adversary | RECUP-FL | level | " + label + " | RECUP-FL "
-              + " | ".join(["ASR"] + columns) + " |", "|---" * (6 + len(columns)) + "|"]
+              "| round | adversary | RECUP-FL | level | " + label + " | "
+              + " | ".join(["RECUP-FL ASR", "RECUP-FL ASR (adaptive)"] + columns)
+              + " |", "|---" * (7 + len(columns)) + "|"]
     for round_num in ROUNDS:
       pick = [r for r in rows if r["round"] == round_num and r["attribute"] == attribute
               and r["defense"] != "none" and r.get(axis) is not None]
@@ -433,20 +440,21 @@ def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
                 continue
               read = [interpolate_at(r[axis], curve_rows, k, axis, log)
                       for k in (key, f"{key}_low", f"{key}_high")]
-              said = noise_robust_verdict(r, kind, curve_rows, key, axis, log,
-                                          noise[axis][round_num])
+              said = "-" if key not in r else noise_robust_verdict(
+                  r, key, curve_rows, key, axis, log, noise[axis][round_num])
               counts[(axis, curve + (" (adaptive)" if prefix else ""), said)] = (
                   counts.get((axis, curve + (" (adaptive)" if prefix else ""), said),
                              0) + 1)
               cells.append(_interval(*read) + ("" if said == "-"
                                                else f" (RECUP-FL {said})"))
+          own = [_interval(r[k], r[k + "_low"], r[k + "_high"]) if k in r else "-"
+                 for k in (kind, "adaptive_" + kind)]
           lines.append(f"| {round_num} | {adversary} | {r['curve']} | {r['level']:g} | "
-                       f"{r[axis]:.6g} | "
-                       f"{_interval(r[kind], r[kind + '_low'], r[kind + '_high'])} | "
-                       + " | ".join(cells) + " |")
+                       f"{r[axis]:.6g} | " + " | ".join(own + cells) + " |")
     lines.append("")
   lines += ["Verdicts (RECUP-FL's 95% interval below / overlapping / above the "
-            "baseline's, interpolated): "
+            "baseline's, interpolated; against a baseline's adaptive adversaries, "
+            "RECUP-FL's adaptive ones): "
             + "; ".join(f"{axis} vs {curve}: " + ", ".join(
                 f"{said} {counts.get((axis, curve, said), 0)}"
                 for said in ("lower", "overlap", "higher", "within noise"))
@@ -538,13 +546,11 @@ def _plot_loss_curves(histories: dict, args) -> None:
 
 
 def adaptive(exp: Experiment) -> list[dict]:
-  """Round 1 of each noise and sparsification baseline over its trade-off
-  levels, attacked by the paper's adversaries (clean shadow uploads) and by
-  adaptive ones (shadow uploads through the same defence)."""
+  """Round 1 of every defence over its trade-off levels, attacked by the
+  paper's adversaries (clean shadow uploads) and by adaptive ones (shadow
+  uploads through the same defence)."""
   rows = []
   for defense, (low, high) in DATASETS[exp.args.dataset]["ranges"].items():
-    if defense == "recupfl":
-      continue  # its zoo and client settings cannot be re-applied
     for level in levels(defense, low, high, exp.args.levels):
       rows += exp.point(defense, level, rounds=(1,), adaptive=True)
   return rows
@@ -790,6 +796,9 @@ def main() -> None:
   parser.add_argument("--two-attribute-levels",
                       help="RECUP-FL's budgets protecting both attributes "
                       "(comma-separated; default: the trade-off's levels)")
+  parser.add_argument("--recupfl-levels",
+                      help="RECUP-FL's budgets protecting the attribute alone "
+                      "(comma-separated; default: the trade-off's levels)")
   parser.add_argument("--dp-levels",
                       help="DP Gaussian's and Laplace's noise levels sigma "
                       "(comma-separated; default: the trade-off's levels)")
@@ -811,7 +820,7 @@ def main() -> None:
     if getattr(args, name) is None:
       setattr(args, name, value)
   args.tradeoff_extra = [d for d in args.tradeoff_extra.split(",") if d]
-  for name in ("two_attribute_levels", "dp_levels"):
+  for name in ("two_attribute_levels", "recupfl_levels", "dp_levels"):
     flag = "--" + name.replace("_", "-")
     try:
       values = [float(v) for v in (getattr(args, name) or "").split(",") if v]

@@ -140,7 +140,7 @@ def _point(curve, defense, level, round_num, loss, error, asr, adaptive=None):
 
 def test_equal_utility_table_reads_each_baseline_at_recupfl_utility(tables, tmp_path):
   args = _args(tmp_path, adversaries=["rf"])
-  rows = [_point("RECUP-FL (race)", "recupfl", 0.01, 1, 0.25, 0.1, 0.2),
+  rows = [_point("RECUP-FL (race)", "recupfl", 0.01, 1, 0.25, 0.1, 0.2, 0.82),
           _point("DP Gaussian", "ldp_gaussian", 0.01, 1, 0.2, 0.01, 0.9, 0.9),
           _point("DP Gaussian", "ldp_gaussian", 0.1, 1, 0.4, 1.0, 0.5, 0.7),
           _point("DP Laplace", "ldp_laplace", 0.1, 1, 0.3, 0.2, 0.1, 0.4),
@@ -153,17 +153,18 @@ def test_equal_utility_table_reads_each_baseline_at_recupfl_utility(tables, tmp_
   cells = [c.strip() for c in line.strip("|").split("|")]
   # loss 0.25 is a quarter of the way from (0.2, 0.9) to (0.4, 0.5): 0.8,
   # bounds 0.75 and 0.85; adaptive from 0.9 to 0.7: 0.85. Laplace's losses
-  # start at 0.3: no reading
-  assert cells[5] == "0.200 [0.150, 0.250]"
-  assert cells[6] == "0.800 [0.750, 0.850] (RECUP-FL lower)"
-  assert cells[7] == "0.850 [0.800, 0.900] (RECUP-FL lower)"
-  assert cells[8:] == ["-", "-"]
+  # start at 0.3: no reading. Adaptive against adaptive: RECUP-FL's
+  # [0.77, 0.87] overlaps [0.80, 0.90], though its plain interval is lower
+  assert cells[5:7] == ["0.200 [0.150, 0.250]", "0.820 [0.770, 0.870]"]
+  assert cells[7] == "0.800 [0.750, 0.850] (RECUP-FL lower)"
+  assert cells[8] == "0.850 [0.800, 0.900] (RECUP-FL overlap)"
+  assert cells[9:] == ["-", "-"]
   line = next(l for l in error_part.splitlines() if l.startswith("| 1 | rf"))
   cells = [c.strip() for c in line.strip("|").split("|")]
   # error 0.1 is half way from 0.01 to 1 in log10: Gaussian (0.9 + 0.5) / 2
-  assert cells[6] == "0.700 [0.650, 0.750] (RECUP-FL lower)"
+  assert cells[7] == "0.700 [0.650, 0.750] (RECUP-FL lower)"
   # below Laplace's smallest error 0.2: no reading
-  assert cells[8] == "-"
+  assert cells[9] == "-"
   assert ("learning_loss vs DP Gaussian: lower 1, overlap 0, higher 0, "
           "within noise 0") in table
 
@@ -186,7 +187,8 @@ def test_equal_utility_table_says_when_an_axis_spreads_less_than_its_noise(
 
 def test_tradeoff_settings_cover_both_protections_and_both_noises(tables, tmp_path):
   args = _args(tmp_path, levels=2, second="sex", tradeoff_extra=[],
-               two_attribute_levels=[], dp_levels=[])
+               two_attribute_levels=[], recupfl_levels=[],
+               dp_levels=[])
   settings = tables.tradeoff_settings(args)
   curves = [s[0] for s in settings]
   assert curves == (["no defence"] + ["RECUP-FL (race)"] * 2
@@ -200,6 +202,9 @@ def test_tradeoff_settings_cover_both_protections_and_both_noises(tables, tmp_pa
   args.dp_levels = [1e-3, 0.1]
   assert [s[2] for s in tables.tradeoff_settings(args)
           if s[1] == "ldp_laplace"] == [1e-3, 0.1]
+  args.recupfl_levels = [1e-4]
+  assert [s[2] for s in tables.tradeoff_settings(args)
+          if s[0] == "RECUP-FL (race)"] == [1e-4]
 
 
 def test_equal_loss_reconstruction_picks_each_baseline_at_recupfl_loss(tables,
@@ -265,7 +270,7 @@ def test_the_reconstruction_grid_refuses_settings_with_other_victims(tables, tmp
 def test_tradeoff_reads_finished_runs_into_tables_and_figures(tables, tmp_path):
   args = _args(tmp_path, adversaries=["rf"], levels=2, second="sex",
                tradeoff_extra=[], noise_seeds=1, two_attribute_levels=[],
-               dp_levels=[])
+               recupfl_levels=[], dp_levels=[])
   exp = tables.Experiment(args, "adult", os.path.join(args.out, "runs"))
   rng = np.random.default_rng(0)
 
@@ -285,8 +290,9 @@ def test_tradeoff_reads_finished_runs_into_tables_and_figures(tables, tmp_path):
       out.append(entry)
     return out
 
-  names = ["none_r5", "recupfl_1e-05_r5", "recupfl_0.1_r5",
-           "recupfl_1e-05_protectrace+sex_r5", "recupfl_0.1_protectrace+sex_r5",
+  names = ["none_r5", "recupfl_1e-05_adaptive_r5", "recupfl_0.1_adaptive_r5",
+           "recupfl_1e-05_protectrace+sex_adaptive_r5",
+           "recupfl_0.1_protectrace+sex_adaptive_r5",
            "ldp_gaussian_1e-05_adaptive_r5", "ldp_gaussian_0.1_adaptive_r5",
            "ldp_laplace_1e-05_adaptive_r5", "ldp_laplace_0.1_adaptive_r5",
            "none_seed1_r5"]
