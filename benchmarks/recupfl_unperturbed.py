@@ -36,12 +36,16 @@ partition draws them (seeded by --seed), each protecting its record's race
   steps whose gradient was zero in every entry (`measured_upload`);
 * the mean (over every victim's every pooling window) and the max number of
   entries moved per pooling window after one FGSM step (fgsm 'one_step', Q
-  1) and after Algorithm 1.
+  1) and after Algorithm 1 (first-maximum pooling moves at most one entry
+  per window in a step, but a window's first maximum may change between
+  Algorithm 1's steps).
 Configurations: the paper's loss with tie-splitting pooling (both defects),
 the paper's loss with first-maximum pooling, and the defaults (logit
 margin, first maximum). --out DIR writes the rows to
 DIR/recupfl_unperturbed.csv and, with the settings and the wall time,
-DIR/recupfl_unperturbed.json.
+DIR/recupfl_unperturbed.json. At its defaults it ran 770 s on two busy
+cores (the zoo's training and 3,600 perturbations), too long for `make
+benchmark`; start it by hand:
 
   python benchmarks/recupfl_unperturbed.py [--victims 100] [--zoo-epochs 20]
       [--budgets 1e-5,1e-4,1e-3,1e-2,0.05,0.1] [--out DIR]
