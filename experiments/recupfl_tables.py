@@ -578,11 +578,12 @@ def reconstruction(exp: Experiment) -> tuple[list[dict], str]:
   rows = [_attacked_point(images, defense, level, attribute)
           for defense, level in settings]
   _reconstruction_grid(rows, args)
-  return rows, _equal_loss_reconstruction(rows, args)
+  return rows, _equal_utility_reconstruction(rows, args)
 
 
 def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dict:
-  """Learning loss and IG scores of one defence setting, cached in row.json."""
+  """Learning loss, aggregate-update error and IG scores of one defence
+  setting, cached in row.json."""
   args = exp.args
   name = "_".join([defense] + ([f"{level:g}"] if level is not None else []))
   folder = os.path.join(args.out, "reconstruction", name)
@@ -590,7 +591,12 @@ def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dic
   attack = {"ig_iterations": args.ig_iterations, "ig_victims": args.ig_victims,
             "seed": args.seed}
   if os.path.exists(path) and io.read_json(path).get("attack") == attack:
-    return io.read_json(path)
+    row = io.read_json(path)
+    if "update_relative_error" not in row:  # cached before it was read
+      entry = io.read_json(os.path.join(folder, "metrics.json"))[0]
+      row["update_relative_error"] = entry.get("update_relative_error")
+      io.write_json(path, row)
+    return row
   kwargs = (None if defense == "none"
             else defense_kwargs(defense, level, args, attribute, IMAGE_DATASET))
   history = exp.run(name, 1, (1,), (), None if defense == "none" else defense,
@@ -603,6 +609,7 @@ def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dic
                                  seed=args.seed)
   row = {"defense": defense, "level": level,
          "learning_loss": history[0]["test_loss"],
+         "update_relative_error": history[0].get("update_relative_error"),
          **{k: result["mean"][k] for k in ("mse", "ssim", "psnr")},
          "victims": len(victims), "victim_clients": victims,
          "ig_seconds": result["seconds"], "attack": attack}
@@ -610,39 +617,68 @@ def _attacked_point(exp: Experiment, defense: str, level, attribute: str) -> dic
   return row
 
 
-def _equal_loss_reconstruction(rows: list[dict], args) -> str:
-  """Each baseline's IG MSE read at RECUP-FL's learning loss (--epsilon)."""
+def _nearest(rows: list[dict], value: float, axis: str, log: bool) -> dict:
+  """The row whose `axis` is nearest `value` (in log10 with `log`)."""
+  scale = (lambda v: math.log10(max(v, 1e-30))) if log else (lambda v: v)
+  return min(rows, key=lambda r: abs(scale(r[axis]) - scale(value)))
+
+
+def _equal_utility_reconstruction(rows: list[dict], args) -> str:
+  """Each baseline's IG MSE and SSIM read at RECUP-FL's (--epsilon)
+  utility, on each axis of `UTILITY_AXES`, and its nearest measured level.
+  The learning loss after one round spreads little over the settings
+  (its spread is printed); the update error is paired and separates
+  them."""
   ours = next(r for r in rows if r["defense"] == "recupfl"
               and r["level"] == args.epsilon)
-  lines = [f"### IG reconstruction MSE at RECUP-FL's learning loss "
-           f"({IMAGE_DATASET}, round 1, RECUP-FL epsilon {args.epsilon:g}: "
-           f"loss {ours['learning_loss']:.6f}, MSE {ours['mse']:.4f})", "",
-           "| defence | IG MSE at equal loss | nearest level | its loss | its MSE |",
-           "|---|---|---|---|---|"]
-  for defense in DATASETS[IMAGE_DATASET]["ranges"]:
-    if defense == "recupfl":
-      continue
-    curve = [r for r in rows if r["defense"] == defense]
-    near = min(curve, key=lambda r: abs(r["learning_loss"] - ours["learning_loss"]))
-    lines.append(f"| {LABELS[defense]} | "
-                 f"{_fmt(interpolate_at(ours['learning_loss'], curve, 'mse'))} | "
-                 f"{near['level']:g} | {near['learning_loss']:.6f} | "
-                 f"{near['mse']:.4f} |")
-  lines += ["", "'-': the defence's measured losses do not reach RECUP-FL's loss."]
+  losses = [r["learning_loss"] for r in rows]
+  lines = [f"### IG at RECUP-FL's utility ({IMAGE_DATASET}, round 1, RECUP-FL "
+           f"epsilon {args.epsilon:g}: MSE {ours['mse']:.4f}, SSIM "
+           f"{ours['ssim']:.3f})", "",
+           f"The learning loss after one round spans {min(losses):.6f} to "
+           f"{max(losses):.6f} over all settings (spread "
+           f"{max(losses) - min(losses):.2e}).", ""]
+  for axis, label, log in UTILITY_AXES:
+    lines += [f"#### at equal {label} (RECUP-FL: {_value(ours.get(axis))})", "",
+              f"| defence | IG MSE | IG SSIM | nearest level | its {label} | its MSE "
+              "| its SSIM |", "|---" * 7 + "|"]
+    for defense in DATASETS[IMAGE_DATASET]["ranges"]:
+      curve = [r for r in rows if r["defense"] == defense and r.get(axis) is not None]
+      if defense == "recupfl" or not curve or ours.get(axis) is None:
+        continue
+      near = _nearest(curve, ours[axis], axis, log)
+      lines.append(
+          f"| {LABELS[defense]} | "
+          f"{_fmt(interpolate_at(ours[axis], curve, 'mse', axis, log))} | "
+          f"{_fmt(interpolate_at(ours[axis], curve, 'ssim', axis, log))} | "
+          f"{near['level']:g} | {_value(near[axis])} | {near['mse']:.4f} | "
+          f"{near['ssim']:.3f} |")
+    lines.append("")
+  lines += ["'-': the defence's measured points do not reach RECUP-FL's utility "
+            "(higher MSE, lower SSIM: less leakage)."]
   return "\n".join(lines) + "\n"
+
+
+def _value(value) -> str:
+  return "not measured" if value is None else f"{value:.6g}"
 
 
 def _reconstruction_grid(rows: list[dict], args) -> None:
   """Originals, then the reconstructions under no defence, RECUP-FL at
-  --epsilon and each baseline at the level whose loss is nearest RECUP-FL's."""
+  --epsilon and each baseline at the level whose aggregate-update error is
+  nearest RECUP-FL's (its learning loss where the error was not measured)."""
   ours = next(r for r in rows if r["defense"] == "recupfl"
               and r["level"] == args.epsilon)
   shown = [("no defence", next(r for r in rows if r["defense"] == "none")),
            (f"RECUP-FL {args.epsilon:g}", ours)]
   for defense in DATASETS[IMAGE_DATASET]["ranges"]:
     if defense != "recupfl":
-      near = min((r for r in rows if r["defense"] == defense),
-                 key=lambda r: abs(r["learning_loss"] - ours["learning_loss"]))
+      curve = [r for r in rows if r["defense"] == defense]
+      measured = ours.get("update_relative_error") is not None and all(
+          r.get("update_relative_error") is not None for r in curve)
+      near = (_nearest(curve, ours["update_relative_error"], "update_relative_error",
+                       log=True) if measured
+              else _nearest(curve, ours["learning_loss"], "learning_loss", log=False))
       shown.append((f"{LABELS[defense]} {near['level']:g}", near))
   victims = {str(row["victim_clients"]) for _, row in shown}
   if len(victims) != 1:

@@ -207,18 +207,30 @@ def test_tradeoff_settings_cover_both_protections_and_both_noises(tables, tmp_pa
           if s[0] == "RECUP-FL (race)"] == [1e-4]
 
 
-def test_equal_loss_reconstruction_picks_each_baseline_at_recupfl_loss(tables,
-                                                                       tmp_path):
+def test_equal_utility_reconstruction_picks_each_baseline_at_recupfl_utility(
+    tables, tmp_path):
   args = _args(tmp_path)
-  rows = [{"defense": "recupfl", "level": 1e-3, "learning_loss": 0.3, "mse": 0.2}]
+  rows = [{"defense": "recupfl", "level": 1e-3, "learning_loss": 0.3,
+           "update_relative_error": 0.1, "mse": 0.2, "ssim": 0.5}]
   for defense in ("ldp_gaussian", "ldp_laplace", "sparsification", "soteria"):
-    rows += [{"defense": defense, "level": 0.5, "learning_loss": 0.2, "mse": 0.1},
-             {"defense": defense, "level": 0.9, "learning_loss": 0.6, "mse": 0.5}]
-  table = tables._equal_loss_reconstruction(rows, args)
-  gaussian = next(line for line in table.splitlines()
+    rows += [{"defense": defense, "level": 0.5, "learning_loss": 0.2,
+              "update_relative_error": 0.01, "mse": 0.1, "ssim": 0.9},
+             {"defense": defense, "level": 0.9, "learning_loss": 0.6,
+              "update_relative_error": 10.0, "mse": 0.5, "ssim": 0.3}]
+  table = tables._equal_utility_reconstruction(rows, args)
+  loss_part, error_part = table.split("#### at equal aggregate-update")
+  assert "spans 0.200000 to 0.600000 over all settings (spread 4.00e-01)" in table
+  gaussian = next(line for line in loss_part.splitlines()
                   if line.startswith("| DP Gaussian"))
-  # MSE at loss 0.3: a quarter of the way from 0.1 to 0.5; nearest level 0.5
-  assert gaussian == "| DP Gaussian | 0.200 | 0.5 | 0.200000 | 0.1000 |"
+  # loss 0.3: a quarter of the way from (0.1, 0.9) to (0.5, 0.3); nearest 0.5
+  assert gaussian == ("| DP Gaussian | 0.200 | 0.750 | 0.5 | 0.2 | 0.1000 | "
+                      "0.900 |")
+  gaussian = next(line for line in error_part.splitlines()
+                  if line.startswith("| DP Gaussian"))
+  # error 0.1: a third of the way from 0.01 to 10 in log10; nearest 0.01 (one
+  # decade off against two)
+  assert gaussian == ("| DP Gaussian | 0.233 | 0.700 | 0.5 | 0.01 | 0.1000 | "
+                      "0.900 |")
 
 
 def test_an_out_folder_keeps_the_settings_its_runs_were_made_with(tables, tmp_path):
@@ -235,8 +247,8 @@ def test_a_cached_reconstruction_row_is_redone_for_other_attack_settings(
   args = _args(tmp_path, ig_iterations=10, ig_victims=1)
   exp = tables.Experiment(args, "mnist5k_parity", os.path.join(args.out, "reconstruction"))
   attack = {"ig_iterations": 10, "ig_victims": 1, "seed": 0}
-  cached = {"defense": "none", "level": None, "learning_loss": 0.5, "mse": 0.1,
-            "attack": attack}
+  cached = {"defense": "none", "level": None, "learning_loss": 0.5,
+            "update_relative_error": 0.2, "mse": 0.1, "attack": attack}
   io.write_json(os.path.join(args.out, "reconstruction", "none", "row.json"), cached)
   assert tables._attacked_point(exp, "none", None, "parity") == cached
   # another iteration count: the run is read back and attacked anew
