@@ -83,8 +83,9 @@ def test_positive_weight_is_refused_for_classification_runs(tmp_path):
 
 def test_a_run_on_the_documents_reports_segmentation_metrics(tmp_path):
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", dataset="docs",
-                            model="unet", model_kwargs={"widths": [4, 8]},
-                            clients=2, rounds=1, batch_size=32, seed=1)
+                            data_kwargs={"num": 40}, model="unet",
+                            model_kwargs={"widths": [4, 8]},
+                            clients=2, rounds=1, batch_size=8, seed=1)
   last = runner.run(config, progress=False)[-1]
   for key in ("test_iou", "test_precision", "test_recall", "test_f_score",
               "test_loss", "personal_f_score_mean", "personal_iou_mean"):
@@ -100,8 +101,9 @@ def test_weighted_run_records_its_loss_and_the_attacker_simulates_it(tmp_path):
   positive weight equals the attacker's simulation (`Target.simulate`, which
   reads the weight from the record's model), and not the unweighted one."""
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", dataset="docs",
-                            model="unet", model_kwargs={"widths": [4, 8]},
-                            clients=40, clients_per_round=1, rounds=1,
+                            data_kwargs={"num": 100}, model="unet",
+                            model_kwargs={"widths": [4, 8]},
+                            clients=5, clients_per_round=1, rounds=1,
                             batch_size=8, seed=2, capture_rounds=(1,),
                             positive_weight=6.0,
                             method_kwargs={"client_learning_rate": 0.05})
