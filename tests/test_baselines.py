@@ -321,23 +321,26 @@ def _config(out, **kw):
 
 
 def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path):
-  full = runner.run(_config(tmp_path / "full", capture_rounds=(1,)),
-                    progress=False)
+  # a budget of 0.5 rather than the default 4: a large sigma calibrates in
+  # a second, while sigma near 1 (epsilon 4) takes the RDP accountant ten
+  budget = {"local_epochs": 1, "target_epsilon": 0.5}
+  full = runner.run(_config(tmp_path / "full", capture_rounds=(1,),
+                            method_kwargs=budget), progress=False)
   # the run as if stopped after round 1's checkpoint, then started again
   shutil.copytree(tmp_path / "full", tmp_path / "resumed")
   shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "program_state_2")
-  resumed = runner.run(_config(tmp_path / "resumed", capture_rounds=(1,)),
-                       progress=False)
+  resumed = runner.run(_config(tmp_path / "resumed", capture_rounds=(1,),
+                               method_kwargs=budget), progress=False)
   for a, b in zip(full, resumed):
     assert {k: v for k, v in a.items() if k != "seconds"} == {
         k: v for k, v in b.items() if k != "seconds"}
   # the noise was calibrated for 2 rounds: the run cannot grow
   with pytest.raises(ValueError, match="rounds: .* sizes itself by them"):
-    runner.run(_config(tmp_path / "resumed", rounds=3, capture_rounds=(1,)),
-               progress=False)
-  # sigma spends epsilon 4 over 2 rounds x 3 Poisson-sampled steps at rate
-  # 10 / 30, as dp_accounting prices them
-  sigma = dp_sgd.noise_multiplier_for(4.0, 1e-5, 1 / 3, 6)
+    runner.run(_config(tmp_path / "resumed", rounds=3, capture_rounds=(1,),
+                       method_kwargs=budget), progress=False)
+  # sigma spends epsilon 0.5 over 2 rounds x 3 Poisson-sampled steps at
+  # rate 10 / 30, as dp_accounting prices them
+  sigma = dp_sgd.noise_multiplier_for(0.5, 1e-5, 1 / 3, 6)
   for entry, rounds in zip(full, (1, 2)):
     rdp = dp_accounting.rdp.RdpAccountant()
     rdp.compose(dp_accounting.PoissonSampledDpEvent(
@@ -345,7 +348,7 @@ def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path
     assert entry["epsilon"] == pytest.approx(rdp.get_epsilon(1e-5), rel=1e-6)
     assert entry["dp_relation"] == dp_sgd.RELATION
     assert entry["batch_sampling"] == "poisson"
-  assert full[-1]["epsilon"] <= 4.0
+  assert full[-1]["epsilon"] <= 0.5
   records = UpdateStore(str(tmp_path / "full" / "updates")).records(1)
   assert len(records) == 3
   for record in records:
@@ -357,7 +360,8 @@ def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path
 def test_shuffled_batches_report_no_epsilon_and_say_why(tmp_path):
   history = runner.run(_config(tmp_path, method="dp_sgd_fedavg", rounds=1,
                                method_kwargs={"local_epochs": 1,
-                                              "batch_sampling": "shuffle"}),
+                                              "batch_sampling": "shuffle",
+                                              "target_epsilon": 0.5}),
                        progress=False)
   last = history[-1]
   assert last["epsilon"] is None and "not accounted" in last["epsilon_note"]
@@ -523,7 +527,8 @@ def test_the_epsilon_reported_bounds_every_clients_sizes():
   """Clients of 30 and 31 examples, batches of 10, one DP epoch, 2 rounds:
   the client of 31 takes 4 steps at rate 10/31 and spends more than the one
   of 30 (3 steps at 1/3), as dp_accounting prices them; the noise must hold
-  it to the target and the epsilon reported must be its."""
+  it to the target (0.5: a large sigma calibrates quickly) and the epsilon
+  reported must be its."""
   from tff_privacy.algorithms import local_dp_sgd
   from tff_privacy.dp import accounting
 
@@ -537,10 +542,10 @@ def test_the_epsilon_reported_bounds_every_clients_sizes():
                                        "rounds": 2})()
   dp = local_dp_sgd.configure(
       "ppsgd", federation, batch_size=10, dp_epochs=1, l2_norm_clip=1.0,
-      noise_multiplier=None, target_epsilon=4.0, target_delta=1e-5,
+      noise_multiplier=None, target_epsilon=0.5, target_delta=1e-5,
       batch_sampling="poisson")
   sigma = dp.noise_multiplier
-  assert spent(sigma, 10 / 31, 8) == pytest.approx(4.0, abs=0.01)
+  assert spent(sigma, 10 / 31, 8) == pytest.approx(0.5, abs=1e-3)
   assert spent(sigma, 10 / 30, 6) < spent(sigma, 10 / 31, 8)
   event = accounting.RoundEvent(dp.round_event(), "r", "s")
   for rounds in (1, 2):
