@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tff_privacy import evaluate, runner
-from tff_privacy.defenses import defender_zoo
+from tff_privacy.defenses import ClientView, defender_zoo, recupfl
 from tff_privacy.updates import UpdateStore
 
 LENGTH, EPSILON, ITERATIONS = 16, 0.05, 3
@@ -28,14 +28,21 @@ def _pooled(upload):
   return np.array([[b.max() for b in np.array_split(flat, LENGTH)]], np.float32)
 
 
-def _run_folder(tmp_path, trained_round=1):
+def _save_zoo(folder, attribute="race", classes=("a", "b"),
+              widths=((8, 4), (6, 3), (4, 2)), column=0, trained_round=1):
+  """A zoo of `attribute` fitted on pooled uploads whose entry `column`
+  lies above its median (class 1) or not, saved to `folder`."""
   features = np.stack([_pooled(_upload(s))[0] for s in range(40)])
-  classes = (features[:, 0] > np.median(features[:, 0])).astype(int)
-  pipelines = defender_zoo.fit_defenders(features, classes,
-                                         widths=((8, 4), (6, 3), (4, 2)), epochs=30)
-  zoo = defender_zoo.zoo_from_pipelines(pipelines, "race", ["a", "b"])
-  defender_zoo.save_zoo(zoo, str(tmp_path / "recupfl_zoo" / "race"),
-                        trained_round=trained_round)
+  labels = (features[:, column] > np.median(features[:, column])).astype(int)
+  pipelines = defender_zoo.fit_defenders(features, labels, widths=widths, epochs=30)
+  zoo = defender_zoo.zoo_from_pipelines(pipelines, attribute, classes)
+  defender_zoo.save_zoo(zoo, folder, trained_round=trained_round)
+  return zoo
+
+
+def _run_folder(tmp_path, trained_round=1):
+  zoo = _save_zoo(str(tmp_path / "recupfl_zoo" / "race"),
+                  trained_round=trained_round)
   return str(tmp_path), zoo
 
 
@@ -83,6 +90,36 @@ def test_shadow_uploads_draw_their_own_model_choices(tmp_path):
                for d in (defend, again) for i in range(20)]
     np.testing.assert_array_equal(outputs[0], outputs[20])  # seeded
     assert len({o.tobytes() for o in outputs[:20]}) > 1  # per shadow upload
+
+
+@pytest.mark.parametrize("protect", ["race,sex", "sex=0.5,race"])
+def test_a_shadow_upload_is_perturbed_as_a_client_of_its_classes_would_be(
+    tmp_path, protect):
+  # one client, of race class 1 and sex class 0, as is shadow sample 0
+  attributes = types.SimpleNamespace(
+      classes={"race": ("a", "b"), "sex": ("f", "m")},
+      train={"race": np.array([1, 0]), "sex": np.array([0, 1])})
+  data = types.SimpleNamespace(
+      source=types.SimpleNamespace(name="toy", attributes=attributes),
+      client_indices=[np.array([0])])
+  client = recupfl.RecupFL(None, data, str(tmp_path), protect=protect,
+                           perturbation_budget=EPSILON, iterations=ITERATIONS,
+                           sampled_models=2, zoo_size=3, pool_length=LENGTH)
+  widths = [tuple(w) for w in client.params()["zoo_widths"]]
+  for column, a in enumerate(attributes.classes):
+    _save_zoo(client.zoo_folder(a), a, attributes.classes[a], widths, column)
+  record = types.SimpleNamespace(round_num=1, metadata={
+      "defense": {"name": client.name, **client.params()}})
+  defend = evaluate.adaptive_defense(record, 7, str(tmp_path), attributes.train)
+  upload = _upload(5)
+  got = defend(upload, 0, None, np.zeros(1, np.int32))
+  # the copy seeds shadow upload 0 of round 1 from (seed, round, index, 2)
+  seed = np.random.SeedSequence([7, 1, 0, 2]).generate_state(2).astype(np.int64)
+  want = client.apply(upload, tf.constant(seed),
+                      ClientView(None, None, client.client_inputs(0, 1)))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g.numpy(), w.numpy())
+  assert any(np.any(g.numpy() != u.numpy()) for g, u in zip(got, upload))
 
 
 @pytest.mark.parametrize("record,match", [

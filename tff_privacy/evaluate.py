@@ -300,7 +300,7 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
       records, victims, x[shadow], y[shadow], classes[shadow],
       adversaries, pool_length, seed,
       adaptive_defense(records[0], seed, run_dir,
-                       {a: v[shadow] for a, v in attributes.items()})
+                       {a: attributes[a][shadow] for a in source.attributes.classes})
       if adaptive else None)
   result.update(attribute=attribute, round=round_num, adaptive=adaptive,
                 shadow_pool=shadow_pool,
@@ -326,7 +326,8 @@ def adaptive_defense(record, seed: int = 0, run_dir: Optional[str] = None,
   batch. A defence built from the run's data and files
   (`adaptive_from_run`: RECUP-FL, with its round's zoo) is rebuilt by its
   `adaptive_copy` from the run's folder `run_dir` and the shadow samples'
-  attribute classes `shadow_attributes` ({attribute: [samples]}).
+  attribute classes `shadow_attributes` ({attribute: [samples]}, in the
+  data set's order of attributes).
 
   Raises:
     ValueError: the run has no client defence, or one the adversary cannot

@@ -471,6 +471,9 @@ class RecupFL(UpdateDefense):
     most frequent one, as a client's). The zoo's model sampling is seeded
     per shadow upload from `seed`.
 
+    `shadow_attributes` lists the attributes in the data set's order, in
+    which the clients fold their seeds (`apply_measured`).
+
     Raises:
       ValueError: per-client protection settings (a JSON file: each
         client's own choice, which the server is not told), or a zoo that
@@ -484,7 +487,7 @@ class RecupFL(UpdateDefense):
     levels = client_protections(meta["protect"], 1, tuple(shadow_attributes))[0]
     trained = zoo_round(record.round_num, meta["zoo_refresh"])
     protections = []
-    for a, gamma in levels.items():
+    for a in (a for a in shadow_attributes if a in levels):
       folder = os.path.join(run_dir, "recupfl_zoo", a)
       found = defender_zoo.read_index(folder).get("round")
       if found != trained:
@@ -492,7 +495,7 @@ class RecupFL(UpdateDefense):
                          f"the zoo of {a!r} trained at round {trained}; {folder} "
                          f"holds the one of round {found}: infer during training "
                          "(adaptive_adversaries)")
-      protections.append((a, gamma, defender_zoo.defenders(
+      protections.append((a, levels[a], defender_zoo.defenders(
           defender_zoo.load_zoo(folder))))
     settings = dict(epsilon=meta["perturbation_budget"],
                     pool_length=meta["pool_length"], iterations=meta["iterations"],

@@ -141,7 +141,8 @@ class UpdateDefense(abc.ABC):
     `defend`, built from what the run's server holds: a victim's upload
     `record` (the defence's parameters in its metadata), the run's folder
     and the shadow samples' classes of each sensitive attribute
-    ({attribute: [samples]}); `seed` seeds its randomness.
+    ({attribute: [samples]}, in the data set's order); `seed` seeds its
+    randomness.
 
     Raises:
       ValueError: the copy cannot be built from them."""
