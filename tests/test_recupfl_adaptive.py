@@ -122,12 +122,27 @@ def test_a_shadow_upload_is_perturbed_as_a_client_of_its_classes_would_be(
   assert any(np.any(g.numpy() != u.numpy()) for g, u in zip(got, upload))
 
 
-@pytest.mark.parametrize("record,match", [
-    (_record(round_num=2, zoo_refresh=1),
+def test_a_zoo_retrained_when_it_was_missing_is_the_one_its_round_used(tmp_path):
+  # due at rounds 1 and 3, but retrained at round 2 (prepare_round, for a
+  # missing zoo) and used there
+  run_dir, _ = _run_folder(tmp_path, trained_round=2)
+  defend = evaluate.adaptive_defense(_record(round_num=2, zoo_refresh=2), 0,
+                                     run_dir, {"race": np.ones(4, int)})
+  clean = _upload(1)
+  got = defend(clean, 0, None, np.zeros(1, np.int32))
+  assert any(np.any(g.numpy() != c.numpy()) for g, c in zip(got, clean))
+
+
+@pytest.mark.parametrize("record,trained_round,match", [
+    (_record(round_num=2, zoo_refresh=1), 1,
      "need the zoo of 'race' trained at round 2; .* holds the one of round 1"),
-    (_record(protect="protect.json"), "sets them per client")])
-def test_a_copy_it_cannot_build_is_refused(tmp_path, record, match):
-  run_dir, _ = _run_folder(tmp_path)
+    (_record(round_num=2, zoo_refresh=2), 3,
+     "need the zoo of 'race' trained at round 1; .* holds the one of round 3"),
+    (_record(round_num=2, zoo_refresh=2), None,
+     "records no training round: written by an older version"),
+    (_record(protect="protect.json"), 1, "sets them per client")])
+def test_a_copy_it_cannot_build_is_refused(tmp_path, record, trained_round, match):
+  run_dir, _ = _run_folder(tmp_path, trained_round)
   with pytest.raises(ValueError, match=match):
     evaluate.adaptive_defense(record, 0, run_dir, {"race": np.ones(4, int)})
 

@@ -348,6 +348,27 @@ def zoo_round(round_num: int, zoo_refresh: int) -> int:
   return round_num - (round_num - 1) % zoo_refresh
 
 
+def _round_zoo(folder: str, attribute: str, round_num: int, zoo_refresh: int
+               ) -> defender_zoo.DefenderZoo:
+  """The zoo saved in `folder` if round `round_num` used it: trained at its
+  last due round (`zoo_round`) or later, up to `round_num` (a zoo missing
+  at a round that is not due is retrained there, `RecupFL.prepare_round`).
+
+  Raises:
+    ValueError: naming the folder, for a zoo of another round or one that
+      records none (written by an older version).
+  """
+  trained = zoo_round(round_num, zoo_refresh)
+  found = defender_zoo.read_index(folder).get("round")
+  if found is None or not trained <= found <= round_num:
+    held = ("records no training round: written by an older version"
+            if found is None else f"holds the one of round {found}")
+    raise ValueError(f"adaptive adversaries of round {round_num} need the zoo "
+                     f"of {attribute!r} trained at round {trained}; {folder} "
+                     f"{held}: infer during training (adaptive_adversaries)")
+  return defender_zoo.load_zoo(folder)
+
+
 def _zoo_widths(size: int) -> tuple:
   """`size` of `defender_zoo.ZOO_WIDTHS`, a fixed spread of them."""
   order = np.random.default_rng(0).permutation(len(defender_zoo.ZOO_WIDTHS))
@@ -477,7 +498,7 @@ class RecupFL(UpdateDefense):
     Raises:
       ValueError: per-client protection settings (a JSON file: each
         client's own choice, which the server is not told), or a zoo that
-        is missing or was trained at another round.
+        is missing or is not the one the record's round used.
     """
     meta = record.metadata["defense"]
     if str(meta["protect"]).endswith(".json"):
@@ -485,18 +506,9 @@ class RecupFL(UpdateDefense):
                        f"settings; protect={meta['protect']!r} sets them per "
                        "client, which the server is not told")
     levels = client_protections(meta["protect"], 1, tuple(shadow_attributes))[0]
-    trained = zoo_round(record.round_num, meta["zoo_refresh"])
-    protections = []
-    for a in (a for a in shadow_attributes if a in levels):
-      folder = os.path.join(run_dir, "recupfl_zoo", a)
-      found = defender_zoo.read_index(folder).get("round")
-      if found != trained:
-        raise ValueError(f"adaptive adversaries of round {record.round_num} need "
-                         f"the zoo of {a!r} trained at round {trained}; {folder} "
-                         f"holds the one of round {found}: infer during training "
-                         "(adaptive_adversaries)")
-      protections.append((a, levels[a], defender_zoo.defenders(
-          defender_zoo.load_zoo(folder))))
+    protections = [(a, levels[a], defender_zoo.defenders(_round_zoo(
+        os.path.join(run_dir, "recupfl_zoo", a), a, record.round_num,
+        meta["zoo_refresh"]))) for a in shadow_attributes if a in levels]
     settings = dict(epsilon=meta["perturbation_budget"],
                     pool_length=meta["pool_length"], iterations=meta["iterations"],
                     sampled=meta["sampled_models"], variant=meta["fgsm"],
