@@ -139,7 +139,7 @@ def test_a_zoo_retrained_when_it_was_missing_is_the_one_its_round_used(tmp_path)
     (_record(round_num=2, zoo_refresh=2), 3,
      "need the zoo of 'race' trained at round 1; .* holds the one of round 3"),
     (_record(round_num=2, zoo_refresh=2), None,
-     "records no training round: written by an older version"),
+     r"records no training round \(written by an older version\)"),
     (_record(protect="protect.json"), 1, "sets them per client")])
 def test_a_copy_it_cannot_build_is_refused(tmp_path, record, trained_round, match):
   run_dir, _ = _run_folder(tmp_path, trained_round)

@@ -361,7 +361,7 @@ def _round_zoo(folder: str, attribute: str, round_num: int, zoo_refresh: int
   trained = zoo_round(round_num, zoo_refresh)
   found = defender_zoo.read_index(folder).get("round")
   if found is None or not trained <= found <= round_num:
-    held = ("records no training round: written by an older version"
+    held = ("records no training round (written by an older version)"
             if found is None else f"holds the one of round {found}")
     raise ValueError(f"adaptive adversaries of round {round_num} need the zoo "
                      f"of {attribute!r} trained at round {trained}; {folder} "
