@@ -365,9 +365,14 @@ def test_ig_inverts_a_segmentation_gradient_given_the_mask(digits):
   assert metrics.image_scores(x, out.x, (0, 1))[0]["ssim"] > 0.95
 
 
-def test_dlg_optimises_one_label_per_pixel(digits):
+# tracing L-BFGS through the U-Net's second-order gradients takes half a
+# minute; the fast suite runs the search eagerly
+@pytest.mark.parametrize("compiled", [
+    False, pytest.param(True, marks=pytest.mark.slow)])
+def test_dlg_optimises_one_label_per_pixel(digits, compiled):
   x, y = _segmentation_sample(digits)
-  out = attacks.DLG(iterations=5)([_record(x, y, spec=SEG_SPEC)])[0]
+  out = attacks.DLG(iterations=5, compiled=compiled)(
+      [_record(x, y, spec=SEG_SPEC)])[0]
   assert out.labels.shape == (1, 8, 8)
 
 
