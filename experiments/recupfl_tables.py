@@ -467,7 +467,7 @@ def equal_utility_table(rows: list[dict], args, attribute: str, kind: str,
 def _plot_tradeoff(rows: list[dict], args, attribute: str, kind: str) -> None:
   """tradeoff_<attribute>_<kind>.png: ASR with its 95% intervals against
   each utility axis (columns: axis x adversary; rows: rounds 1, 3, 5);
-  dashed: a baseline's adaptive adversaries."""
+  dashed: each defence's adaptive adversaries."""
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt

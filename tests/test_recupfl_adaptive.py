@@ -63,8 +63,8 @@ def _margin(zoo, upload, label):
 
 def test_shadow_uploads_are_perturbed_against_their_own_class(tmp_path):
   run_dir, zoo = _run_folder(tmp_path)
-  # groups of three shadow samples: classes [1, 1, 0] then [0, 0, 1]
-  shadow = {"race": np.array([1, 1, 0, 0, 0, 1]), "sex": np.zeros(6, int)}
+  # groups of three shadow samples: classes [1, 1, 0] then [1, 0, 0]
+  shadow = {"race": np.array([1, 1, 0, 1, 0, 0]), "sex": np.zeros(6, int)}
   defend = evaluate.adaptive_defense(_record(), 0, run_dir, shadow)
   y = np.zeros(3, np.int32)
   for index, label in ((0, 1), (1, 0)):
@@ -83,13 +83,16 @@ def test_shadow_uploads_draw_their_own_model_choices(tmp_path):
   run_dir, _ = _run_folder(tmp_path)
   shadow = {"race": np.ones(40, int)}
   upload = _upload(3)
+  firsts = []
   for seed in (0, 1):
     defend = evaluate.adaptive_defense(_record(), seed, run_dir, shadow)
     again = evaluate.adaptive_defense(_record(), seed, run_dir, shadow)
     outputs = [np.concatenate([u.numpy().ravel() for u in d(upload, i, None, [0])])
                for d in (defend, again) for i in range(20)]
-    np.testing.assert_array_equal(outputs[0], outputs[20])  # seeded
+    np.testing.assert_array_equal(outputs[:20], outputs[20:])  # seeded
     assert len({o.tobytes() for o in outputs[:20]}) > 1  # per shadow upload
+    firsts.append(np.stack(outputs[:20]))
+  assert not np.array_equal(*firsts)  # and per seed
 
 
 @pytest.mark.parametrize("protect", ["race,sex", "sex=0.5,race"])
