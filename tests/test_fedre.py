@@ -337,7 +337,9 @@ def test_fedre_trains_the_segmentation_task_on_documents(tmp_path):
 def documents_by_format():
   from tff_privacy import data
   from tff_privacy.data import documents
-  return data.load("docs", 5, partition="groups"), documents.generate(800, seed=0)
+  # 200 documents: 40 for testing, 10 of each format
+  return (data.load("docs", 5, partition="groups", data_kwargs={"num": 200}),
+          documents.generate(200, seed=0))
 
 
 def test_regions_from_a_preference_cover_each_clients_elements(documents_by_format):
@@ -363,7 +365,7 @@ def test_public_sets_hold_the_clients_category_with_its_regions(documents_by_for
   masks = fedre.client_regions(str(path), 5, 64, 64, data=fed)
   federation = algorithms.Federation(1, (1,) * 5, fed.test, data=fed)
   sets = fedre.public_regions(federation, str(path), masks, 3)
-  test_docs = docs[640:]
+  test_docs = docs[160:]
   for c, public in enumerate(sets):
     fmt = docs[fed.client_indices[c][0]].format
     classes = ("amount",) if c == 1 else documents.PRIVACY_PREFERENCES["marks"]
