@@ -138,10 +138,11 @@ def test_group_partition_needs_groups_and_segmentation_refuses_label_splits():
   with pytest.raises(ValueError, match="partition='groups' needs a data set whose"):
     data.load("digits", 2, partition="groups")
   with pytest.raises(ValueError, match="takes 'iid', 'one_per_client' or 'groups'"):
-    data.load("docs", 2, partition="dirichlet")
+    data.load("docs", 2, partition="dirichlet", data_kwargs={"num": 10})
 
 
 def test_segmentation_takes_one_image_per_client():
-  fed = data.load("docs", 3, partition="one_per_client", seed=1)
+  fed = data.load("docs", 3, partition="one_per_client", seed=1,
+                  data_kwargs={"num": 10})
   assert [len(p) for p in fed.client_indices] == [1, 1, 1]
   assert len({int(p[0]) for p in fed.client_indices}) == 3
