@@ -340,7 +340,8 @@ def test_segmentation_run_takes_the_unet_by_default_and_prints_its_scores(
     capsys, tmp_path):
   # a task with several personal metrics, only the primary one with a spread
   code, out, err = _main(capsys, "train", "--out", str(tmp_path), "--quiet",
-                         "--dataset", "docs", "--model-kwargs",
+                         "--dataset", "docs", "--data-kwargs", '{"num": 40}',
+                         "--model-kwargs",
                          '{"widths": [4, 8]}', "--clients", "2", "--partition",
                          "groups", "--samples-per-client", "2", "--batch-size",
                          "2", "--rounds", "1")
