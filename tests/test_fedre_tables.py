@@ -24,6 +24,28 @@ def _script(*argv):
                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
 
 
+@pytest.fixture(scope="module")
+def script():
+  """The script as a module: its functions, and its main() for refusals,
+  which come before it starts a worker (a process of their own would spend
+  seconds importing TensorFlow)."""
+  spec = importlib.util.spec_from_file_location("fedre_tables", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["fedre_tables"] = module  # its dataclasses look it up
+  spec.loader.exec_module(module)
+  return module
+
+
+def _refusal(script, monkeypatch, capsys, *argv) -> str:
+  """The last line of stderr of the script's main() run with `argv`, which
+  must exit with status 2."""
+  monkeypatch.setattr(sys, "argv", [SCRIPT, *argv])
+  with pytest.raises(SystemExit) as exited:
+    script.main()
+  assert exited.value.code == 2
+  return capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.slow  # 100 s of one FedRE U-Net run; the fast suite keeps the
 # DocTamper loader (test_tamper_sets) and the script's run configs
 # (test_every_setting_makes_valid_leakage_run_configs)
@@ -51,30 +73,26 @@ def test_table1_runs_on_doctamper_with_a_regions_file(tmp_path):
   assert "| inf | Central |" in (out / "table1.md").read_text()
 
 
-def test_bad_data_kwargs_are_one_line_errors(tmp_path):
+def test_bad_data_kwargs_are_one_line_errors(tmp_path, script, monkeypatch,
+                                            capsys):
+  # as a user runs it: nothing, not even at exit, prints a traceback
   result = _script("--dataset", "doctamper", "--data-kwargs", '{"size": 2}',
                    "--out", str(tmp_path))
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].endswith(
       "--data-kwargs: data_kwargs of dataset 'doctamper': size must be >= 8, got 2")
   assert "Traceback" not in result.stderr
-  result = _script("--dataset", "doctamper", "--data-kwargs", "[1]",
-                   "--out", str(tmp_path))
-  assert result.returncode == 2
-  assert "argument --data-kwargs: takes a JSON object like" in result.stderr
-  result = _script("--dataset", "doctamper", "--data-dir", str(tmp_path),
-                   "--out", str(tmp_path))
-  assert result.returncode == 2
-  assert result.stderr.strip().splitlines()[-1].startswith(
+  assert "argument --data-kwargs: takes a JSON object like" in _refusal(
+      script, monkeypatch, capsys, "--dataset", "doctamper", "--data-kwargs",
+      "[1]", "--out", str(tmp_path))
+  assert _refusal(script, monkeypatch, capsys, "--dataset", "doctamper",
+                  "--data-dir", str(tmp_path), "--out", str(tmp_path)).startswith(
       "fedre_tables.py: error: --dataset doctamper (--data-dir, --data-kwargs): "
       f"path={str(tmp_path / 'DocTamperV1-TrainingSet')!r} is not an LMDB folder")
 
 
-def test_every_setting_makes_valid_leakage_run_configs(tmp_path):
-  spec = importlib.util.spec_from_file_location("fedre_tables", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["fedre_tables"] = module  # its dataclasses look it up
-  spec.loader.exec_module(module)
+def test_every_setting_makes_valid_leakage_run_configs(tmp_path, script):
+  module = script
   from tff_privacy import runner
   args = argparse.Namespace(data_dir=None, data_kwargs=None)  # no flags given
   for name, setting in module.SETTINGS.items():
@@ -86,10 +104,8 @@ def test_every_setting_makes_valid_leakage_run_configs(tmp_path):
         name, "one_per_client")
 
 
-def test_bad_region_is_a_one_line_error(tmp_path):
-  result = _script("--dataset", "digits", "--region", "6,6,2,2", "--out", str(tmp_path))
-  assert result.returncode == 2
-  last = result.stderr.strip().splitlines()[-1]
+def test_bad_region_is_a_one_line_error(tmp_path, script, monkeypatch, capsys):
+  last = _refusal(script, monkeypatch, capsys, "--dataset", "digits", "--region",
+                  "6,6,2,2", "--out", str(tmp_path))
   assert last.startswith("fedre_tables.py: error: --region: "), last
-  assert "Traceback" not in result.stderr
   assert not os.path.exists(tmp_path / "table1")
