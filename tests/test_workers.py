@@ -21,9 +21,12 @@ from conftest import listening_sockets, worker_children
 from tff_privacy import runner, runtime
 from tff_privacy.updates import UpdateStore
 
+# 24 samples a client: 3 local steps, and as many to simulate for the
+# captured round's update error
 FEDAVG = dict(method="fedavg", dataset="digits", model="mlp",
               model_kwargs={"hidden": [16]}, clients=5, rounds=2, batch_size=8,
-              seed=3, capture_rounds=(1,))
+              partition="label_groups", samples_per_client=24, seed=3,
+              capture_rounds=(1,))
 # private client states that go in and come back every round
 HYPERFL = dict(method="hyperfl", dataset="digits", model="mlp",
                model_kwargs={"hidden": [16]}, clients=4, rounds=2, batch_size=10,
@@ -52,30 +55,52 @@ def _equal(history, other):
         k: v for k, v in o.items() if k != "seconds"}
 
 
-@pytest.mark.parametrize("fields", [FEDAVG, HYPERFL], ids=["fedavg", "hyperfl"])
-def test_two_workers_give_the_numbers_of_one(workers, tmp_path, fields):
+@pytest.fixture(scope="module")
+def fedavg_on_one_worker(tmp_path_factory):
+  """(folder, metrics) of FEDAVG trained on one local worker: what the tests
+  that train it on other workers compare with."""
+  out = tmp_path_factory.mktemp("one_worker")
+  runtime.stop()
+  runtime.start(workers=1)
+  try:
+    return out, runner.run(runner.RunConfig(out=str(out), **FEDAVG),
+                           progress=False)
+  finally:
+    runtime.stop()
+
+
+def test_two_workers_give_the_numbers_of_one(workers, tmp_path,
+                                             fedavg_on_one_worker):
+  one, history = fedavg_on_one_worker
+  workers(2)
+  _equal(history, runner.run(runner.RunConfig(out=str(tmp_path), **FEDAVG),
+                             progress=False))
+  # round 1: each upload computed whole on one worker
+  alone, split = (UpdateStore(str(out / "updates")).records(1)
+                  for out in (one, tmp_path))
+  assert [r.client_index for r in split] == [r.client_index for r in alone]
+  for a, b in zip(alone, split):
+    for x, y in zip(a.upload, b.upload):
+      np.testing.assert_array_equal(x, y)
+  with np.load(one / "model_weights.npz") as a, \
+       np.load(tmp_path / "model_weights.npz") as b:
+    for key in a.files:
+      np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_two_workers_give_the_private_states_of_one(workers, tmp_path):
   histories = {}
   for n in (1, 2):
     workers(n)
-    histories[n] = runner.run(runner.RunConfig(out=str(tmp_path / str(n)), **fields),
+    histories[n] = runner.run(runner.RunConfig(out=str(tmp_path / str(n)), **HYPERFL),
                               progress=False)
   _equal(histories[1], histories[2])
-  if fields is FEDAVG:  # round 1: each upload computed whole on one worker
-    one, two = (UpdateStore(str(tmp_path / n / "updates")).records(1) for n in "12")
-    assert [r.client_index for r in two] == [r.client_index for r in one]
-    for a, b in zip(one, two):
-      for x, y in zip(a.upload, b.upload):
-        np.testing.assert_array_equal(x, y)
-    with np.load(tmp_path / "1" / "model_weights.npz") as a, \
-         np.load(tmp_path / "2" / "model_weights.npz") as b:
-      for key in a.files:
-        np.testing.assert_array_equal(a[key], b[key])
-  else:  # the private states came back to their own clients
-    with np.load(tmp_path / "1" / "personal_models.npz") as a, \
-         np.load(tmp_path / "2" / "personal_models.npz") as b:
-      assert sorted(a.files) == sorted(b.files)
-      for key in a.files:
-        np.testing.assert_array_equal(a[key], b[key])
+  # the private states came back to their own clients
+  with np.load(tmp_path / "1" / "personal_models.npz") as a, \
+       np.load(tmp_path / "2" / "personal_models.npz") as b:
+    assert sorted(a.files) == sorted(b.files)
+    for key in a.files:
+      np.testing.assert_array_equal(a[key], b[key])
 
 
 def test_a_computation_with_dependent_aggregations_is_refused_by_name(workers):
@@ -109,7 +134,8 @@ def test_worker_addresses_are_loopback_unless_allowed(address, match):
     runtime.check_addresses([address], allow_remote=True)
 
 
-def test_workers_started_elsewhere_train_like_local_ones(workers, tmp_path):
+def test_workers_started_elsewhere_train_like_local_ones(tmp_path,
+                                                        fedavg_on_one_worker):
   """Two `tff-privacy worker` processes, on a Unix socket and on a loopback
   port, reached by their addresses."""
   port, socket_path = portpicker.pick_unused_port(), str(tmp_path / "w.sock")
@@ -134,10 +160,7 @@ def test_workers_started_elsewhere_train_like_local_ones(workers, tmp_path):
       s.terminate()
       s.wait(timeout=30)
   assert not os.path.exists(socket_path)  # removed by the worker's host
-  workers(1)
-  local = runner.run(runner.RunConfig(out=str(tmp_path / "local"), **FEDAVG),
-                     progress=False)
-  _equal(local, remote)
+  _equal(fedavg_on_one_worker[1], remote)
 
 
 @pytest.mark.parametrize("flags", [
