@@ -194,6 +194,7 @@ def test_pda_pam_refuses_an_unknown_rule_and_a_bad_public_set():
 def _config(out, **method_kwargs):
   return runner.RunConfig(out=out, method="fedre", rounds=2, dataset="digits",
                           model="mlp", model_kwargs={"hidden": [16]}, clients=3,
+                          partition="label_groups", samples_per_client=24,
                           batch_size=8, seed=4, capture_rounds=(2,),
                           method_kwargs={"epsilon": 500.0, "psi_samples": 2,
                                          **method_kwargs})
@@ -428,6 +429,7 @@ def test_pixel_perturbation_uploads_the_plain_update_and_claims_no_epsilon(tmp_p
     config = runner.RunConfig(out=str(tmp_path / out), method=method, rounds=1,
                               dataset="digits", model="mlp",
                               model_kwargs={"hidden": [16]}, clients=2,
+                              partition="label_groups", samples_per_client=24,
                               batch_size=8, seed=4, capture_rounds=(1,),
                               method_kwargs={"client_learning_rate": 0.1, **kwargs})
     history = runner.run(config, progress=False)
