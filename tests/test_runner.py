@@ -266,7 +266,8 @@ def test_evaluating_every_second_round_trains_the_same_model(fedsgd_run, tmp_pat
 
 
 def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
-  config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=4,
+  # 0.92 after round 2 (0.95 after 4)
+  config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=2,
                             method_kwargs={"local_epochs": 2}, capture_rounds=(1,),
                             **{**SMALL, "model_kwargs": {}})
   history = runner.run(config, progress=False)
