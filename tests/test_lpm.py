@@ -94,13 +94,17 @@ def test_adapter_by_hand():
                              rtol=1e-4, atol=1e-4)
 
 
-def test_lpm_model_trains_adapters_and_classifier_only():
-  spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, TINY)
+def test_lpm_model_trains_adapters_and_classifier_only(tmp_path):
+  # any frozen backbone does: a random one's file, not a pre-training
+  path = str(tmp_path / "backbone.npz")
+  pretrained.save(path, _random_weights(backbone_lib.Backbone(1, (4, 8))), {})
+  kwargs = {"widths": (4, 8), "backbone_weights": path}
+  spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, kwargs)
   model = spec.keras(seed=1)
   assert spec.variable_names() == [
       f"adapter{j}/{t.replace('/', '_')}" for j in (1, 2)
       for t in lpm.ADAPTER_TENSORS] + ["fc/kernel", "fc/bias"]
-  fixed = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, {**TINY, "adapters": False})
+  fixed = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, {**kwargs, "adapters": False})
   assert fixed.variable_names() == ["fc/kernel", "fc/bias"]
   rng = np.random.default_rng(4)
   weights = [tf.constant(rng.normal(0, 0.2, v.shape), tf.float32)
