@@ -81,11 +81,19 @@ def test_positive_weight_is_refused_for_classification_runs(tmp_path):
                                 positive_weight=3.0))
 
 
-def test_a_run_on_the_documents_reports_segmentation_metrics(tmp_path):
+def test_a_weighted_run_on_the_documents_scores_and_records_as_its_task(tmp_path):
+  """A FedAvg run on the documents trained with a positive weight reports
+  the segmentation metrics, its test loss the evaluator's (weighted) loss
+  of the final model; its captured delta equals the attacker's simulation
+  (`Target.simulate`, which reads the weight from the record's model), and
+  not the unweighted one."""
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", dataset="docs",
-                            data_kwargs={"num": 40}, model="unet",
+                            data_kwargs={"num": 100}, model="unet",
                             model_kwargs={"widths": [4, 8]},
-                            clients=2, rounds=1, batch_size=8, seed=1)
+                            clients=5, clients_per_round=1, rounds=1,
+                            batch_size=8, seed=2, capture_rounds=(1,),
+                            positive_weight=6.0,
+                            method_kwargs={"client_learning_rate": 0.05})
   last = runner.run(config, progress=False)[-1]
   for key in ("test_iou", "test_precision", "test_recall", "test_f_score",
               "test_loss", "personal_f_score_mean", "personal_iou_mean"):
@@ -94,20 +102,6 @@ def test_a_run_on_the_documents_reports_segmentation_metrics(tmp_path):
   final = runner.load_model_weights(config.out, run.spec)
   assert runner.Evaluator(run.spec).scores(final, *run.fed.test)["loss"] == \
       pytest.approx(last["test_loss"])
-
-
-def test_weighted_run_records_its_loss_and_the_attacker_simulates_it(tmp_path):
-  """The captured delta of a FedAvg run on the documents trained with a
-  positive weight equals the attacker's simulation (`Target.simulate`, which
-  reads the weight from the record's model), and not the unweighted one."""
-  config = runner.RunConfig(out=str(tmp_path), method="fedavg", dataset="docs",
-                            data_kwargs={"num": 100}, model="unet",
-                            model_kwargs={"widths": [4, 8]},
-                            clients=5, clients_per_round=1, rounds=1,
-                            batch_size=8, seed=2, capture_rounds=(1,),
-                            positive_weight=6.0,
-                            method_kwargs={"client_learning_rate": 0.05})
-  runner.run(config, progress=False)
   client = UpdateStore(f"{config.out}/updates").clients(1)[0]
   record = UpdateStore(f"{config.out}/updates").read(1, client)
   x, y = GroundTruthStore(f"{config.out}/ground_truth").read(1, client)
