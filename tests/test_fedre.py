@@ -302,8 +302,9 @@ def test_regions_without_pixels_are_refused(tmp_path):
 
 
 @pytest.mark.slow  # two minutes on 2 cores; the fast suite keeps the
-# segmentation task's runs (test_local_only_trains_the_segmentation_task,
-# test_tasks) and FedRE's client and server parts
+# segmentation task's runs (test_tasks, test_runner's
+# test_clients_without_test_data_are_left_out_of_personal_metrics) and
+# FedRE's client and server parts
 def test_fedre_trains_the_segmentation_task_on_documents(tmp_path):
   config = runner.RunConfig(
       out=str(tmp_path), method="fedre", dataset="docs", model="unet",
@@ -377,6 +378,11 @@ def test_public_sets_hold_the_clients_category_with_its_regions(documents_by_for
                                   [documents.region_mask(d, classes) for d in chosen])
 
 
+@pytest.mark.slow  # the fast suite trains local_only on the documents, and
+# scores its personal models, in test_runner's
+# test_clients_without_test_data_are_left_out_of_personal_metrics; the
+# documents' groups partition trains in test_cli's
+# test_segmentation_run_takes_the_unet_by_default_and_prints_its_scores
 def test_local_only_trains_the_segmentation_task(tmp_path):
   config = runner.RunConfig(
       out=str(tmp_path), method="local_only", dataset="docs", model="unet",
