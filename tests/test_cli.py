@@ -418,8 +418,9 @@ def test_attack_command_writes_scores_and_figure(capsys, tmp_path, lenet_run):
                        "--round", "1", "--attack", "dlg", "--tv-weight", "0.1",
                        "--out", str(out))
   assert code == 2 and "--tv-weight does not apply" in err
+  # quiet: no estimate, no progress (of a cheaper attack to trace than L-BFGS)
   code, stdout, err = _main(capsys, "attack", "--updates", str(run / "updates"),
-                            "--round", "1", "--client", "0", "--attack", "idlg",
+                            "--round", "1", "--client", "0", "--attack", "ig",
                             "--iterations", "5", "--quiet", "--out",
                             str(tmp_path / "quiet"))
   assert code == 0, err
