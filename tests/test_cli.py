@@ -268,6 +268,48 @@ def test_config_file_and_flags_merge(tmp_path):
   assert run.model == "unet" and run.model_kwargs == {}
 
 
+DOCS_PROTOCOL_FIELDS = {"clients": 10, "partition": "groups", "rounds": 20,
+                        "batch_size": 16, "positive_weight": 10.0,
+                        "data_kwargs": {"size": 32}}
+DOCS_PROTOCOL_METHOD = {"client_optimizer": "adam", "client_learning_rate": 0.005,
+                        "local_epochs": 2}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedre"])
+def test_docs_runs_take_the_documents_protocol_where_nothing_is_given(
+    tmp_path, method):
+  from tff_privacy import cli
+  parser = cli._parser()
+  base = ["train", "--out", str(tmp_path), "--method", method, "--dataset", "docs"]
+  run = cli._config_from_args(parser.parse_args(base))
+  assert {k: getattr(run, k) for k in DOCS_PROTOCOL_FIELDS} == DOCS_PROTOCOL_FIELDS
+  assert run.method_kwargs == DOCS_PROTOCOL_METHOD
+  saved = run.to_json()  # what config.json records
+  assert {k: saved[k] for k in DOCS_PROTOCOL_FIELDS} == DOCS_PROTOCOL_FIELDS
+  assert {k: saved["method_kwargs"][k] for k in DOCS_PROTOCOL_METHOD} == \
+      DOCS_PROTOCOL_METHOD
+  # a flag, or a field of --config, overrides the protocol's value
+  config = tmp_path / "run.json"
+  config.write_text(json.dumps({"method": method, "rounds": 3,
+                                "method_kwargs": {"local_epochs": 1}}))
+  run = cli._config_from_args(parser.parse_args(
+      base + ["--config", str(config), "--clients", "4", "--partition", "iid",
+              "--client-lr", "0.01", "--data-kwargs", '{"num": 40}']))
+  assert (run.clients, run.partition, run.rounds, run.batch_size) == (4, "iid", 3, 16)
+  assert run.data_kwargs == {"size": 32, "num": 40}
+  assert run.method_kwargs == {"client_optimizer": "adam",
+                               "client_learning_rate": 0.01, "local_epochs": 1}
+
+
+def test_data_sets_without_a_protocol_keep_the_run_defaults(tmp_path):
+  from tff_privacy import cli
+  args = cli._parser().parse_args(["train", "--out", str(tmp_path), "--method",
+                                   "fedsgd", "--dataset", "digits"])
+  run = cli._config_from_args(args)
+  assert (run.clients, run.partition, run.rounds, run.batch_size,
+          run.positive_weight, run.method_kwargs) == (10, "iid", 20, 32, 1.0, {})
+
+
 def test_a_boolean_flag_alone_means_true(tmp_path):
   from tff_privacy import cli
   parser = cli._parser()

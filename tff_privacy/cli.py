@@ -146,7 +146,8 @@ def _attack_flags() -> ComponentFlags:
 
 def _train_parser(sub) -> None:
   from tff_privacy import runner  # deferred: imports TF
-  p = sub.add_parser("train", help="train a federated method, capturing uploads")
+  p = sub.add_parser("train", help="train a federated method, capturing uploads",
+                     description=_protocols_text())
   p.add_argument("--config", help="JSON file of RunConfig fields; flags override "
                  "single fields and merge into model_kwargs, data_kwargs, "
                  "method_kwargs and defense_kwargs")
@@ -197,6 +198,15 @@ def _train_parser(sub) -> None:
   _defense_flags().add_to(p)
 
 
+def _protocols_text() -> str:
+  """The train command's description: each data set's declared protocol."""
+  from tff_privacy.runner import DATASET_PROTOCOLS
+  return ("A data set with a declared protocol gives a run the values of it "
+          "that neither the flags nor --config set: " + "; ".join(
+              f"{name}: {protocol.describe()}"
+              for name, protocol in sorted(DATASET_PROTOCOLS.items())) + ".")
+
+
 def _data_options_text() -> str:
   from tff_privacy.data import sources
   options = sources.DATA_PARAMETERS
@@ -237,8 +247,9 @@ def _components(fields: dict[str, Any]) -> dict[str, Any]:
 
 def _config_from_args(args):
   """The RunConfig of `tff-privacy train`: the --config file's fields,
-  overridden by single flags, dict fields merged key by key."""
-  from tff_privacy.runner import RUN_PARAMETERS, RunConfig
+  overridden by single flags, dict fields merged key by key, then the data
+  set's declared protocol for what neither gives (`runner.with_protocol`)."""
+  from tff_privacy.runner import RUN_PARAMETERS, RunConfig, with_protocol
   fields = _read_config(args.config) if args.config else {}
   accepted = set(RunConfig.__dataclass_fields__)
   unknown = sorted(set(fields) - accepted)
@@ -273,7 +284,7 @@ def _config_from_args(args):
                               **_defense_flags().given(args, defense)}
   if "out" not in fields:
     raise ValueError("--out is required (or 'out' in --config)")
-  return RunConfig(**fields)
+  return RunConfig(**with_protocol(fields))
 
 
 def _train(args) -> int:
