@@ -3,26 +3,36 @@ scale on offline data by default, or on the paper's data sets.
 
 Settings (`--dataset`):
 * docs (default): the paper's task, pixel-level tamper segmentation, on the
-  bundled synthetic documents (64x64, `tff_privacy.data.documents`), a small
-  U-Net, 8 clients each holding one document format (the 'groups'
-  partition: the paper's data categories), clients training 2 local
-  epochs of Adam at the paper's lr 0.005 (the paper does not name the
-  optimizer; SGD barely moves the U-Net in tens of rounds here), the
-  tampered pixels weighted 10 in the cross-entropy (the paper's L_CE is
-  unweighted; with about 2% tampered pixels, Central on the plain
-  cross-entropy still predicts no tampered pixel after 20 rounds here,
-  F-score 0.0, against 0.29 after 10 rounds with the weight), every
-  client's region its privacy preference 'numbers' (amounts, phone and ID
-  numbers: Fig. 1), scored by F-score, IoU, precision and recall of the
-  tampered class. PSI is cut down to fit a CPU: 2 samples per client and
-  round, 2 public samples per client for PDA-PAM, and the unbiased
-  estimator over 8 sampled region pixels per sample (the paper: 10
-  samples, all pixels). One JVP
-  through the U-Net's gradient (a pixel and a channel) costs about 6 ms on
-  2 cores once compiled (`benchmarks/psi_speed.py --dataset docs`), and a
-  client's 'numbers' region covers 275 to 530 pixels, so exact scores cost
-  about 10 s per sample: some 40 s per client and round with the server's
-  scoring, against about 2 s for the estimator.
+  bundled synthetic documents (`tff_privacy.data.documents`), a small U-Net,
+  in the documents' protocol of `tff-privacy train --dataset docs`
+  (`tff_privacy.runner.DATASET_PROTOCOLS`): 32x32 images, the paper's 10
+  clients, each holding one document format (the 'groups' partition: the
+  paper's data categories), 20 rounds in which clients train 2 local
+  epochs of Adam at the paper's lr 0.005 with batch 16 (the paper names
+  no optimizer, rounds, local steps or batch size; SGD barely moves the
+  U-Net in tens of rounds here), the tampered pixels weighted 10 in the
+  cross-entropy (the paper's L_CE is unweighted; with about 2% tampered
+  pixels at 64x64, Central on the plain cross-entropy still predicted no
+  tampered pixel after 20 rounds, F-score 0.0, against 0.29 after 10
+  rounds with the weight). At 64x64, FedAvg over 8 one-format clients
+  reached test F-score 0.007 in 20 rounds (Central about 0.2): there the
+  U-Net marks no tampered pixel before hundreds of Adam steps (Central:
+  none after 240 steps of batch 16), more than one-format clients of 64
+  documents take in affordable local epochs (10 clients, 5 epochs: F-score
+  0.0 after 5 rounds of about a minute each). At 32x32 Central marks them
+  after 80 steps, and FedAvg in this protocol reaches test F-score 0.33
+  after 20 rounds, in under 3 minutes on 2 cores.
+  Every client's region is its privacy preference 'numbers' (amounts,
+  phone and ID numbers: Fig. 1); scores are F-score, IoU, precision and
+  recall of the tampered class. PSI is cut down to fit a CPU: 2 samples
+  per client and round, 2 public samples per client for PDA-PAM, and the
+  unbiased estimator over 8 sampled region pixels per sample (the paper:
+  10 samples, all pixels). At 64x64, one JVP through the U-Net's gradient
+  (a pixel and a channel) costs about 6 ms on 2 cores once compiled
+  (`benchmarks/psi_speed.py --dataset docs`), and a client's 'numbers'
+  region covers 275 to 530 pixels, so exact scores cost about 10 s per
+  sample: some 40 s per client and round with the server's scoring,
+  against about 2 s for the estimator.
 * digits: the classification stand-in, bundled scikit-learn digits (8x8), a
   small ReLU CNN, 10 IID clients, client SGD at lr 0.05, the central box
   2,2,6,6 as every client's region, scored by test accuracy.
@@ -33,20 +43,23 @@ Settings (`--dataset`):
   must include the region's, by default 'numbers' = amount, phone,
   id_number). They have no formats, so clients hold IID shares and Table
   2's clients one random image each.
-`--clients`, `--client-lr` and `--region` override the setting; delta is
-1e-5 per client and C_l 0.15.
+`--rounds`, `--clients`, `--client-lr`, `--region` and `--data-kwargs`
+override the setting; delta is 1e-5 per client (the paper states none) and
+C_l 0.15.
 
 * Table 1 (utility, mean +- std over `--seeds`): Central (FedAvg on the
-  pooled data, one client, no DP) and Localset (each client alone) at
-  epsilon = inf; at epsilon 50 and 10 (and, by `--table1-epsilons`, 1000
+  pooled data, one client, no DP), FedAvg (the setting's clients, no DP:
+  what the DP rows lose utility against) and Localset (each client alone)
+  at epsilon = inf; at epsilon 50 and 10 (and, by `--table1-epsilons`, 1000
   and 10000, where utility returns): LDP-Fed (alpha-CLDP, its alpha set
   so that the basic composition of every entry over every round spends the
   same total epsilon), FedRE, FedRE without PSI (even split), FedRE without
   PDA-PAM (plain mean), FedRE with the normalised PDA-PAM rule, FedRE whose
   PDA-PAM weighs by score ratios (log S in eq. 10) under eq. 11 and under
   the normalised rule, and FedRE whose noise the accountant calibrates to
-  really spend epsilon (normalised rule). Central and the DP rows report the global model's scores,
-  Localset the mean of each client's own model on its own test split.
+  really spend epsilon (normalised rule). Central, FedAvg and the DP rows
+  report the global model's scores, Localset the mean of each client's own
+  model on its own test split.
   Every method trains with the setting's client optimizer and local
   epochs (Localset: the local-only method with the same, plus its default
   weight decay 5e-4). BLUR+LUS (Cheng et al., CVPR 2022) is not included:
@@ -136,6 +149,10 @@ class Setting:
   label_knowledge: str       # the Table 2 attacker's
   fedre_kwargs: dict         # FedRE settings beyond the paper's defaults
   positive_weight: float     # of tampered pixels in the cross-entropy
+  clients: int               # of Table 1, 3 and Fig. 5 (--clients)
+  rounds: int                # of every training run (--rounds)
+  batch_size: int            # of Table 1, 3, Fig. 5 and 6's clients
+  data_kwargs: dict          # the data set's options (--data-kwargs adds)
 
   @property
   def task(self) -> str:
@@ -143,20 +160,30 @@ class Setting:
             else "classification")
 
 
+# the documents' protocol, that of `tff-privacy train --dataset docs`
+_DOCS = runner.DATASET_PROTOCOLS["docs"]
+_DOCS_SIZE = _DOCS.fields["data_kwargs"]["size"]
 SETTINGS = {
-    "docs": Setting("docs", ("unet", {"widths": [8, 16, 32]}), (64, 64, 3), 2,
-                    ("f_score", "iou", "precision", "recall"), "groups", "adam",
-                    0.005, 2, "numbers",
+    "docs": Setting("docs", ("unet", {"widths": [8, 16, 32]}),
+                    (_DOCS_SIZE, _DOCS_SIZE, 3), 2,
+                    ("f_score", "iou", "precision", "recall"),
+                    _DOCS.fields["partition"],
+                    _DOCS.method_kwargs["client_optimizer"],
+                    _DOCS.method_kwargs["client_learning_rate"],
+                    _DOCS.method_kwargs["local_epochs"], "numbers",
                     "true", {"psi_pixels": 8, "psi_samples": 2,
-                             "public_samples": 2}, 10.0),
+                             "public_samples": 2},
+                    _DOCS.fields["positive_weight"], _DOCS.fields["clients"],
+                    _DOCS.fields["rounds"], _DOCS.fields["batch_size"],
+                    _DOCS.fields["data_kwargs"]),
     "digits": Setting("digits", ("cnn", {"filters": 8, "dense": 32}), (8, 8, 1),
                       10, ("accuracy",), "iid", "sgd", 0.05, 1, "2,2,6,6", "auto",
-                      {}, 1.0),
+                      {}, 1.0, 10, 20, 16, {}),
 }
-# the real sets, read from --data-dir: the docs setting on their own splits,
-# which have no formats, so clients hold IID shares
+# the real sets, read from --data-dir: the docs setting on their own splits
+# at their own size, which have no formats, so clients hold IID shares
 SETTINGS.update({name: dataclasses.replace(SETTINGS["docs"], dataset=name,
-                                           partition="iid")
+                                           partition="iid", data_kwargs={})
                  for name in ("doctamper", "tsroie")})
 LDP_FED = {"clip": 0.05, "precision": 3}
 # Table 1 rows at a finite epsilon: label -> fedre kwargs (None: LDP-Fed)
@@ -170,7 +197,7 @@ DP_ROWS = {"LDP-Fed": None,
                                                     "pda_pam_rule": "normalized"},
            "FedRE (accountant noise)": {"noise_calibration": "accountant",
                                         "pda_pam_rule": "normalized"}}
-TABLE1_METHODS = ("Central", "Localset", *DP_ROWS)
+TABLE1_METHODS = ("Central", "FedAvg", "Localset", *DP_ROWS)
 # Table 1 of the paper (T-SROIE, DocTamper): (IoU, F-score)
 PAPER_TABLE1 = {("inf", "Central"): ((0.721, 0.838), (0.575, 0.729)),
                 ("inf", "Localset"): ((0.408, 0.585), (0.345, 0.635)),
@@ -234,18 +261,7 @@ def trained(args, out: str, row: dict, **config) -> dict:
   if os.path.exists(path):
     return _with_final_scores(args, io.read_json(path), out)
   print(f"{out}", flush=True)
-  setting = args.setting
-  config = _with_training(args, config, setting.client_optimizer,
-                          setting.local_epochs)
-  if config["method"] == "fedre":
-    config["method_kwargs"].setdefault("regions", args.region)
-  history = runner.run(runner.RunConfig(
-      out=out, dataset=setting.dataset, model=setting.model[0],
-      model_kwargs=setting.model[1], batch_size=16, **_data(args),
-      positive_weight=setting.positive_weight,
-      **{"clients": args.clients, "rounds": args.rounds,
-         "partition": setting.partition, **config}),
-      progress=not args.quiet)
+  history = runner.run(run_config(args, out, **config), progress=not args.quiet)
   runtime.renew()  # a worker's memory grows with every run it serves
   last = history[-1]
   row = {**row, "epsilon_accountant": last.get("epsilon"),
@@ -253,6 +269,23 @@ def trained(args, out: str, row: dict, **config) -> dict:
          "seconds_per_round": sum(h["seconds"] for h in history) / len(history)}
   io.write_json(path, row)
   return _with_final_scores(args, row, out)
+
+
+def run_config(args, out: str, **config) -> runner.RunConfig:
+  """The RunConfig of a trained row in `out`: the setting's data, model and
+  training (clients, rounds, partition, clients' optimizer, ...) with
+  `config`'s fields over them."""
+  setting = args.setting
+  config = _with_training(args, config, setting.client_optimizer,
+                          setting.local_epochs)
+  if config["method"] == "fedre":
+    config["method_kwargs"].setdefault("regions", args.region)
+  return runner.RunConfig(
+      out=out, dataset=setting.dataset, model=setting.model[0],
+      model_kwargs=setting.model[1], batch_size=setting.batch_size,
+      **_data(args), positive_weight=setting.positive_weight,
+      **{"clients": args.clients, "rounds": args.rounds,
+         "partition": setting.partition, **config})
 
 
 def _with_final_scores(args, row: dict, out: str) -> dict:
@@ -288,6 +321,10 @@ def table1_rows(args) -> list[dict]:
       rows.append(trained(args, os.path.join(args.out, "table1", f"central_s{seed}"),
                           {"epsilon": "inf", "method": "Central", "seed": seed},
                           method="fedavg", clients=1, partition="iid", seed=seed))
+    if "FedAvg" in chosen:
+      rows.append(trained(args, os.path.join(args.out, "table1", f"fedavg_s{seed}"),
+                          {"epsilon": "inf", "method": "FedAvg", "seed": seed},
+                          method="fedavg", seed=seed))
     if "Localset" in chosen:
       rows.append(trained(args, os.path.join(args.out, "table1", f"localset_s{seed}"),
                           {"epsilon": "inf", "method": "Localset", "seed": seed},
@@ -675,9 +712,10 @@ def main() -> None:
   parser.add_argument("--tables", default="1,2,3,5,6",
                       help="comma-separated, from 1, 2, 3, 5 (Fig. 5), 6 (Fig. 6)")
   parser.add_argument("--seeds", default="0,1", help="Table 1's seeds")
-  parser.add_argument("--rounds", type=int, default=20)
+  parser.add_argument("--rounds", type=int, help="rounds of every training "
+                      "run (default: the setting's, 20)")
   parser.add_argument("--clients", type=int, help="Table 1 and 3's clients "
-                      "(default: the document sets 8, digits 10)")
+                      "(default: the setting's, 10)")
   parser.add_argument("--table1-epsilons", default="50,10,1000,10000",
                       help="Table 1's finite epsilons (the paper's 50 and 10, "
                       "then larger ones that show where utility returns)")
@@ -697,17 +735,20 @@ def main() -> None:
                       "splits or tsroie's train/ and test/")
   parser.add_argument("--data-kwargs", type=json_object, help="the data set's "
                       "options as JSON, e.g. '{\"regions\": \"boxes.json\", "
-                      "\"size\": 64}' (see tff-privacy train --help)")
+                      "\"size\": 64}' (see tff-privacy train --help), over "
+                      "the setting's (docs: size 32)")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args()
   args.setting = setting = SETTINGS[args.dataset]
+  args.data_kwargs = {**setting.data_kwargs, **(args.data_kwargs or {})}
   if setting.task == "segmentation":  # the images' side is a data option
     try:
       size = sources.resolve_data_kwargs(args.dataset, args.data_kwargs)["size"]
     except ValueError as e:
       parser.error(f"--data-kwargs: {e}")
     args.setting = setting = dataclasses.replace(setting, input_shape=(size, size, 3))
-  args.clients = args.clients or (8 if setting.task == "segmentation" else 10)
+  args.clients = setting.clients if args.clients is None else args.clients
+  args.rounds = setting.rounds if args.rounds is None else args.rounds
   args.client_lr = args.client_lr or setting.client_lr
   args.region = args.region or setting.region
   args.out = args.out or os.path.join("results", f"fedre_{args.dataset}")

@@ -109,3 +109,34 @@ def test_bad_region_is_a_one_line_error(tmp_path, script, monkeypatch, capsys):
                   "6,6,2,2", "--out", str(tmp_path))
   assert last.startswith("fedre_tables.py: error: --region: "), last
   assert not os.path.exists(tmp_path / "table1")
+
+
+def test_table1_fedavg_row_trains_the_documents_protocol_without_dp(
+    tmp_path, script, monkeypatch):
+  calls = []
+  monkeypatch.setattr(script, "trained", lambda args, out, row, **config: (
+      calls.append((out, config)) or row))
+  args = argparse.Namespace(
+      setting=script.SETTINGS["docs"], seeds=[0], table1_methods=["FedAvg"],
+      table1_epsilons=[50.0], out=str(tmp_path), data_dir=None,
+      data_kwargs={"size": 32}, clients=10, rounds=20, client_lr=0.005,
+      region="numbers")
+  rows = script.table1_rows(args)
+  assert rows == [{"epsilon": "inf", "method": "FedAvg", "seed": 0}]
+  (out, config), = calls
+  assert out == os.path.join(str(tmp_path), "table1", "fedavg_s0")
+  run = script.run_config(args, out, **config)
+  assert (run.method, run.defense, run.clients, run.partition, run.rounds,
+          run.batch_size, run.positive_weight, run.data_kwargs) == (
+      "fedavg", None, 10, "groups", 20, 16, 10.0, {"size": 32})
+  assert run.method_kwargs == {"client_optimizer": "adam",
+                               "client_learning_rate": 0.005, "local_epochs": 2}
+
+
+def test_docs_setting_is_the_train_commands_documents_protocol(script):
+  docs = script.SETTINGS["docs"]
+  assert (docs.clients, docs.rounds, docs.batch_size, docs.partition,
+          docs.client_optimizer, docs.client_lr, docs.local_epochs,
+          docs.positive_weight, docs.data_kwargs, docs.input_shape) == (
+      10, 20, 16, "groups", "adam", 0.005, 2, 10.0, {"size": 32}, (32, 32, 3))
+  assert "FedAvg" in script.TABLE1_METHODS
