@@ -104,6 +104,26 @@ def test_forward_mode_runs_in_a_graph_with_the_mask_as_input(setup):
                              _fd_scores(weights, x, y, masks), rtol=2e-4)
 
 
+def _while_loops(graph_def) -> dict[str, int]:
+  """{name: parallel_iterations} of every while loop in `graph_def`, its
+  functions' bodies included."""
+  nodes = list(graph_def.node) + [n for f in graph_def.library.function
+                                  for n in f.node_def]
+  return {n.name: n.attr["parallel_iterations"].i for n in nodes
+          if n.op in ("While", "StatelessWhile")}
+
+
+def test_forward_mode_maps_samples_and_chunks_one_at_a_time(setup):
+  # in a graph tf.map_fn runs 10 iterations at once by default: the JVP
+  # chunks of 10 samples held in memory together
+  model, weights, x, y, masks = setup
+  fn = tf.function(lambda x, y, m: psi.psi_scores(model, _f32(weights), x, y, m).scores)
+  loops = _while_loops(fn.get_concrete_function(x, y, masks).graph.as_graph_def())
+  maps = {name: n for name, n in loops.items() if name.endswith("map/while")}
+  assert len(maps) == 2, loops  # over the samples, and over a sample's chunks
+  assert set(maps.values()) == {1}, maps
+
+
 def test_estimator_is_unbiased_and_its_standard_error_is_honest(setup):
   model, weights, x, y, masks = setup
   region = masks[:1].copy()

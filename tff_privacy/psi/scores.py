@@ -148,11 +148,15 @@ def region_pixel_norms(model: tf.keras.Model, weights: Sequence[tf.Tensor],
     return tf.stack([_sum_of_squares(acc.jvp(
         g, unconnected_gradients=tf.UnconnectedGradients.ZERO)) for g in grads])
 
+  # parallel_iterations=1 here and over the samples: a graph's map_fn would
+  # otherwise run 10 iterations at once, each holding a chunk of JVPs
+  # through the model (10 documents on the U-Net: 2.5 GB instead of 1.4 GB)
   with _quiet_vectorization():
     squares = tf.map_fn(lambda c: tf.vectorized_map(column, c),
                         tf.reshape(triples, [-1, chunk, 3]),
                         fn_output_signature=tf.TensorSpec([chunk, len(weights)],
-                                                          tf.float64))
+                                                          tf.float64),
+                        parallel_iterations=1)
   squares = tf.reshape(squares, [-1, len(weights)])[:num]
   per_pixel = tf.reduce_sum(tf.reshape(squares, [-1, channels, len(weights)]), 1)
   return tf.cast(tf.sqrt(per_pixel), tf.float32)
@@ -213,7 +217,8 @@ def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
 
   scores, errors = tf.map_fn(
       one, (x, tf.convert_to_tensor(y), masks, seeds),
-      fn_output_signature=(tf.TensorSpec([len(weights)]),) * 2)
+      fn_output_signature=(tf.TensorSpec([len(weights)]),) * 2,
+      parallel_iterations=1)
   return PsiScores(scores, errors)
 
 
