@@ -50,6 +50,28 @@ def test_renew_replaces_local_workers_by_as_many_fresh_ones():
   runtime.stop()
 
 
+def test_limiting_concurrent_calls_renews_only_workers_with_another_limit():
+  runtime.stop()
+  runtime.start(workers=2)
+  old = {p.pid for p in worker_children()}
+  try:
+    runtime.limit_concurrent_calls(1)
+    new = worker_children()
+    assert len(new) == 2 and not {p.pid for p in new} & old
+    assert all("--max_concurrent_computation_calls=1" in p.cmdline() for p in new)
+    runtime.limit_concurrent_calls(1)
+    assert {p.pid for p in worker_children()} == {p.pid for p in new}
+    runtime.stop()
+    assert _mean([1.0, 2.0, 6.0]) == 3.0  # started on first use, limited
+    assert ["--max_concurrent_computation_calls=1" in p.cmdline()
+            for p in worker_children()] == [True]
+  finally:
+    runtime.limit_concurrent_calls(-1)
+  assert ["--max_concurrent_computation_calls=-1" in p.cmdline()
+          for p in worker_children()] == [True]
+  runtime.stop()
+
+
 def test_worker_dies_with_a_sigkilled_parent():
   script = textwrap.dedent("""
       import sys, time

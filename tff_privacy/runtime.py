@@ -83,6 +83,7 @@ _LOOPBACK = ("localhost", "127.0.0.1", "::1", "[::1]")
 SHARED_NETWORK_VARIABLE = private_worker.SHARED_NETWORK_VARIABLE
 
 _workers: "list[LocalWorker | RemoteWorker]" = []
+_call_limit = -1  # of new local workers, see `limit_concurrent_calls`
 
 
 class WorkerError(RuntimeError):
@@ -415,10 +416,12 @@ def _context(workers):
           executor_fn=_executor_factory(w), **transforms) for w in workers)
 
 
-def start(max_concurrent_computation_calls: int = -1, workers: int = 1,
+def start(max_concurrent_computation_calls: "int | None" = None, workers: int = 1,
           addresses: Sequence[str] = (), allow_remote: bool = False):
   """Starts (once) `workers` local workers, or connects to the workers at
-  `addresses`, and makes them TFF's default execution context.
+  `addresses`, and makes them TFF's default execution context. Local
+  workers run at most `max_concurrent_computation_calls` calls of one
+  computation at once (-1: no limit; None: `limit_concurrent_calls`'s).
 
   Idempotent: while workers run, later calls return the first. The local
   workers are stopped at exit. Called in the main thread, it installs a
@@ -446,6 +449,8 @@ def start(max_concurrent_computation_calls: int = -1, workers: int = 1,
       for address in addresses:
         started.append(RemoteWorker(address))
     else:
+      if max_concurrent_computation_calls is None:
+        max_concurrent_computation_calls = _call_limit
       for _ in range(workers):
         started.append(LocalWorker(max_concurrent_computation_calls))
       for w in started:
@@ -521,6 +526,23 @@ def renew() -> None:
   limit = _workers[0].max_concurrent_computation_calls
   stop()
   start(limit, count)
+
+
+def limit_concurrent_calls(limit: int) -> None:
+  """Has the local workers run at most `limit` calls of one computation at
+  once (-1: no limit), from now on. TFF runs a computation mapped over a
+  round's clients for all of them at once; a method whose computation needs
+  much memory per client (FedRE's PSI scores) runs them one by one with 1.
+  Local workers running with another limit are replaced by as many fresh
+  ones; workers at addresses keep the limit they serve with (`tff-privacy
+  worker --max-concurrent-computation-calls`)."""
+  global _call_limit
+  _call_limit = limit
+  if (_workers and all(isinstance(w, LocalWorker) for w in _workers)
+      and _workers[0].max_concurrent_computation_calls != limit):
+    count = len(_workers)
+    stop()
+    start(limit, count)
 
 
 class _StartOnFirstUse(context_base.SyncContext):
