@@ -9,7 +9,7 @@ import pytest
 import scipy.special
 import tensorflow as tf
 
-from tff_privacy import data, io, models, runner
+from tff_privacy import data, io, models, runner, runtime
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
@@ -609,6 +609,29 @@ def test_clean_uploads_are_simulated_only_where_the_protocol_fixes_them(
   clients = run.round_data(1)
   got = runner.clean_uploads_unavailable(run, clients)
   assert got is None if reason is None else got.startswith(reason)
+
+
+class _Stopped(Exception):
+  pass
+
+
+@pytest.mark.parametrize("method_kwargs,limit", [
+    ({}, 1),  # PSI scores on the clients, and of every upload by PDA-PAM
+    ({"budget_split": "even", "aggregation": "mean"}, -1)])  # no PSI
+def test_fedre_runs_one_client_at_a_time_where_it_scores_psi(
+    tmp_path, monkeypatch, method_kwargs, limit):
+  limits = []
+
+  def record(value):
+    limits.append(value)
+    raise _Stopped  # before any round: the limit is all this test needs
+
+  monkeypatch.setattr(runtime, "limit_concurrent_calls", record)
+  config = runner.RunConfig(**{"out": str(tmp_path), **SMALL, "method": "fedre",
+                               "method_kwargs": method_kwargs})
+  with pytest.raises(_Stopped):
+    runner.run(config, progress=False)
+  assert limits == [limit]
 
 
 def _plain_scores(spec, weights, x, y) -> dict[str, float]:

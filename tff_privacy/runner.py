@@ -876,6 +876,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   os.makedirs(config.out, exist_ok=True)
   io.write_json(os.path.join(config.out, "config.json"), r.config.to_json())
   manager = _checkpoints(config.out)
+  runtime.limit_concurrent_calls(r.algorithm.concurrent_clients)
   initial = r.initial_state()
   saved, done = asyncio.run(manager.load_latest(r.checkpoint_form(initial)))
   state = initial if saved is None else r.from_checkpoint(saved)

@@ -133,6 +133,10 @@ class Algorithm:
     stated_privacy: maps the rounds done to what the method states of its
       privacy after them, written into metrics beside the accountant's
       epsilon (e.g. FedRE's paper epsilon by eq. 9 with simple composition).
+    concurrent_clients: at most this many clients' calls of one computation
+      run at once on a worker (-1: no limit), for methods whose clients, or
+      whose server per upload, need much memory each; the runner applies it
+      (`tff_privacy.runtime.limit_concurrent_calls`).
   """
 
   name: str
@@ -149,6 +153,7 @@ class Algorithm:
   private_state: Optional[PrivateState] = None
   aggregates_uploads: bool = True
   stated_privacy: Optional[Callable[[int], dict[str, Any]]] = None
+  concurrent_clients: int = -1
 
   def __post_init__(self):
     if self.upload_kind not in UPLOAD_KINDS:

@@ -487,6 +487,10 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           PROFILE_KEY: np.int32(client)},
       defense={"name": mechanism.name, **mechanism.params()},
       dp_event=mechanism.dp_event, dp_relation=mechanism.dp_relation,
+      # a client's PSI scores (and PDA-PAM's of an upload) of the documents'
+      # U-Net need 1.4 GB: one client at a time
+      concurrent_clients=1 if aggregation == "pda_pam" or (
+          perturbation == "gradient" and budget_split == "psi") else -1,
       stated_privacy=None if perturbation == "pixels" else lambda rounds: {
           "paper_epsilon": budget.paper_epsilon_spent(epsilon, planned, rounds),
           "paper_delta": delta,
