@@ -190,8 +190,19 @@ def test_layerwise_budget_is_eq_6_by_hand():
   # 1/S = 1, 1/2, 1/4; sum 7/4; eps_l = 7 * (1/S_l) / (7/4)
   np.testing.assert_allclose(got, [4.0, 2.0, 1.0], rtol=1e-6)
   np.testing.assert_allclose(lb.layerwise_budget([0.0, 0.0], 3.0).numpy(), [1.5, 1.5])
-  floored = lb.layerwise_budget([0.0, 1.0], 1.0).numpy()
-  assert np.isfinite(floored).all() and floored[0] > 0.99
+
+
+
+def test_a_zero_score_takes_the_smallest_share_not_the_whole_budget():
+  from tff_privacy.dp import layerwise_budget as lb
+  # the zero counts as the largest other score, 4: 1/S = 1/4, 1, 1/2, 1/4,
+  # sum 2; eps_l = 7 (1/S_l) / 2
+  got = lb.layerwise_budget([0.0, 1.0, 2.0, 4.0], 7.0).numpy()
+  np.testing.assert_allclose(got, [0.875, 3.5, 1.75, 0.875], rtol=1e-6)
+  # a dead tensor beside live ones no longer starves them of budget: eq. 9's
+  # sigma of the live tensors stays that of the split without the zero
+  live = lb.layerwise_budget([1.0, 2.0, 4.0], 7.0 - 0.875).numpy()
+  np.testing.assert_allclose(got[1:], live, rtol=1e-6)
 
 
 def test_paper_noise_multipliers_are_eq_9_by_hand():
@@ -213,23 +224,37 @@ def test_calibrated_multipliers_spend_exactly_the_budget():
       [dp_accounting.GaussianDpEvent(s / 2) for s in sigmas]), 20)
   assert abs(acc.get_epsilon(1e-5) - 10.0) < 0.01
   assert abs(accounting.rounds_epsilon(lb.layerwise_event(sigmas), 20, 1e-5)[0] - 10.0) < 0.01
+  # per-sample sensitivity: the noise is scaled to it, multipliers sigma_l
+  sample = lb.calibrated_noise_multipliers(eps, z, "sample").numpy()
+  np.testing.assert_allclose(sample, sigmas / 2, rtol=1e-6)
+  acc = dp_accounting.rdp.RdpAccountant()
+  acc.compose(dp_accounting.ComposedDpEvent(
+      [dp_accounting.GaussianDpEvent(s) for s in sample]), 20)
+  assert abs(acc.get_epsilon(1e-5) - 10.0) < 0.01
+  assert abs(accounting.rounds_epsilon(lb.layerwise_event(sample, "sample"),
+                                       20, 1e-5)[0] - 10.0) < 0.01
 
 
-def test_eq_9_never_spends_more_than_its_data_independent_bound():
+@pytest.mark.parametrize("sensitivity, per_sigma", [("update", 0.5), ("sample", 1.0)])
+def test_eq_9_never_spends_more_than_its_data_independent_bound(sensitivity, per_sigma):
   from tff_privacy.dp import layerwise_budget as lb
   rng = np.random.default_rng(0)
-  bound = lb.paper_round_multiplier_bound(10.0, 1e-5, 20, 4)
+  bound = lb.paper_round_multiplier_bound(10.0, 1e-5, 20, 4, sensitivity)
+  # by hand: m sqrt(2 T ln(L / delta)) / epsilon
+  assert bound == pytest.approx(per_sigma * np.sqrt(40 * np.log(4e5)) / 10.0)
   from tff_privacy.dp import accounting
   worst = accounting.gaussian_epsilon(bound, 20, 1e-5)
   one_layer_takes_all = [1e9, 1e9, 1e9, 1.0]
-  for scores in [rng.random(4) for _ in range(5)] + [one_layer_takes_all]:
+
+  def spent(scores):
     eps = lb.layerwise_budget(scores, 10.0).numpy()
     sigmas = lb.paper_noise_multipliers(eps, lb.split_delta(1e-5, 4), 20).numpy()
-    assert accounting.rounds_epsilon(lb.layerwise_event(sigmas), 20, 1e-5)[0] <= worst + 1e-6
+    return accounting.rounds_epsilon(lb.layerwise_event(sigmas, sensitivity), 20, 1e-5)[0]
+
+  for scores in [rng.random(4) for _ in range(5)] + [one_layer_takes_all]:
+    assert spent(scores) <= worst + 1e-6
   # the bound is reached when one layer takes the whole budget
-  eps = lb.layerwise_budget(one_layer_takes_all, 10.0).numpy()
-  sigmas = lb.paper_noise_multipliers(eps, lb.split_delta(1e-5, 4), 20).numpy()
-  assert accounting.rounds_epsilon(lb.layerwise_event(sigmas), 20, 1e-5)[0] == pytest.approx(worst, rel=1e-3)
+  assert spent(one_layer_takes_all) == pytest.approx(worst, rel=1e-3)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -28,11 +28,12 @@ def _mechanism(**kwargs):
   return fedre.FedREMechanism(SPEC, **settings)
 
 
-def _view(weights, seed=0):
+def _view(weights, seed=0, epochs=1):
+  """A client of 4 samples in batches of 2, `epochs` passes over them."""
   rng = np.random.default_rng(seed)
   x = rng.random((4, H, W, C)).astype(np.float32)
   y = np.array([0, 1, 2, 1])
-  dataset = tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(2)
+  dataset = tf.data.Dataset.from_tensor_slices({"x": x, "y": y}).batch(2).repeat(epochs)
   return ClientView([tf.constant(w) for w in weights], dataset,
                     {fedre.MASK_KEY: tf.constant(MASK, tf.float32)}), x, y
 
@@ -80,16 +81,29 @@ def test_layer_epsilons_follow_eq_6_on_the_reference_scores():
   np.testing.assert_allclose(got, 20.0 * inverse / inverse.sum(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("calibration", ["paper", "accountant"])
-def test_upload_is_clipped_per_layer_plus_gaussian_noise_of_eq_8(calibration):
-  mechanism = _mechanism(budget_split="even", noise_calibration=calibration)
+# (calibration, sensitivity, eta placement, local epochs); the client holds
+# 4 samples and trains at learning rate 0.1
+@pytest.mark.parametrize("calibration, sensitivity, placement, epochs", [
+    ("paper", "update", "client", 1), ("accountant", "update", "client", 1),
+    ("paper", "sample", "server", 2), ("accountant", "sample", "server", 1),
+    ("paper", "sample", "client", 1)])
+def test_upload_is_clipped_per_layer_plus_gaussian_noise_of_eq_8(
+    calibration, sensitivity, placement, epochs):
+  mechanism = _mechanism(budget_split="even", noise_calibration=calibration,
+                         sensitivity=sensitivity, eta_placement=placement,
+                         learning_rate=0.1, local_epochs=epochs)
   weights = SPEC.initial_weights(0)
-  view, _, _ = _view(weights)
+  view, _, _ = _view(weights, epochs=epochs)
   rng = np.random.default_rng(5)
   update = [rng.normal(size=w.shape).astype(np.float32) * s
-            for w, s in zip(weights, (1.0, 0.01, 2.0, 0.1))]
-  clipped = [u * min(1.0, 0.5 / np.linalg.norm(u)) for u in update]
+            for w, s in zip(weights, (0.1, 0.001, 0.2, 0.01))]
+  # eq. 7 on the gradient (update / eta) is eq. 7 at eta C on the update
+  eta = 0.1 if placement == "server" else 1.0
+  clip = eta * 0.5
+  clipped = [u * min(1.0, clip / np.linalg.norm(u)) for u in update]
   eps_l = np.full(4, 20.0 / 4)
+  # noise std over clip: sigma (eq. 9) times 2 / |D_k| or 1
+  per_clip = 2 / 4 if sensitivity == "sample" else 1.0
   if calibration == "paper":
     sigma = np.sqrt(2 * 5 * np.log(1 / (1e-5 / 4))) / eps_l
   else:
@@ -97,14 +111,17 @@ def test_upload_is_clipped_per_layer_plus_gaussian_noise_of_eq_8(calibration):
         dp_accounting.rdp.RdpAccountant,
         lambda z: dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(z), 5),
         20.0, 1e-5)
-    sigma = 2 * z * np.linalg.norm(eps_l) / eps_l
+    # each layer's event: std over sensitivity, sigma (sample) or sigma / 2
+    # (update); four of them compose to multiplier z
+    sigma = z * np.linalg.norm(eps_l) / eps_l * (2 if sensitivity == "update" else 1)
+  std = clip * sigma * per_clip
   upload = tf.function(lambda seed: mechanism.apply(update, seed, view))
   draws = [[t.numpy() for t in upload(tf.constant([s, 1], tf.int64))]
            for s in range(400)]
   for l in range(4):
     samples = np.stack([d[l] for d in draws])
-    np.testing.assert_allclose((samples - clipped[l]).std(), 0.5 * sigma[l], rtol=0.08)
-    assert np.abs(samples.mean(0) - clipped[l]).max() < 6 * 0.5 * sigma[l] / np.sqrt(400)
+    np.testing.assert_allclose((samples - clipped[l]).std(), std[l], rtol=0.08)
+    assert np.abs(samples.mean(0) - clipped[l]).max() < 6 * std[l] / np.sqrt(400)
   again = upload(tf.constant([3, 1], tf.int64))
   np.testing.assert_array_equal(again[0].numpy(), draws[3][0])
 
@@ -202,7 +219,10 @@ def _config(out, **method_kwargs):
 
 @pytest.fixture(scope="module")
 def fedre_run(tmp_path_factory):
-  config = _config(str(tmp_path_factory.mktemp("fedre")))
+  """FedRE under the whole-update sensitivity, noised as the model change,
+  eq. 11 as written."""
+  config = _config(str(tmp_path_factory.mktemp("fedre")), sensitivity="update",
+                   eta_placement="client", pda_pam_rule="paper")
   return config, runner.run(config, progress=False)
 
 
@@ -229,6 +249,8 @@ def test_run_reports_both_epsilons(fedre_run):
   accountant = dp_accounting.rdp.RdpAccountant()
   accountant.compose(dp_accounting.GaussianDpEvent(z), 2)
   assert final["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
+  assert final["privacy_guarantee"].startswith("local DP of each upload")
+  assert final["dp_relation"].startswith("local DP")
   assert np.isfinite(final["test_loss"])
 
 
@@ -256,7 +278,9 @@ def test_run_captures_the_noised_uploads(fedre_run):
 
 
 def test_even_split_reports_the_exact_epsilon_of_its_noise(tmp_path):
-  # eq. 9 with the budget planned over 10 rounds, of which the run takes 2
+  # eq. 9 with the budget planned over 10 rounds, of which the run takes 2;
+  # the default sensitivity: noise std 2 C sigma / |D_k| over a sensitivity
+  # 2 C / |D_k|, so each layer's multiplier is sigma itself
   config = _config(str(tmp_path), budget_split="even", aggregation="mean",
                    budget_rounds=10)
   history = runner.run(runner.RunConfig(**{**vars(config), "capture_rounds": ()}),
@@ -264,8 +288,10 @@ def test_even_split_reports_the_exact_epsilon_of_its_noise(tmp_path):
   sigma = np.sqrt(2 * 10 * np.log(4 / 1e-5)) / (500.0 / 4)
   accountant = dp_accounting.rdp.RdpAccountant()
   accountant.compose(dp_accounting.ComposedDpEvent(
-      [dp_accounting.GaussianDpEvent(sigma / 2)] * 4), 2)
+      [dp_accounting.GaussianDpEvent(sigma)] * 4), 2)
   assert history[-1]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
+  assert history[-1]["privacy_guarantee"].startswith("heuristic")
+  assert history[-1]["dp_relation"].startswith("sample-level local DP, heuristic")
   for entry in history:  # 2 of the 10 planned rounds spend part of the budget
     assert entry["paper_epsilon"] == pytest.approx(
         _eq9_paper_epsilon(10, entry["round"], [125.0] * 4), rel=1e-9)
@@ -279,7 +305,8 @@ def test_training_past_the_planned_rounds_needs_allow_over_budget(tmp_path):
     runner.run(refused, progress=False)
   assert not (tmp_path / "refused").exists()  # refused before writing
   config = _config(str(tmp_path / "over"), budget_rounds=1, budget_split="even",
-                   aggregation="mean", allow_over_budget=True)
+                   aggregation="mean", allow_over_budget=True,
+                   sensitivity="update")
   history = runner.run(runner.RunConfig(**{**vars(config), "capture_rounds": ()}),
                        progress=False)
   sigma = np.sqrt(2 * 1 * np.log(4 / 1e-5)) / (500.0 / 4)  # eq. 9, T = 1

@@ -3,24 +3,47 @@ PDA-PAM aggregation on a public set.
 
 Round t (Algorithm 1): the server broadcasts w~; client k
 1. trains locally as in FedAvg (`local_epochs` passes of SGD, or Adam by
-   `client_optimizer`, at `client_learning_rate`, the paper's lr 0.005)
-   and forms its update
-   d = w~ - w^k (TFF's sign convention);
+   `client_optimizer`, at `client_learning_rate` eta, the paper's lr 0.005)
+   and forms its local gradient g = (w~ - w^k) / eta, the sum of its steps
+   (TFF's sign convention);
 2. scores every model tensor l by PSI (eqs. 3-5, `tff_privacy.psi`) on
    `psi_samples` of its samples (the paper averages 10 per data format) with
    its own privacy-sensitive region, under the broadcast model w~;
 3. splits its budget (epsilon, delta): epsilon_l by eq. 6 (`budget_split=
-   'psi'`; 'even' is FedRE without PSI), delta_l = delta / L (Corollary 1
-   leaves the split open);
-4. clips tensor l to C_l = `clip` (eq. 7) and adds N(0, (C_l sigma_l)^2)
-   (eq. 8) through `tff_privacy.dp.LayerwiseGaussianQuery`, sigma_l from eq.
-   9 (`noise_calibration='paper'`) or scaled so that the RDP accountant
-   prices T rounds at exactly (epsilon, delta) ('accountant', see
-   `tff_privacy.dp.layerwise_budget`), and uploads the result.
+   'psi'`; 'even' is FedRE without PSI; a zero score takes the smallest
+   share, see `tff_privacy.dp.layerwise_budget`), delta_l = delta / L
+   (Corollary 1 leaves the split open);
+4. clips tensor l of g to C_l = `clip` (eq. 7) and adds Gaussian noise of
+   std sigma_l times the sensitivity (eq. 8) through
+   `tff_privacy.dp.LayerwiseGaussianQuery`, sigma_l from eq. 9
+   (`noise_calibration='paper'`) or scaled so that the RDP accountant prices
+   T rounds at exactly (epsilon, delta) ('accountant'), and uploads the
+   result times eta, i.e. in the model's units.
 The server aggregates by PDA-PAM (eqs. 10-11, `tff_privacy.aggregation`)
 with the uploads' PSI scores on public samples and the same regions
 (`aggregation='mean'` is FedRE without PDA-PAM) and applies w = w~ -
-server_learning_rate * aggregate.
+server_learning_rate * aggregate (1: eq. 11's eta is already in the
+uploads).
+
+Sensitivity (`sensitivity`, see `tff_privacy.dp.layerwise_budget`): the
+paper's eq. 8 reads "variance C_l^2 sigma_l^2", while eq. 7 calls C_l the
+largest contribution of one training sample and eq. 9 cites an analysis
+(Wei et al.) whose noise is scaled to the sensitivity 2 C_l / |D_k| of the
+clipped update to one of the client's |D_k| samples. 'sample' (default)
+follows the cited source: std 2 C_l sigma_l / |D_k|; its epsilon is the
+paper's heuristic (proven there for a client's optimum, not for a few local
+steps) and a run labels it so in `privacy_guarantee`. 'update' is eq. 8 on
+the whole clipped update, std C_l sigma_l: local DP of each upload, which
+on the documents leaves a signal-to-noise ratio near 0.002 per client and
+round whatever the client's data size.
+
+Where eta acts (`eta_placement`): eq. 11 applies eta to the clipped, noisy
+gradients, so clip and noise are in gradient units and the model moves by
+eta times them ('server', default: in the model's units the clip is eta C_l
+and the noise eta times its std). 'client' clips and noises the model
+change w~ - w^k itself, the learning rate folded in (noise eta^-1 times
+larger relative to the step). With Adam, g is the sum of Adam's steps over
+eta rather than a gradient.
 
 Fig. 5's alternative (`perturbation='pixels'`): instead of steps 2-4, the
 client adds Gaussian noise of standard deviation `pixel_noise` to the
@@ -36,11 +59,12 @@ the paper's epsilon spent so far (eq. 9 and simple composition over layers:
 epsilon sqrt(t / T) after t rounds of a budget planned over T, epsilon
 itself after T; a run longer than `budget_rounds` is refused unless
 `allow_over_budget`) and what
-`dp_accounting` computes for the noise added under the local-DP relation:
-for 'paper' the bound that holds for every split eq. 6 can produce, for
-'accountant' the exact target. Both treat the split as fixed in advance,
-which the PSI split, computed from private data, is not (see
-`tff_privacy.dp.layerwise_budget`).
+`dp_accounting` computes for the noise added under the sensitivity's
+relation (`dp_relation`): for 'paper' the bound that holds for every split
+eq. 6 can produce, for 'accountant' the exact target. Both treat the split
+as fixed in advance, which the PSI split, computed from private data, is
+not (see `tff_privacy.dp.layerwise_budget`). `privacy_guarantee` says in
+words which of them is proven: under 'sample' neither (see above).
 
 Regions (`regions`): every client's privacy-sensitive region on its images
 (its privacy preference, Fig. 1), either boxes `x_min,y_min,x_max,y_max`
@@ -89,6 +113,7 @@ from tff_privacy.dp import layerwise_budget as budget
 MASK_KEY = "psi_mask"
 PROFILE_KEY = "public_profile"  # which public set PDA-PAM scores a client on
 BUDGET_SPLITS = ("psi", "even")
+ETA_PLACEMENTS = ("server", "client")
 NOISE_CALIBRATIONS = ("paper", "accountant")
 AGGREGATIONS = ("pda_pam", "mean")
 PERTURBATIONS = ("gradient", "pixels")
@@ -113,6 +138,15 @@ PARAMETERS = params.Params(
     params.Param("noise_calibration", str, "paper", "paper: sigma_l by eq. 9; "
                  "accountant: scaled to spend exactly epsilon by RDP",
                  choices=NOISE_CALIBRATIONS),
+    params.Param("sensitivity", str, "sample", "sample: noise std 2 C_l "
+                 "sigma_l / |D_k|, one sample's contribution as in the source "
+                 "eq. 9 cites (a heuristic epsilon); update: std C_l sigma_l, "
+                 "local DP of the whole clipped update (eq. 8 as written)",
+                 choices=budget.SENSITIVITIES),
+    params.Param("eta_placement", str, "server", "server: clip and noise the "
+                 "local gradient (model change / client learning rate), which "
+                 "eq. 11's eta scales; client: clip and noise the model change "
+                 "itself", choices=ETA_PLACEMENTS),
     params.Param("budget_rounds", int, None, "rounds the budget covers "
                  "(eq. 9's T; default: the run's rounds), for runs that stop "
                  "early, e.g. to attack round 1 of a longer plan", minimum=1),
@@ -129,8 +163,9 @@ PARAMETERS = params.Params(
                  "client (default: the central box of a quarter of each side)"),
     params.Param("aggregation", str, "pda_pam", "pda_pam: eqs. 10-11; mean: "
                  "FedRE without PDA-PAM", choices=AGGREGATIONS),
-    params.Param("pda_pam_rule", str, "paper", "paper: eq. 11 as written; "
-                 "normalized: softmax(-S) weights, a mean's step size",
+    params.Param("pda_pam_rule", str, "normalized", "normalized: softmax(-S) "
+                 "weights, a mean's step size; paper: eq. 11 as written, whose "
+                 "step is K times a mean's when the scores agree",
                  choices=UPDATE_RULES),
     params.Param("pda_pam_scores", str, "linear", "linear: the PSI score in "
                  "eq. 10 as written; log: its log, weights by score ratios",
@@ -225,20 +260,45 @@ def run_regions(run_dir: str) -> list[np.ndarray]:
                         *fed.source.input_shape[:2], data=fed)
 
 
+# the neighbouring relation of the epsilon of 'sample'
+SAMPLE_RELATION = ("sample-level local DP, heuristic: two data sets of one "
+                   "client that differ in one sample are neighbours, the "
+                   "clipped update's sensitivity taken as 2 C_l / |D_k| as in "
+                   "the analysis eq. 9 cites (not proven for local steps)")
+GUARANTEES = {
+    "sample": "heuristic: eq. 9's noise scaled to a per-sample sensitivity "
+              "2 C_l / |D_k| that is assumed, not proven, for several local "
+              "steps; neither epsilon is a proven bound",
+    "update": "local DP of each upload: the accountant's epsilon is a proven "
+              "bound for a split fixed in advance"}
+
+
 class FedREMechanism(UpdateDefense):
-  """Steps 2-4 of FedRE's client (see the module docstring) on one update."""
+  """Steps 2-4 of FedRE's client (see the module docstring) on one update,
+  the model change w~ - w^k of `local_epochs` passes at `learning_rate`."""
 
   name = "fedre"
   needs_client_view = True
-  dp_relation = LOCAL_RELATION
 
   def __init__(self, spec, *, epsilon: float, delta: float, rounds: int,
                clip: float, budget_split: str, noise_calibration: str,
                psi_samples: int, psi_pixels: Optional[int],
+               sensitivity: str = "sample", eta_placement: str = "server",
+               learning_rate: float = 0.005, local_epochs: int = 1,
                perturbation: str = "gradient", pixel_noise: Optional[float] = None,
                seed: int = 0):
     if perturbation not in PERTURBATIONS:
       raise ValueError(f"perturbation={perturbation!r}; choose one of {PERTURBATIONS}")
+    if sensitivity not in budget.SENSITIVITIES:
+      raise ValueError(f"sensitivity={sensitivity!r}; choose one of "
+                       f"{budget.SENSITIVITIES}")
+    if eta_placement not in ETA_PLACEMENTS:
+      raise ValueError(f"eta_placement={eta_placement!r}; choose one of "
+                       f"{ETA_PLACEMENTS}")
+    check_positive(learning_rate=learning_rate, local_epochs=local_epochs)
+    self.sensitivity, self.eta_placement = sensitivity, eta_placement
+    self.learning_rate, self.local_epochs = learning_rate, local_epochs
+    self.dp_relation = SAMPLE_RELATION if sensitivity == "sample" else LOCAL_RELATION
     if perturbation == "gradient" and pixel_noise is not None:
       raise ValueError("pixel_noise applies to perturbation='pixels'; FedRE's "
                        "gradient noise is set by epsilon")
@@ -254,6 +314,9 @@ class FedREMechanism(UpdateDefense):
     self.layer_delta = budget.split_delta(delta, self.num_layers)
     self.round_multiplier = (budget.round_multiplier(epsilon, delta, rounds)
                              if noise_calibration == "accountant" else None)
+    # the model units of gradient units: eq. 11's eta, or 1 when the
+    # client's model change is noised as it is
+    self.eta = learning_rate if eta_placement == "server" else 1.0
     height, width = spec.input_shape[:2]
     # the profile only travels with the data, for the server's PDA-PAM
     self.client_input_types = {MASK_KEY: tff.TensorType(np.float32, [height, width]),
@@ -267,7 +330,9 @@ class FedREMechanism(UpdateDefense):
             "budget_split": self.budget_split,
             "noise_calibration": self.noise_calibration,
             "psi_samples": self.psi_samples, "psi_pixels": self.psi_pixels,
-            "perturbation": "gradient"}
+            "sensitivity": self.sensitivity, "eta_placement": self.eta_placement,
+            "learning_rate": self.learning_rate,
+            "local_epochs": self.local_epochs, "perturbation": "gradient"}
 
   def transform_batch(self, batch, inputs):
     """'pixels': each image plus N(0, pixel_noise^2) on the region's pixels,
@@ -301,10 +366,20 @@ class FedREMechanism(UpdateDefense):
 
   def noise_multipliers(self, layer_epsilons) -> tf.Tensor:
     if self.round_multiplier is not None:
-      return budget.calibrated_noise_multipliers(layer_epsilons,
-                                                 self.round_multiplier)
+      return budget.calibrated_noise_multipliers(
+          layer_epsilons, self.round_multiplier, self.sensitivity)
     return budget.paper_noise_multipliers(layer_epsilons, self.layer_delta,
                                           self.rounds)
+
+  def sensitivity_per_clip(self, client: ClientView) -> tf.Tensor:
+    """The sensitivity over C_l: 2 / |D_k| ('sample', |D_k| the client's
+    distinct samples: one local epoch of its data set) or 1 ('update',
+    whose eq. 8 noise is C_l sigma_l)."""
+    if self.sensitivity == "update":
+      return tf.constant(1.0)
+    seen = client.dataset.reduce(tf.constant(0, tf.int32),
+                                 lambda n, b: n + tf.shape(b["x"])[0])
+    return 2.0 * self.local_epochs / tf.cast(tf.maximum(seen, 1), tf.float32)
 
   def apply(self, update, seed, client: Optional[ClientView] = None):
     if self.perturbation == "pixels":
@@ -314,16 +389,18 @@ class FedREMechanism(UpdateDefense):
     psi_seed, noise_seed = tf.unstack(
         tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2))
     sigmas = self.noise_multipliers(self.layer_epsilons(client, psi_seed))
-    query = LayerwiseGaussianQuery([self.clip] * self.num_layers,
-                                   [1.0] * self.num_layers)
-    return list(run_local_query(query, list(update), noise_seed,
-                                stddevs=self.clip * sigmas)[0])
+    # eqs. 7-8 in gradient units, scaled by eta into the model's units
+    clip = self.eta * self.clip
+    query = LayerwiseGaussianQuery([clip] * self.num_layers, [1.0] * self.num_layers)
+    stddevs = clip * sigmas * self.sensitivity_per_clip(client)
+    return list(run_local_query(query, list(update), noise_seed, stddevs=stddevs)[0])
 
   def dp_event(self, num_params: int) -> dp_accounting.DpEvent:
-    """One round under the local-DP relation: exact for 'accountant' and
-    for the even split (fixed in advance); for eq. 9 with the PSI split,
-    the bound over every split (`paper_round_multiplier_bound`). None for
-    'pixels', which claims no DP guarantee."""
+    """One round under `dp_relation` (the sensitivity's): exact for
+    'accountant' and for the even split (fixed in advance); for eq. 9 with
+    the PSI split, the bound over every split
+    (`paper_round_multiplier_bound`). None for 'pixels', which claims no DP
+    guarantee."""
     if self.perturbation == "pixels":
       return None
     if self.round_multiplier is not None:
@@ -331,9 +408,9 @@ class FedREMechanism(UpdateDefense):
     if self.budget_split == "even":
       even = [self.epsilon / self.num_layers] * self.num_layers
       sigmas = budget.paper_noise_multipliers(even, self.layer_delta, self.rounds)
-      return budget.layerwise_event(sigmas.numpy())
+      return budget.layerwise_event(sigmas.numpy(), self.sensitivity)
     return dp_accounting.GaussianDpEvent(budget.paper_round_multiplier_bound(
-        self.epsilon, self.delta, self.rounds, self.num_layers))
+        self.epsilon, self.delta, self.rounds, self.num_layers, self.sensitivity))
 
 
 def build_fedre(spec, mechanism: FedREMechanism, *,
@@ -341,7 +418,7 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
                 server_learning_rate: float = 1.0,
                 client_optimizer: str = "sgd",
                 public: Optional[Sequence[PublicRegions]] = None,
-                pda_pam_rule: str = "paper",
+                pda_pam_rule: str = "normalized",
                 pda_pam_scores: str = "linear",
                 model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
                 ) -> tff.learning.templates.LearningProcess:
@@ -357,7 +434,7 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
     public: the server's public samples and regions, one set per profile
       (a client's 'public_profile' input indexes them); None aggregates by
       the plain example-weighted mean (FedRE without PDA-PAM).
-    pda_pam_rule: 'paper' or 'normalized' (see `tff_privacy.aggregation`).
+    pda_pam_rule: 'normalized' or 'paper' (see `tff_privacy.aggregation`).
     pda_pam_scores: 'linear' (eq. 10) or 'log' (see `tff_privacy.aggregation`).
     model_aggregator: the weighted aggregator of the uploads (e.g. a capture
       wrapper); with `public`, it runs for its measurements only.
@@ -435,6 +512,7 @@ def public_regions(federation: Federation, regions: Optional[str],
 def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
               epsilon: float, clip: float, budget_split: str,
               noise_calibration: str, budget_rounds: Optional[int],
+              sensitivity: str, eta_placement: str,
               psi_samples: int, psi_pixels: Optional[int],
               regions: Optional[str], aggregation: str, pda_pam_rule: str,
               pda_pam_scores: str,
@@ -462,6 +540,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       rounds=planned, clip=clip,
       budget_split=budget_split, noise_calibration=noise_calibration,
       psi_samples=psi_samples, psi_pixels=psi_pixels,
+      sensitivity=sensitivity, eta_placement=eta_placement,
+      learning_rate=client_learning_rate, local_epochs=local_epochs,
       perturbation=perturbation, pixel_noise=pixel_noise, seed=seed)
   public = (public_regions(federation, regions, masks, public_samples)
             if aggregation == "pda_pam" else None)
@@ -496,7 +576,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           "paper_delta": delta,
           "paper_accounting": "eq. 9 per tensor, simple composition over "
           f"tensors (Theorem 1, Corollary 1), noise planned for {planned} "
-          "rounds"})
+          "rounds",
+          "privacy_guarantee": GUARANTEES[sensitivity]})
 
 
 METHOD = Method("fedre", PARAMETERS, algorithm,

@@ -8,22 +8,45 @@ of its L model tensors:
   Corollary 1: sum_l delta_l = delta; here delta_l = delta / L (the paper
          leaves the split open; an even split is the choice, see `split_delta`)
   eq. 9  sigma_l = sqrt(2 T ln(1 / delta_l)) / epsilon_l
-         (layer l is clipped to C_l and gets N(0, (C_l sigma_l)^2), eq. 8)
+         (layer l is clipped to C_l and gets Gaussian noise of std sigma_l
+         times its sensitivity, eq. 8)
+
+Zero scores. Eq. 6 divides by S_l, and a tensor whose gradient does not
+react to the region at all (a layer of dead ReLUs) scores S_l = 0. Its
+literal limit hands that tensor the whole budget and leaves every other
+tensor epsilon_l near 0, i.e. noise without bound. Here a zero score counts
+as the largest score of the client's other tensors, so such a tensor takes
+the smallest share: its gradient carries nothing about the region and
+nothing else to learn from, and the budget stays with the tensors that
+learn. All scores zero give the even split (`layerwise_budget`).
+
+Sensitivity. The noise std is sigma_l times the sensitivity the mechanism
+assumes (`SENSITIVITIES`):
+* 'sample' (FedRE's default): 2 C_l / |D_k| for a client holding |D_k|
+  samples, the contribution of one sample to the client's clipped update in
+  the analysis eq. 9 cites (Wei et al.), which eq. 7's "maximum
+  contribution of a training sample" describes. That analysis bounds it for
+  a model trained to the client's optimum; for a few local steps it is not
+  proven, so an epsilon under this reading is a heuristic, labelled so.
+* 'update': 2 C_l, two clipped uploads of one client as neighbours (local
+  DP of the whole upload): noise std C_l sigma_l, eq. 8 as written.
+Under either, a layer's Gaussian event has noise multiplier (std over
+sensitivity) sigma_l times `MULTIPLIER_PER_SIGMA`: 1 for 'sample', 1/2 for
+'update'.
 
 The paper's epsilon is then sum_l epsilon_l = epsilon by simple composition
 (Theorem 1). Over rounds, eq. 9 composes inside its square root, not by
 adding the rounds' epsilons: t rounds of noise sigma_l give eq. 9's
 epsilon_l at T = t, sqrt(2 t ln(1 / delta_l)) / sigma_l, so noise planned for
 T rounds has spent epsilon sqrt(t / T) after t of them
-(`paper_epsilon_spent`), more than epsilon past round T. What `dp_accounting` says of the same noise, under the local-DP
-relation (any two uploads of the client are neighbours, so layer l's
-sensitivity is 2 C_l and its Gaussian event has noise multiplier sigma_l / 2),
-is `layerwise_event` composed over rounds. Gaussian events compose like one
-Gaussian whose multiplier z satisfies 1 / z^2 = sum_l (2 / sigma_l)^2, which
-gives two data-independent facts used below:
+(`paper_epsilon_spent`), more than epsilon past round T. What
+`dp_accounting` says of the same noise is `layerwise_event` composed over
+rounds. Gaussian events compose like one Gaussian whose multiplier z
+satisfies 1 / z^2 = sum_l 1 / (m sigma_l)^2 (m = `MULTIPLIER_PER_SIGMA`),
+which gives two data-independent facts used below:
 
-* with eq. 9 and even deltas, 1 / z^2 = 4 sum_l epsilon_l^2 / (2 T ln(L /
-  delta)) <= 4 epsilon^2 / (2 T ln(L / delta)) whatever the scores are
+* with eq. 9 and even deltas, 1 / z^2 = sum_l epsilon_l^2 / (m^2 2 T ln(L /
+  delta)) <= epsilon^2 / (m^2 2 T ln(L / delta)) whatever the scores are
   (`paper_round_multiplier_bound`);
 * `calibrated_noise_multipliers` keeps eq. 9's shape sigma_l proportional to
   1 / epsilon_l but scales it so that every round is exactly the Gaussian
@@ -47,9 +70,8 @@ import dp_accounting
 import tensorflow as tf
 
 
-# Scores below this fraction of the largest are raised to it, so that a
-# tensor the region does not reach (S_l = 0) gets a finite share.
-SCORE_FLOOR = 1e-12
+SENSITIVITIES = ("sample", "update")
+MULTIPLIER_PER_SIGMA = {"sample": 1.0, "update": 0.5}
 
 
 def _check_budget(epsilon: float, delta: float, rounds: int) -> None:
@@ -62,15 +84,16 @@ def _check_budget(epsilon: float, delta: float, rounds: int) -> None:
 
 
 def layerwise_budget(scores, epsilon: float) -> tf.Tensor:
-  """Eq. 6: each tensor's epsilon_l from its PSI score S_l ([L] -> [L]); all
+  """Eq. 6: each tensor's epsilon_l from its PSI score S_l ([L] -> [L]); a
+  zero score counts as the largest of the others (see the module), all
   scores 0 give the even split. Non-finite scores (a model that diverged)
   give NaN budgets, so the divergence shows in the upload and the run's
   metrics instead of hiding behind some other split. Runs on tensors inside
   graphs too."""
   scores = tf.cast(scores, tf.float32)
   top = tf.reduce_max(scores)
-  floored = tf.maximum(scores, SCORE_FLOOR * top)
-  inverse = tf.where(top > 0, 1.0 / tf.where(top > 0, floored, 1.0),
+  raised = tf.where(scores > 0, scores, top)
+  inverse = tf.where(top > 0, 1.0 / tf.where(top > 0, raised, 1.0),
                      tf.ones_like(scores))
   budget = epsilon * inverse / tf.reduce_sum(inverse)
   finite = tf.reduce_all(tf.math.is_finite(scores))
@@ -113,26 +136,38 @@ def round_multiplier(epsilon: float, delta: float, rounds: int) -> float:
       epsilon, delta))
 
 
-def calibrated_noise_multipliers(layer_epsilons, multiplier: float) -> tf.Tensor:
-  """sigma_l = 2 z* sqrt(sum_t epsilon_t^2) / epsilon_l with z* =
-  `multiplier` (from `round_multiplier`): one round's layer events then
-  compose to exactly the Gaussian event of multiplier z*."""
+def _per_sigma(sensitivity: str) -> float:
+  if sensitivity not in SENSITIVITIES:
+    raise ValueError(f"sensitivity={sensitivity!r}; choose one of {SENSITIVITIES}")
+  return MULTIPLIER_PER_SIGMA[sensitivity]
+
+
+def calibrated_noise_multipliers(layer_epsilons, multiplier: float,
+                                 sensitivity: str = "update") -> tf.Tensor:
+  """sigma_l = z* sqrt(sum_t epsilon_t^2) / (m epsilon_l) with z* =
+  `multiplier` (from `round_multiplier`) and m = `MULTIPLIER_PER_SIGMA`:
+  one round's layer events then compose to exactly the Gaussian event of
+  multiplier z*."""
   eps = tf.cast(layer_epsilons, tf.float32)
-  return 2 * multiplier * tf.norm(eps) / eps
+  return multiplier * tf.norm(eps) / (_per_sigma(sensitivity) * eps)
 
 
 def paper_round_multiplier_bound(epsilon: float, delta: float, rounds: int,
-                                 num_layers: int) -> float:
+                                 num_layers: int, sensitivity: str = "update") -> float:
   """The smallest per-round Gaussian multiplier that eq. 9 with even deltas
-  can produce under the local-DP relation, whatever the split:
-  sqrt(2 T ln(L / delta)) / (2 epsilon)."""
+  can produce, whatever the split: m sqrt(2 T ln(L / delta)) / epsilon,
+  m = `MULTIPLIER_PER_SIGMA`."""
   _check_budget(epsilon, delta, rounds)
-  return math.sqrt(2 * rounds * math.log(num_layers / delta)) / (2 * epsilon)
+  return (_per_sigma(sensitivity)
+          * math.sqrt(2 * rounds * math.log(num_layers / delta)) / epsilon)
 
 
-def layerwise_event(noise_multipliers: Sequence[float]) -> dp_accounting.DpEvent:
-  """One round of per-layer Gaussian noise under the local-DP relation:
-  layer l's event has multiplier sigma_l / 2 (sensitivity 2 C_l)."""
+def layerwise_event(noise_multipliers: Sequence[float],
+                    sensitivity: str = "update") -> dp_accounting.DpEvent:
+  """One round of per-layer Gaussian noise: layer l's event has multiplier
+  m sigma_l (m = `MULTIPLIER_PER_SIGMA`: 1/2 for 'update', whose
+  sensitivity is 2 C_l; 1 for 'sample', whose noise is scaled to its own)."""
+  m = _per_sigma(sensitivity)
   return dp_accounting.ComposedDpEvent(
-      [dp_accounting.GaussianDpEvent(float(s) / 2) for s in noise_multipliers])
+      [dp_accounting.GaussianDpEvent(float(s) * m) for s in noise_multipliers])
 
