@@ -53,11 +53,14 @@ C_l 0.15.
   at epsilon = inf; at epsilon 50 and 10 (and, by `--table1-epsilons`, 1000
   and 10000, where utility returns): LDP-Fed (alpha-CLDP, its alpha set
   so that the basic composition of every entry over every round spends the
-  same total epsilon), FedRE, FedRE without PSI (even split), FedRE without
-  PDA-PAM (plain mean), FedRE with the normalised PDA-PAM rule, FedRE whose
-  PDA-PAM weighs by score ratios (log S in eq. 10) under eq. 11 and under
-  the normalised rule, and FedRE whose noise the accountant calibrates to
-  really spend epsilon (normalised rule). Central, FedAvg and the DP rows
+  same total epsilon), FedRE (its defaults: noise scaled to one sample's
+  sensitivity 2 C_l / |D_k|, clip and noise in gradient units scaled by
+  eq. 11's eta, the normalised PDA-PAM rule), FedRE without PSI (even
+  split), FedRE without PDA-PAM (plain mean), FedRE with eq. 11 as written,
+  FedRE whose PDA-PAM weighs by score ratios (log S in eq. 10), FedRE whose
+  noise the accountant calibrates to really spend epsilon, FedRE with eq. 8
+  on the whole clipped update (std C_l sigma_l) and FedRE noising the model
+  change itself (eta on the client). Central, FedAvg and the DP rows
   report the global model's scores, Localset the mean of each client's own
   model on its own test split.
   Every method trains with the setting's client optimizer and local
@@ -126,7 +129,7 @@ CLIPS = (0.25, 0.20, 0.15, 0.07, 0.05, 0.03)
 FIG6_CLIENTS = (2, 5, 10)
 # Fig. 6's runs: eq. 11 as written (its step grows with the number of
 # clients), the normalised rule (a mean's step) and the plain mean
-FIG6_AGGREGATIONS = {"pda_pam": {"aggregation": "pda_pam"},
+FIG6_AGGREGATIONS = {"pda_pam": {"aggregation": "pda_pam", "pda_pam_rule": "paper"},
                      "pda_pam_normalized": {"aggregation": "pda_pam",
                                             "pda_pam_rule": "normalized"},
                      "mean": {"aggregation": "mean"}}
@@ -191,12 +194,11 @@ DP_ROWS = {"LDP-Fed": None,
            "FedRE": {},
            "FedRE w/o PSI": {"budget_split": "even"},
            "FedRE w/o PDA-PAM": {"aggregation": "mean"},
-           "FedRE (normalized PDA-PAM)": {"pda_pam_rule": "normalized"},
+           "FedRE (eq. 11 as written)": {"pda_pam_rule": "paper"},
            "FedRE (log-score PDA-PAM)": {"pda_pam_scores": "log"},
-           "FedRE (log-score normalized PDA-PAM)": {"pda_pam_scores": "log",
-                                                    "pda_pam_rule": "normalized"},
-           "FedRE (accountant noise)": {"noise_calibration": "accountant",
-                                        "pda_pam_rule": "normalized"}}
+           "FedRE (accountant noise)": {"noise_calibration": "accountant"},
+           "FedRE (whole-update sensitivity)": {"sensitivity": "update"},
+           "FedRE (eta on the client)": {"eta_placement": "client"}}
 TABLE1_METHODS = ("Central", "FedAvg", "Localset", *DP_ROWS)
 # Table 1 of the paper (T-SROIE, DocTamper): (IoU, F-score)
 PAPER_TABLE1 = {("inf", "Central"): ((0.721, 0.838), (0.575, 0.729)),
@@ -392,8 +394,10 @@ def write_table1(args, rows: list[dict]) -> str:
             "no global model (Localset) or did not record it. Rounds all "
             "left out: rounds where PDA-PAM found no upload and score finite "
             "and kept the model where it was ('-' without PDA-PAM).",
-            "", "Accountant epsilon: what dp_accounting (RDP, local-DP relation, "
-            "delta 1e-5) computes for the noise added: for FedRE with eq. 9 and "
+            "", "Accountant epsilon: what dp_accounting (RDP, the row's "
+            "relation: sample-level with the assumed sensitivity 2 C_l / |D_k|, "
+            "a heuristic, or local DP of the whole update for the "
+            "whole-update row; delta 1e-5) computes for the noise added: for FedRE with eq. 9 and "
             "the PSI split the bound over every split, for the even split and "
             "the accountant-calibrated noise the exact value; LDP-Fed's is pure "
             "DP by the basic composition theorem (delta 0), the row's epsilon "

@@ -29,10 +29,7 @@ _ENTRIES = [
      "protocol": {"batch_size": 10}},
     {"name": "FedRE", "method": "fedre",
      "method_kwargs": {"regions": _REGION, "psi_samples": 2, "psi_pixels": 8,
-                       "public_samples": 2, "client_learning_rate": 0.05,
-                       # eq. 11 as written scales the step by the number of
-                       # clients and diverges here; see fedre.build_fedre
-                       "pda_pam_rule": "normalized"},
+                       "public_samples": 2, "client_learning_rate": 0.05},
      "sweep": {"epsilon": [50.0, 10000.0]}, "default": 50.0},
     {"name": "RECUP-FL", "method": "fedsgd", "method_kwargs": _FEDSGD,
      "defense": "recupfl",
