@@ -5,7 +5,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import dp
-from tff_privacy.dp import accounting
+from tff_privacy.dp import accounting, dp_sgd
 
 CLIPS = [1.0, 0.5, 2.0]
 SIGMAS = [0.5, 2.0, 1.0]
@@ -270,3 +270,33 @@ def test_budget_arguments_are_checked(args, message):
 def test_layerwise_budget_of_non_finite_scores_is_nan_not_another_split(bad):
   from tff_privacy.dp import layerwise_budget as lb
   assert np.isnan(lb.layerwise_budget([bad, 1.0, 2.0], 3.0).numpy()).all()
+
+
+def test_layerwise_private_gradient_clips_each_tensor_of_each_example():
+  rng = np.random.default_rng(3)
+  grads = [rng.normal(scale=s, size=(5,) + shape).astype(np.float32)
+           for s, shape in zip((1.0, 0.05, 3.0), [(4, 3), (3,), (2, 2)])]
+  clip = 0.5
+  got = dp_sgd.layerwise_private_gradient(
+      [tf.constant(g) for g in grads], clip, tf.zeros([3]),
+      tf.constant([1, 2], tf.int64), tf.constant(4.0))
+  for g, t in zip(grads, got):
+    norms = np.sqrt((g.reshape(5, -1) ** 2).sum(1))
+    scale = np.minimum(1.0, clip / norms)
+    expected = (scale[:, None] * g.reshape(5, -1)).sum(0).reshape(g.shape[1:]) / 4
+    np.testing.assert_allclose(t.numpy(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_layerwise_private_gradient_noise_std_is_clip_times_each_multiplier():
+  zeros = [tf.zeros((1,) + s) for s in SHAPES]
+  sigmas = tf.constant(SIGMAS)
+  step = tf.function(lambda seed: dp_sgd.layerwise_private_gradient(
+      zeros, 0.7, sigmas, seed, tf.constant(2.0)))
+  draws = [step(tf.constant([s, 9], tf.int64)) for s in range(3)]
+  for l, sigma in enumerate(SIGMAS):
+    samples = np.concatenate([d[l].numpy().ravel() for d in draws])
+    np.testing.assert_allclose(samples.std(), 0.7 * sigma / 2.0, rtol=0.05)
+    assert abs(samples.mean()) < 5 * 0.7 * sigma / 2.0 / np.sqrt(samples.size)
+  np.testing.assert_array_equal(step(tf.constant([1, 9], tf.int64))[0].numpy(),
+                                draws[1][0].numpy())
+  assert not np.array_equal(draws[0][0].numpy(), draws[1][0].numpy())

@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 import dp_accounting
 import tensorflow as tf
 
-from tff_privacy.dp.queries import SeededGaussianSumQuery, with_seed
+from tff_privacy.dp.queries import (LayerwiseGaussianQuery,
+                                   SeededGaussianSumQuery, with_seed)
 
 RELATION = ("sample-level: add or remove one training example of one client; "
             "every step's batch Poisson-sampled at rate batch_size / n")
@@ -112,3 +113,24 @@ def clipped_sum(per_example_grads: Sequence[tf.Tensor],
   norms = tf.sqrt(tf.add_n(squares))
   scale = l2_norm_clip / tf.maximum(norms, l2_norm_clip)
   return [tf.tensordot(scale, g, axes=1) for g in per_example_grads]
+
+
+def layerwise_private_gradient(per_example_grads: Sequence[tf.Tensor],
+                               l2_norm_clip: float, noise_multipliers: tf.Tensor,
+                               seed: tf.Tensor,
+                               denominator: tf.Tensor) -> list[tf.Tensor]:
+  """One DP-SGD step's gradient with a clip and a noise multiplier per
+  tensor: every example's gradient of tensor l clipped to L2 norm C =
+  `l2_norm_clip` on its own, summed over the batch, plus Gaussian noise of
+  std C sigma_l (`noise_multipliers` [L], a `LayerwiseGaussianQuery` seeded
+  by the int64[2] `seed`), divided by `denominator` (a Poisson batch's
+  expected size)."""
+  num_layers = len(per_example_grads)
+  query = LayerwiseGaussianQuery([l2_norm_clip] * num_layers, [1.0] * num_layers)
+  state = with_seed(query, query.initial_global_state(), seed)
+  stddevs = tf.unstack(l2_norm_clip * tf.cast(noise_multipliers, tf.float32),
+                       num=num_layers)
+  state = type(state)(s._replace(stddev=d) for s, d in zip(state, stddevs))
+  total = [clipped_sum([g], l2_norm_clip)[0] for g in per_example_grads]
+  noised, _, _ = query.get_noised_result(total, state)
+  return [t / tf.cast(denominator, tf.float32) for t in noised]
