@@ -20,7 +20,6 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
-from tff_privacy.aggregation.wide_sum import federated_wide_sum
 from tff_privacy.algorithms import defended, local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          refuse_defense, server_learning_rate)
@@ -65,20 +64,7 @@ def build_dp_sgd_client_work(
         update_weight=local_dp_sgd.examples_per_pass(dataset, local_epochs)),
         sums)
 
-  @tff.federated_computation
-  def init_fn():
-    return tff.federated_value((), tff.SERVER)
-
-  @tff.federated_computation(init_fn.type_signature.result,
-                             tff.FederatedType(weights_type, tff.CLIENTS),
-                             tff.FederatedType(data_type, tff.CLIENTS))
-  def next_fn(state, weights, data):
-    result, sums = tff.federated_map(client_update, (weights, data))
-    measurements = tff.federated_map(personalized.train_metrics,
-                                     federated_wide_sum(sums))
-    return tff.templates.MeasuredProcessOutput(state, result, measurements)
-
-  return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)
+  return local_dp_sgd.local_training_client_work(client_update)
 
 
 def build_dp_sgd_fedavg(

@@ -54,6 +54,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
+from tff_privacy.aggregation.wide_sum import federated_wide_sum
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import Federation, PrivateState
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
@@ -211,6 +212,31 @@ def algorithm_fields(dp: DPSGD, run_seed: int) -> dict:
           "dp_event": lambda num_params: dp.round_event(),
           "dp_relation": dp_sgd.RELATION,
           "stated_privacy": lambda rounds: dp.stated_privacy()}
+
+
+def local_training_client_work(
+    client_update: tff.Computation) -> tff.learning.templates.ClientWorkProcess:
+  """A stateless client work whose clients run `client_update(weights,
+  dataset) -> (ClientResult, summed train_sums)`: one TensorFlow
+  computation over the broadcast weights and the client's whole data set
+  (every input its batches carry), so it may compute what the round needs
+  before its local steps. Measurements: `personalized.train_metrics`."""
+  weights_type, data_type = client_update.type_signature.parameter
+
+  @tff.federated_computation
+  def init_fn():
+    return tff.federated_value((), tff.SERVER)
+
+  @tff.federated_computation(init_fn.type_signature.result,
+                             tff.FederatedType(weights_type, tff.CLIENTS),
+                             tff.FederatedType(data_type, tff.CLIENTS))
+  def next_fn(state, weights, data):
+    result, sums = tff.federated_map(client_update, (weights, data))
+    measurements = tff.federated_map(personalized.train_metrics,
+                                     federated_wide_sum(sums))
+    return tff.templates.MeasuredProcessOutput(state, result, measurements)
+
+  return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)
 
 
 def split_declared(declared: dict) -> tuple[dict, dict]:
