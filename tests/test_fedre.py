@@ -9,10 +9,11 @@ import dp_accounting
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tff_privacy import data, evaluate, models, psi, runner
 from tff_privacy.aggregation import PublicRegions, build_pda_pam
-from tff_privacy.algorithms import fedre
+from tff_privacy.algorithms import fedre, local_dp_sgd
 from tff_privacy.defenses import ClientView
 from tff_privacy.updates import UpdateStore
 
@@ -479,3 +480,107 @@ def test_pixel_perturbation_uploads_the_plain_update_and_claims_no_epsilon(tmp_p
     assert not np.allclose(n[0], p[0], atol=1e-4)
   assert "epsilon" not in history[-1] and "paper_epsilon" not in history[-1]
   assert "unperturbed_share" not in history[-1]
+
+
+def _steps_mechanism(noise_multiplier, clip=0.5, **kwargs):
+  return _mechanism(noise_on="steps", clip=clip,
+                    steps=local_dp_sgd.DPSGD(clip, noise_multiplier), **kwargs)
+
+
+def test_step_noise_multipliers_keep_eq_9s_shape_and_compose_to_z():
+  mechanism = _steps_mechanism(1.3)
+  view, _, _ = _view(SPEC.initial_weights(0))
+  seed = tf.constant([1, 2], tf.int64)
+  eps = mechanism.layer_epsilons(view, seed).numpy().astype(np.float64)
+  sigmas = mechanism.step_noise_multipliers(view, seed).numpy()
+  assert len(set(np.round(eps, 3))) > 1  # the PSI split, not the even one
+  np.testing.assert_allclose(sigmas * eps, (sigmas * eps)[0], rtol=1e-5)
+  np.testing.assert_allclose(1 / np.sqrt((1 / sigmas.astype(np.float64) ** 2).sum()),
+                             1.3, rtol=1e-5)
+
+
+def _steps_round(mechanism, x, y, learning_rate, seed=(5, 6)):
+  """The update of one client round of noise_on='steps' on one batch of all
+  of the client's samples (a Poisson rate of 1)."""
+  model_fn = SPEC.tff_model_fn()
+
+  @tff.tensorflow.computation()
+  def initial():
+    return tff.learning.models.ModelWeights.from_model(model_fn())
+
+  weights = tff.learning.models.ModelWeights(
+      trainable=SPEC.initial_weights(0), non_trainable=[])
+  update = fedre.steps_client_update(SPEC, mechanism, initial.type_signature.result,
+                                     learning_rate)
+  batch = {"x": x, "y": y.astype(np.int32), fedre.SEED_KEY: np.array(seed, np.int64),
+           fedre.MASK_KEY: MASK.astype(np.float32), fedre.PROFILE_KEY: np.int32(0)}
+  result, sums = update(weights, [batch])
+  assert sums[2] == len(y)
+  return [np.asarray(u) for u in result.update]
+
+
+def _clipped_mean_gradient(x, y, clip):
+  """Each example's gradient (its own tape), each tensor clipped to `clip`
+  alone, averaged over the batch."""
+  model = SPEC.keras()
+  model.set_weights(SPEC.initial_weights(0))
+  loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  total = [np.zeros(w.shape) for w in SPEC.initial_weights(0)]
+  for i in range(len(y)):
+    with tf.GradientTape() as tape:
+      value = loss(y[i:i + 1], model(x[i:i + 1]))
+    for l, g in enumerate(tape.gradient(value, model.trainable_variables)):
+      g = g.numpy()
+      total[l] += g * min(1.0, clip / np.linalg.norm(g))
+  return [t / len(y) for t in total]
+
+
+def test_a_steps_round_is_sgd_on_the_per_tensor_clipped_noisy_mean():
+  _, x, y = _view(SPEC.initial_weights(0))
+  clean = _clipped_mean_gradient(x, y, 0.05)
+  assert min(np.linalg.norm(g) for g in clean) < 0.05 / 2  # some clipped, some not
+  exact = _steps_round(_steps_mechanism(0.0, clip=0.05), x, y, 0.1)
+  for u, g in zip(exact, clean):
+    np.testing.assert_allclose(u, 0.1 * g, rtol=1e-4, atol=1e-7)
+  # the even split: sigma_l = z ||eps|| / eps_l = 2 z for 4 tensors; the
+  # noise on the mean is clip sigma_l / 4, times the learning rate
+  noisy = _steps_round(_steps_mechanism(0.7, clip=0.05, budget_split="even"),
+                       x, y, 0.1)
+  noise = (noisy[0] - exact[0]) / 0.1
+  np.testing.assert_allclose(noise.std(), 0.05 * 2 * 0.7 / 4, rtol=0.15)
+
+
+def test_steps_run_reports_the_accountants_epsilon_of_its_poisson_steps(tmp_path):
+  # the even split spares the PSI scores: the epsilon holds for every split
+  config = _config(str(tmp_path), noise_on="steps", epsilon=8.0,
+                   aggregation="mean", budget_split="even")
+  history = runner.run(config, progress=False)
+  protocol = UpdateStore(f"{config.out}/updates").records(2)[0].metadata["protocol"]
+  z, q = protocol["noise_multiplier"], protocol["dp_sample_rate"]
+  assert q == 8 / 24 and protocol["dp_steps_per_round"] == 3
+
+  def epsilon(multiplier, steps):
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(dp_accounting.PoissonSampledDpEvent(
+        q, dp_accounting.GaussianDpEvent(multiplier)), steps)
+    return accountant.get_epsilon(1e-5)
+
+  for entry in history:
+    assert entry["epsilon"] == pytest.approx(epsilon(z, 3 * entry["round"]), rel=1e-6)
+  assert history[-1]["epsilon"] <= 8.0 < epsilon(z - 0.01, 6)  # calibrated to 8
+  assert history[-1]["privacy_guarantee"].startswith("proven: sample-level DP-SGD")
+  assert history[-1]["dp_relation"].startswith("sample-level: add or remove one")
+  assert "paper_epsilon" not in history[-1]
+  assert np.isfinite(history[-1]["test_loss"])
+  upload = UpdateStore(f"{config.out}/updates").records(2)[0].upload
+  assert all(np.isfinite(u).all() for u in upload) and np.abs(upload[0]).max() > 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"client_optimizer": "adam"}, "client_optimizer='adam': noise_on='steps' runs DP-SGD"),
+    ({"sensitivity": "update"}, "sensitivity='update' applies to noise_on='update'")])
+def test_steps_refuse_what_only_the_update_noise_uses(tmp_path, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    runner.run(_config(str(tmp_path / "run"), noise_on="steps", **kwargs),
+               progress=False)
+  assert not (tmp_path / "run").exists()

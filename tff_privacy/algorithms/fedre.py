@@ -54,6 +54,24 @@ image's content, so every pass and round sees the same noisy copy, as a
 sanitised data set would) and not clipped to the pixel range. No DP
 guarantee is claimed for it, so such runs report no epsilon.
 
+DP-SGD instead (`noise_on='steps'`): step 4 moves into the local steps.
+The client trains by SGD at eta on Poisson batches (every sample joins a
+step's batch with probability q = batch size / |D_k|, `local_dp_sgd`); at
+each step every example's gradient of tensor l is clipped to C_l, the
+batch's sum gets Gaussian noise of std C_l sigma_l and is divided by the
+expected batch size. Eq. 6 splits the budget on the round's PSI scores as
+in step 3 (once per round, before the steps, under the broadcast model);
+sigma_l keeps eq. 9's shape 1 / epsilon_l, scaled so that each step is one
+Gaussian mechanism of multiplier z, 1 / z^2 = sum_l 1 / sigma_l^2, with z
+the multiplier whose Poisson-sampled steps over the planned rounds the RDP
+accountant prices at (epsilon, delta) (`dp_sgd.noise_multiplier_for`,
+clients of unequal sizes as `local_dp_sgd.client_samplings` groups them).
+The upload is the model change, unclipped and not noised again; the
+epsilon reported is the accountant's for the steps taken, a proven
+sample-level bound (up to what the data-dependent split reveals). Only
+with plain SGD and the defaults of `sensitivity`, `noise_calibration` and
+`eta_placement`, which concern the noise on the update.
+
 The client's total delta is the run's `dp_delta`. Privacy reported per round:
 the paper's epsilon spent so far (eq. 9 and simple composition over layers:
 epsilon sqrt(t / T) after t rounds of a budget planned over T, epsilon
@@ -84,6 +102,8 @@ elements of the client's classes.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import os
 from typing import Optional, Sequence
@@ -98,7 +118,7 @@ from tff_privacy.aggregation import (SCORE_SCALES, UPDATE_RULES, PublicRegions,
                                      build_pda_pam,
                                      compose_with_server_aggregation)
 from tff_privacy.aggregation.wide_sum import wide_sum_then_finalize
-from tff_privacy.algorithms import defended
+from tff_privacy.algorithms import defended, local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Federation,
                                          Method, build_client_optimizer,
                                          check_positive, refuse_defense,
@@ -107,8 +127,9 @@ from tff_privacy.algorithms.defended import SEED_KEY, client_seed
 from tff_privacy.data.documents import PRIVACY_PREFERENCES
 from tff_privacy.defenses.updates import (LOCAL_RELATION, ClientView,
                                           UpdateDefense, run_local_query)
-from tff_privacy.dp import LayerwiseGaussianQuery
+from tff_privacy.dp import LayerwiseGaussianQuery, dp_sgd
 from tff_privacy.dp import layerwise_budget as budget
+from tff_privacy.models.functional import forward
 
 MASK_KEY = "psi_mask"
 PROFILE_KEY = "public_profile"  # which public set PDA-PAM scores a client on
@@ -117,6 +138,11 @@ ETA_PLACEMENTS = ("server", "client")
 NOISE_CALIBRATIONS = ("paper", "accountant")
 AGGREGATIONS = ("pda_pam", "mean")
 PERTURBATIONS = ("gradient", "pixels")
+NOISE_ON = ("update", "steps")
+# folded into the round's seed for the PSI estimator of noise_on='steps'
+# (the steps' noise and Poisson draws fold in step numbers and
+# `local_dp_sgd.SAMPLING_STREAM`)
+PSI_STREAM = 2**31 - 2
 DEFAULT_PIXEL_NOISE = 0.1
 
 PARAMETERS = params.Params(
@@ -135,6 +161,12 @@ PARAMETERS = params.Params(
     params.Param("pixel_noise", float, None, "std of the region pixel noise "
                  "of perturbation='pixels' (pixel values in [0, 1]; default "
                  f"{DEFAULT_PIXEL_NOISE})", minimum=0),
+    params.Param("noise_on", str, "update", "update: the round's clipped "
+                 "update noised once (eqs. 7-8); steps: DP-SGD, each local "
+                 "step's per-example gradients clipped per tensor to C_l and "
+                 "their sum noised with eq. 9's shape, calibrated by the RDP "
+                 "accountant (a proven sample-level epsilon, Poisson batches)",
+                 choices=NOISE_ON),
     params.Param("noise_calibration", str, "paper", "paper: sigma_l by eq. 9; "
                  "accountant: scaled to spend exactly epsilon by RDP",
                  choices=NOISE_CALIBRATIONS),
@@ -271,6 +303,14 @@ GUARANTEES = {
               "steps; neither epsilon is a proven bound",
     "update": "local DP of each upload: the accountant's epsilon is a proven "
               "bound for a split fixed in advance"}
+STEPS_GUARANTEE = ("proven: sample-level DP-SGD on Poisson batches, every step "
+                   "the Gaussian mechanism of one noise multiplier whatever "
+                   "the layer split, priced by the RDP accountant; what the "
+                   "PSI split, computed from private samples, reveals is not "
+                   "accounted")
+# what noise_on='steps' leaves to the steps, refused beside it
+STEPS_FIXED = {"perturbation": "gradient", "sensitivity": "sample",
+               "noise_calibration": "paper", "eta_placement": "server"}
 
 
 class FedREMechanism(UpdateDefense):
@@ -286,7 +326,14 @@ class FedREMechanism(UpdateDefense):
                sensitivity: str = "sample", eta_placement: str = "server",
                learning_rate: float = 0.005, local_epochs: int = 1,
                perturbation: str = "gradient", pixel_noise: Optional[float] = None,
-               seed: int = 0):
+               seed: int = 0, noise_on: str = "update",
+               steps: Optional[local_dp_sgd.DPSGD] = None):
+    if noise_on not in NOISE_ON:
+      raise ValueError(f"noise_on={noise_on!r}; choose one of {NOISE_ON}")
+    if noise_on == "steps":
+      _check_steps(steps, perturbation=perturbation, sensitivity=sensitivity,
+                   noise_calibration=noise_calibration,
+                   eta_placement=eta_placement)
     if perturbation not in PERTURBATIONS:
       raise ValueError(f"perturbation={perturbation!r}; choose one of {PERTURBATIONS}")
     if sensitivity not in budget.SENSITIVITIES:
@@ -306,7 +353,11 @@ class FedREMechanism(UpdateDefense):
       pixel_noise = DEFAULT_PIXEL_NOISE
     self.spec = spec
     self.perturbation, self.pixel_noise, self.seed = perturbation, pixel_noise, seed
-    self.acts_on_update = perturbation == "gradient"  # 'pixels': transform_batch
+    # 'pixels': transform_batch; 'steps': the local steps
+    self.acts_on_update = perturbation == "gradient" and noise_on == "update"
+    self.noise_on, self.steps = noise_on, steps
+    if steps is not None:
+      self.dp_relation = dp_sgd.RELATION
     self.num_layers = len(spec.initial_weights(0))
     self.epsilon, self.delta, self.rounds, self.clip = epsilon, delta, rounds, clip
     self.budget_split, self.noise_calibration = budget_split, noise_calibration
@@ -332,7 +383,10 @@ class FedREMechanism(UpdateDefense):
             "psi_samples": self.psi_samples, "psi_pixels": self.psi_pixels,
             "sensitivity": self.sensitivity, "eta_placement": self.eta_placement,
             "learning_rate": self.learning_rate,
-            "local_epochs": self.local_epochs, "perturbation": "gradient"}
+            "local_epochs": self.local_epochs, "perturbation": "gradient",
+            "noise_on": self.noise_on,
+            **({"noise_multiplier": self.steps.noise_multiplier}
+               if self.steps else {})}
 
   def transform_batch(self, batch, inputs):
     """'pixels': each image plus N(0, pixel_noise^2) on the region's pixels,
@@ -364,6 +418,14 @@ class FedREMechanism(UpdateDefense):
                             pixels=self.psi_pixels, seed=seed).scores
     return budget.layerwise_budget(tf.reduce_mean(scores, 0), self.epsilon)
 
+  def step_noise_multipliers(self, client: ClientView, seed) -> tf.Tensor:
+    """noise_on='steps': every local step's sigma_l, eq. 9's shape 1 /
+    epsilon_l (eq. 6 on the round's PSI scores under the broadcast model)
+    scaled so that a step is the Gaussian mechanism of multiplier z =
+    `steps.noise_multiplier`: z ||epsilon|| / epsilon_l."""
+    return budget.calibrated_noise_multipliers(
+        self.layer_epsilons(client, seed), self.steps.noise_multiplier, "sample")
+
   def noise_multipliers(self, layer_epsilons) -> tf.Tensor:
     if self.round_multiplier is not None:
       return budget.calibrated_noise_multipliers(
@@ -382,7 +444,7 @@ class FedREMechanism(UpdateDefense):
     return 2.0 * self.local_epochs / tf.cast(tf.maximum(seen, 1), tf.float32)
 
   def apply(self, update, seed, client: Optional[ClientView] = None):
-    if self.perturbation == "pixels":
+    if self.perturbation == "pixels" or self.noise_on == "steps":
       return list(update)
     if client is None:
       raise ValueError("fedre needs the client's data, region and model (a ClientView)")
@@ -403,6 +465,8 @@ class FedREMechanism(UpdateDefense):
     guarantee."""
     if self.perturbation == "pixels":
       return None
+    if self.steps is not None:
+      return self.steps.round_event()
     if self.round_multiplier is not None:
       return dp_accounting.GaussianDpEvent(self.round_multiplier)
     if self.budget_split == "even":
@@ -411,6 +475,100 @@ class FedREMechanism(UpdateDefense):
       return budget.layerwise_event(sigmas.numpy(), self.sensitivity)
     return dp_accounting.GaussianDpEvent(budget.paper_round_multiplier_bound(
         self.epsilon, self.delta, self.rounds, self.num_layers, self.sensitivity))
+
+
+def _check_steps(steps: Optional[local_dp_sgd.DPSGD], **settings) -> None:
+  if steps is None or not steps.poisson:
+    raise ValueError("noise_on='steps' needs its DP-SGD on Poisson batches "
+                     "(`local_dp_sgd.configure` of the run)")
+  for name, value in settings.items():
+    if value != STEPS_FIXED[name]:
+      raise ValueError(f"{name}={value!r} applies to noise_on='update'; "
+                       f"noise_on='steps' runs DP-SGD ({name}="
+                       f"{STEPS_FIXED[name]!r})")
+
+
+def check_steps_optimizer(client_optimizer: str) -> None:
+  """noise_on='steps' takes plain SGD steps on the noisy mean gradient."""
+  if client_optimizer != "sgd":
+    raise ValueError(f"client_optimizer={client_optimizer!r}: noise_on='steps' "
+                     "runs DP-SGD, whose steps are plain SGD; use 'sgd'")
+
+
+def per_example_gradients(model: tf.keras.Model, weights: Sequence[tf.Tensor],
+                          batch, loss) -> list[tf.Tensor]:
+  """The gradient of `loss(logits, labels)` for each example of the batch
+  alone, one tensor per weight with the batch on axis 0 (one vectorised
+  map)."""
+
+  def one_example(example):
+    x, y = example
+    with tf.GradientTape() as tape:
+      free = list(weights)
+      tape.watch(free)
+      value = loss(forward(model, free, x[tf.newaxis]), y[tf.newaxis])
+    return tape.gradient(value, free)
+
+  return tf.vectorized_map(one_example, (batch["x"], batch["y"]))
+
+
+def steps_client_update(spec, mechanism: FedREMechanism, weights_type,
+                        learning_rate: float) -> tff.Computation:
+  """noise_on='steps': a client's round, (ClientResult, summed train sums).
+  The layer noise multipliers come first (`step_noise_multipliers` under
+  the broadcast model), then SGD at `learning_rate` on the DP-SGD gradient
+  of each Poisson batch (`local_dp_sgd.poisson_batches`): per-example,
+  per-tensor clipping to `clip`, noise of std clip sigma_l on the sum, over
+  the expected batch size. The update is the model change. The client's
+  batches carry its seed and `client_input_types` as for 'update'."""
+  task, epochs, clip = spec.task_object, mechanism.local_epochs, mechanism.clip
+  data_type = tff.SequenceType(collections.OrderedDict(
+      [(k, tff.TensorType(v.dtype.as_numpy_dtype, v.shape))
+       for k, v in spec.input_spec.items()]
+      + [(SEED_KEY, defended.SEED_TYPE)] + list(mechanism.client_input_types.items())))
+
+  @tff.tensorflow.computation(weights_type, data_type)
+  def client_update(weights, dataset):
+    model = spec.keras()
+    start = list(weights.trainable)
+    first = dataset.take(1).get_single_element()
+    view = ClientView(start, dataset.map(lambda b: collections.OrderedDict(
+        x=b["x"], y=b["y"])), {MASK_KEY: first[MASK_KEY]})
+    sigmas = mechanism.step_noise_multipliers(
+        view, tf.random.experimental.stateless_fold_in(first[SEED_KEY], PSI_STREAM))
+
+    def step(carry, batch):
+      w, sums, i = carry
+      _, batch_sums = personalized.batch_loss(model, w, batch, task)
+      grads = dp_sgd.layerwise_private_gradient(
+          per_example_gradients(model, w, batch, task.loss), clip, sigmas,
+          local_dp_sgd.step_seed(batch, i), batch[local_dp_sgd.EXPECTED_SIZE_KEY])
+      return (tuple(p - learning_rate * g for p, g in zip(w, grads)),
+              sums + batch_sums, i + 1)
+
+    w, sums, _ = local_dp_sgd.poisson_batches(dataset, epochs).reduce(
+        (tuple(start), tf.zeros([3]), tf.constant(0, tf.int64)), step)
+    return (tff.learning.templates.ClientResult(
+        update=[s - e for s, e in zip(start, w)],
+        update_weight=local_dp_sgd.examples_per_pass(dataset, epochs)), sums)
+
+  return client_update
+
+
+def _client_work(spec, mechanism: FedREMechanism, weights_type, model_fn,
+                 client_optimizer: str, learning_rate: float):
+  """noise_on='update': FedAvg's local training and the mechanism on the
+  update (`defended.with_update_defense`); 'steps': DP-SGD steps
+  (`steps_client_update`), the same client data."""
+  if mechanism.noise_on == "update":
+    return defended.with_update_defense(
+        tff.learning.templates.build_model_delta_client_work(
+            model_fn, build_client_optimizer(client_optimizer, learning_rate),
+            tff.learning.ClientWeighting.NUM_EXAMPLES, wide_sum_then_finalize),
+        mechanism)
+  check_steps_optimizer(client_optimizer)
+  return local_dp_sgd.local_training_client_work(steps_client_update(
+      spec, mechanism, weights_type, learning_rate))
 
 
 def build_fedre(spec, mechanism: FedREMechanism, *,
@@ -430,7 +588,8 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
     mechanism: the clients' `FedREMechanism` (budget, clip, PSI settings).
     client_learning_rate: the clients' local learning rate.
     server_learning_rate: the server's SGD step on the aggregate.
-    client_optimizer: 'sgd' (the paper is silent; FedAvg's) or 'adam'.
+    client_optimizer: 'sgd' (the paper is silent; FedAvg's) or 'adam' (not
+      with the mechanism's noise_on='steps').
     public: the server's public samples and regions, one set per profile
       (a client's 'public_profile' input indexes them); None aggregates by
       the plain example-weighted mean (FedRE without PDA-PAM).
@@ -445,24 +604,23 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
 
   Raises:
     ValueError: for a learning rate <= 0, an unknown `pda_pam_rule` or
-      `pda_pam_scores`.
+      `pda_pam_scores`, Adam with noise_on='steps'.
   """
   check_positive(client_learning_rate=client_learning_rate,
                  server_learning_rate=server_learning_rate)
   model_fn = spec.tff_model_fn()
-  client_work = defended.with_update_defense(
-      tff.learning.templates.build_model_delta_client_work(
-          model_fn, build_client_optimizer(client_optimizer, client_learning_rate),
-          tff.learning.ClientWeighting.NUM_EXAMPLES, wide_sum_then_finalize),
-      mechanism)
-  server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
-  if public is None:
-    return defended.compose_defended(model_fn, client_work, server_optimizer,
-                                     model_aggregator)
 
   @tff.tensorflow.computation()
   def initial_model_weights_fn():
     return tff.learning.models.ModelWeights.from_model(model_fn())
+
+  client_work = _client_work(spec, mechanism,
+                             initial_model_weights_fn.type_signature.result,
+                             model_fn, client_optimizer, client_learning_rate)
+  server_optimizer = tff.learning.optimizers.build_sgdm(server_learning_rate)
+  if public is None:
+    return defended.compose_from_weights(initial_model_weights_fn, client_work,
+                                         server_optimizer, model_aggregator)
 
   @tff.tensorflow.computation(client_work.next.type_signature.parameter[2].member)
   def client_profile(dataset):
@@ -519,10 +677,13 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
               public_samples: int, client_learning_rate: float,
               server_learning_rate: float, local_epochs: int,
               client_optimizer: str, perturbation: str,
-              pixel_noise: Optional[float], allow_over_budget: bool) -> Algorithm:
+              pixel_noise: Optional[float], allow_over_budget: bool,
+              noise_on: str) -> Algorithm:
   """FedRE as the runner drives it."""
   refuse_defense("fedre", defense)
   check_positive(batch_size=batch_size)
+  if noise_on == "steps":
+    check_steps_optimizer(client_optimizer)
   federation = federation or Federation(rounds=1, client_sizes=(0,))
   planned = budget_rounds or federation.rounds
   if (perturbation == "gradient" and federation.rounds > planned
@@ -533,6 +694,10 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
         "allow_over_budget (--allow-over-budget) to spend more than epsilon, "
         "or plan the budget over the run")
   delta = federation.dp_delta
+  steps = None if noise_on == "update" else local_dp_sgd.configure(
+      "fedre", dataclasses.replace(federation, rounds=planned), batch_size,
+      local_epochs, l2_norm_clip=clip, noise_multiplier=None,
+      target_epsilon=epsilon, target_delta=delta, batch_sampling="poisson")
   masks = client_regions(regions, len(federation.client_sizes),
                          *spec.input_shape[:2], data=federation.data)
   mechanism = FedREMechanism(
@@ -542,7 +707,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       psi_samples=psi_samples, psi_pixels=psi_pixels,
       sensitivity=sensitivity, eta_placement=eta_placement,
       learning_rate=client_learning_rate, local_epochs=local_epochs,
-      perturbation=perturbation, pixel_noise=pixel_noise, seed=seed)
+      perturbation=perturbation, pixel_noise=pixel_noise, seed=seed,
+      noise_on=noise_on, steps=steps)
   public = (public_regions(federation, regions, masks, public_samples)
             if aggregation == "pda_pam" else None)
   return Algorithm(
@@ -560,7 +726,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
                 "client_optimizer": client_optimizer,
                 "delta_convention": "broadcast_minus_local",
                 "aggregation": aggregation, "pda_pam_rule": pda_pam_rule,
-                "pda_pam_scores": pda_pam_scores},
+                "pda_pam_scores": pda_pam_scores, "noise_on": noise_on,
+                **(steps.protocol() if steps else {})},
       client_inputs=lambda client, round_num: {
           SEED_KEY: client_seed(seed, round_num, client),
           MASK_KEY: masks[client].astype(np.float32),
@@ -571,13 +738,25 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       # U-Net need 1.4 GB: one client at a time
       concurrent_clients=1 if aggregation == "pda_pam" or (
           perturbation == "gradient" and budget_split == "psi") else -1,
-      stated_privacy=None if perturbation == "pixels" else lambda rounds: {
-          "paper_epsilon": budget.paper_epsilon_spent(epsilon, planned, rounds),
-          "paper_delta": delta,
-          "paper_accounting": "eq. 9 per tensor, simple composition over "
-          f"tensors (Theorem 1, Corollary 1), noise planned for {planned} "
-          "rounds",
-          "privacy_guarantee": GUARANTEES[sensitivity]})
+      stated_privacy=_stated_privacy(mechanism))
+
+
+def _stated_privacy(mechanism: FedREMechanism):
+  """`Algorithm.stated_privacy`: for noise_on='update' the paper's epsilon
+  and its accounting, for 'steps' the batch sampling; both with
+  `privacy_guarantee`. None for 'pixels', which claims no DP guarantee."""
+  m = mechanism
+  if m.perturbation == "pixels":
+    return None
+  if m.steps is not None:
+    return lambda rounds: {"privacy_guarantee": STEPS_GUARANTEE,
+                           **m.steps.stated_privacy()}
+  return lambda rounds: {
+      "paper_epsilon": budget.paper_epsilon_spent(m.epsilon, m.rounds, rounds),
+      "paper_delta": m.delta,
+      "paper_accounting": "eq. 9 per tensor, simple composition over "
+      f"tensors (Theorem 1, Corollary 1), noise planned for {m.rounds} rounds",
+      "privacy_guarantee": GUARANTEES[m.sensitivity]}
 
 
 METHOD = Method("fedre", PARAMETERS, algorithm,
