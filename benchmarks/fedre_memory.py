@@ -1,0 +1,98 @@
+"""Peak resident memory of a FedRE run on the bundled documents: the whole
+process tree of `tff-privacy train --method fedre --dataset docs` (the
+driver and its TFF worker processes), sampled every 0.5 s. The tree is
+killed when it exceeds `--limit-mb`, so a run that would exhaust the
+machine stops first; the peak it reached and the time are printed either
+way. The run takes the documents' protocol except for its rounds (and
+`--clients` where given); further `tff-privacy train` flags follow `--`,
+e.g. `-- --data-kwargs '{"size": 64}'` for 64x64 documents.
+
+  python benchmarks/fedre_memory.py [--clients N] [--rounds 2]
+      [--limit-mb 12000] [-- TRAIN FLAGS...]
+
+Prints the measured command line, then `peak_rss_mb=<x>`, the seconds
+elapsed and whether the run finished or was killed.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # also the run's
+
+import argparse
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+from tff_privacy.cli import _positive_int
+
+SAMPLE_S = 0.5
+
+
+def tree_rss(root: psutil.Process) -> int:
+  """Bytes resident in `root` and all of its descendants."""
+  total = 0
+  for p in [root, *root.children(recursive=True)]:
+    try:
+      total += p.memory_info().rss
+    except psutil.NoSuchProcess:
+      pass
+  return total
+
+
+def kill_tree(root: psutil.Process) -> None:
+  """SIGKILLs `root` and its descendants, children first."""
+  for p in [*root.children(recursive=True), root]:
+    try:
+      p.kill()
+    except psutil.NoSuchProcess:
+      pass
+
+
+def watch(command: list[str], limit_bytes: int) -> tuple[int, float, str]:
+  """Runs `command`; returns (peak tree RSS in bytes, seconds, outcome)."""
+  start = time.monotonic()
+  process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+  root = psutil.Process(process.pid)
+  peak = 0
+  while process.poll() is None:
+    try:
+      peak = max(peak, tree_rss(root))
+    except psutil.NoSuchProcess:
+      break
+    if peak > limit_bytes:
+      kill_tree(root)
+      process.wait()
+      return peak, time.monotonic() - start, "killed_over_limit"
+    time.sleep(SAMPLE_S)
+  outcome = "finished" if process.wait() == 0 else f"failed_rc={process.returncode}"
+  return peak, time.monotonic() - start, outcome
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--clients", type=_positive_int, help="default: the protocol's")
+  parser.add_argument("--rounds", type=_positive_int, default=2)
+  parser.add_argument("--limit-mb", type=_positive_int, default=12000,
+                      help="kill the run's process tree above this resident size")
+  parser.add_argument("extra", nargs="*", help="more `tff-privacy train` flags")
+  args = parser.parse_args()
+  with tempfile.TemporaryDirectory() as out:
+    command = [sys.executable, "-m", "tff_privacy.cli", "train", "--method", "fedre",
+               "--dataset", "docs", "--model", "unet", "--rounds", str(args.rounds),
+               *(["--clients", str(args.clients)] if args.clients else []),
+               "--quiet", "--out", out, *args.extra]
+    shown = ["tff-privacy", *command[3:]]
+    shown[shown.index(out)] = "OUT"
+    print("command=" + shlex.join(shown), flush=True)
+    peak, seconds, outcome = watch(command, args.limit_mb * 2**20)
+  print(f"peak_rss_mb={peak // 2**20} seconds={seconds:.0f} outcome={outcome}")
+
+
+if __name__ == "__main__":
+  main()
