@@ -86,8 +86,7 @@ def test_layer_epsilons_follow_eq_6_on_the_reference_scores():
 # 4 samples and trains at learning rate 0.1
 @pytest.mark.parametrize("calibration, sensitivity, placement, epochs", [
     ("paper", "update", "client", 1), ("accountant", "update", "client", 1),
-    ("paper", "sample", "server", 2), ("accountant", "sample", "server", 1),
-    ("paper", "sample", "client", 1)])
+    ("paper", "sample", "server", 2), ("accountant", "sample", "server", 1)])
 def test_upload_is_clipped_per_layer_plus_gaussian_noise_of_eq_8(
     calibration, sensitivity, placement, epochs):
   mechanism = _mechanism(budget_split="even", noise_calibration=calibration,
