@@ -215,3 +215,20 @@ def test_fedavg_is_evaluated_per_client_with_its_global_model(tmp_path):
   assert history[0]["personal_accuracy_mean"] == pytest.approx(np.mean(accs), abs=1e-6)
   assert history[0]["personal_accuracy_std"] == pytest.approx(np.std(accs), abs=1e-6)
   assert io.read_json(str(tmp_path / "config.json"))["samples_per_client"] == 32
+
+
+@pytest.mark.parametrize("method,kwargs", [
+    ("hyperfl", dict(method_kwargs=dict(SMALL, hypernetwork_epochs=1))),
+    ("local_only", dict(method_kwargs={}))])
+def test_a_lone_clients_model_after_training_is_its_own_model(tmp_path, method,
+                                                              kwargs):
+  """With one client, the server's mean of its upload is the upload (and
+  local-only shares nothing), so the model it reached by its local training
+  is the one personal evaluation scores after the round."""
+  entry = runner.run(_config(tmp_path, method=method, clients=1, rounds=1,
+                             evaluate="local-after-training", **kwargs),
+                     progress=False)[0]
+  assert entry["local_after_training_clients"] == 1
+  for name in ("accuracy_mean", "loss_mean", "accuracy_min"):
+    assert entry[f"local_after_training_{name}"] == pytest.approx(
+        entry[f"personal_{name}"], abs=1e-5)

@@ -281,6 +281,113 @@ def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
   assert record.num_examples == len(x)  # the distinct samples, recorded apart
 
 
+def _pytorch_sgd(model, weights, x, y, batch_size, learning_rate, momentum,
+                 weight_decay):
+  """PyTorch's SGD by hand over consecutive batches of (x, y): b = momentum b
+  + g + weight_decay w, w = w - learning_rate b, b from 0."""
+  w = [tf.constant(v) for v in weights]
+  b = [tf.zeros_like(v) for v in w]
+  for start in range(0, len(y), batch_size):
+    for v, value in zip(model.trainable_variables, w):
+      v.assign(value)
+    with tf.GradientTape() as tape:
+      loss = models.loss_fn()(y[start:start + batch_size],
+                              model(x[start:start + batch_size]))
+    g = tape.gradient(loss, model.trainable_variables)
+    b = [momentum * bi + gi + weight_decay * wi for bi, gi, wi in zip(b, g, w)]
+    w = [wi - learning_rate * bi for wi, bi in zip(w, b)]
+  return [v.numpy() for v in w]
+
+
+def test_fedavg_weight_decay_is_pytorchs_coupled_decay(tmp_path):
+  """Each client's delta is w_t minus PyTorch's SGD with momentum and
+  coupled weight decay over its batches (by hand), and differs from the
+  undecayed step."""
+  sgd = {"client_learning_rate": 0.3, "client_momentum": 0.5}
+  config = runner.RunConfig(
+      out=str(tmp_path), method="fedavg", clients=30, clients_per_round=2,
+      batch_size=5, rounds=1, capture_rounds=(1,), seed=3,
+      method_kwargs={**sgd, "weight_decay": 0.2}, dataset="digits",
+      model="mlp", model_kwargs={"hidden": [16]})
+  runner.run(config, progress=False)
+  store = UpdateStore(os.path.join(config.out, "updates"))
+  truth = GroundTruthStore(os.path.join(config.out, "ground_truth"))
+  for client in store.clients(1):
+    record = store.read(1, client)
+    assert record.metadata["protocol"]["weight_decay"] == 0.2
+    x, y = truth.read(1, client)
+    model = record.model_spec.keras()
+    reached = [w - u for w, u in zip(record.broadcast, record.upload)]
+    decayed = _pytorch_sgd(model, record.broadcast, x, y, 5, 0.3, 0.5, 0.2)
+    for got, want in zip(reached, decayed):
+      np.testing.assert_allclose(got, want, atol=2e-5)
+    undecayed = _pytorch_sgd(model, record.broadcast, x, y, 5, 0.3, 0.5, 0.0)
+    assert max(np.abs(a - b).max() for a, b in zip(reached, undecayed)) > 1e-3
+
+
+def test_fedavg_weight_decay_is_for_sgd():
+  from tff_privacy.algorithms.base import build_client_optimizer
+  with pytest.raises(ValueError, match="weight_decay applies to client_optimizer='sgd'"):
+    build_client_optimizer("adam", 0.01, weight_decay=5e-4)
+
+
+def test_local_after_training_scores_each_clients_trained_model(tmp_path):
+  """Beside the global model's metrics, the mean and spread over the
+  round's clients of each one's model after its local epoch (Keras' SGD
+  from the initial model on its samples in training order), scored on its
+  own test split."""
+  config = runner.RunConfig(
+      out=str(tmp_path), method="fedavg", rounds=1,
+      evaluate="local-after-training",
+      method_kwargs={"client_learning_rate": 0.3, "client_momentum": 0.5},
+      **SMALL)
+  entry = runner.run(config, progress=False)[0]
+  run = runner.Run(config)
+  model = run.spec.keras()
+  accuracies = []
+  for client in run.round_data(1):  # one epoch: x, y in training order
+    trained = _keras_sgd(model, run.spec.initial_weights(config.seed), client.x,
+                         client.y, config.batch_size, 0.3, 0.5)
+    x, y = run.fed.client_test_arrays(client.index)
+    accuracies.append(np.mean(np.argmax(trained.predict(x, verbose=0), 1) == y))
+  assert entry["local_after_training_clients"] == config.clients
+  assert entry["local_after_training_accuracy_mean"] == pytest.approx(
+      np.mean(accuracies), abs=1e-6)
+  assert entry["local_after_training_accuracy_std"] == pytest.approx(
+      np.std(accuracies), abs=1e-6)
+  assert entry["local_after_training_accuracy_min"] == pytest.approx(
+      np.min(accuracies), abs=1e-6)
+  assert "test_accuracy" in entry and "personal_accuracy_mean" in entry
+  assert io.read_json(os.path.join(config.out, "config.json"))["evaluate"] == (
+      "local-after-training")
+
+
+def _keras_sgd(model, weights, x, y, batch_size, learning_rate, momentum):
+  """`model` set to `weights` after Keras' SGD over consecutive batches."""
+  model.set_weights(weights)
+  optimizer = tf.keras.optimizers.SGD(learning_rate, momentum=momentum)
+  for start in range(0, len(y), batch_size):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(
+          y[start:start + batch_size], model(x[start:start + batch_size]),
+          from_logits=True))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables))
+  return model
+
+
+@pytest.mark.parametrize("kwargs,what", [
+    (dict(method="fedsgd"), "method 'fedsgd'"),
+    (dict(method="fedavg", defense="dp_fedavg",
+          defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0}),
+     "method 'fedavg' with defense 'dp_fedavg'")])
+def test_local_after_training_is_refused_where_uploads_do_not_give_it(kwargs, what):
+  with pytest.raises(ValueError, match=(
+      f"evaluate='local-after-training': the uploads of {what} do not give")):
+    runner.Run(runner.RunConfig(out="unused", evaluate="local-after-training",
+                                **{**SMALL, **kwargs}))
+
+
 def test_client_sampling_is_seeded_and_in_range():
   config = runner.RunConfig(out="unused", clients=10, clients_per_round=4, seed=1)
   a, b = runner.sample_clients(config, 5), runner.sample_clients(config, 5)

@@ -13,7 +13,11 @@
   segmentation; `personal_<metric>_mean` for every metric, with
   `personal_<primary metric>_std` / `_min`, of each client's own model on
   its own test split, over the clients that have test samples, and
-  `clients_without_test_data`, how many were left out;
+  `clients_without_test_data`, how many were left out; with evaluate
+  'local-after-training', the same `local_after_training_<metric>_mean`,
+  `_std` and `_min` of the round's clients' models after their local
+  training, before aggregation (the HyperFL paper's "local models"), and
+  `local_after_training_clients`, how many were scored;
   `train_loss`, `seconds`, ...; with a client-side defence that acts on
   the update (not an input perturbation such as FedRE's 'pixels')
   `unperturbed_share`, the share of the round's uploads it left exactly
@@ -69,6 +73,8 @@ from tff_privacy.protocol import local_batch_sizes
 from tff_privacy.updates import CaptureFactory, GroundTruthStore, UpdateStore
 
 _EVAL_BATCH = 1000
+EVALUATIONS = ("global", "local-after-training")
+LOCAL_AFTER_TRAINING = EVALUATIONS[1]
 
 
 def default_model(dataset: str) -> str:
@@ -132,6 +138,13 @@ RUN_PARAMETERS = params.Params(
     params.Param("evaluate_every", int, 1, "rounds between evaluations of the "
                  "model(s) (test and per-client metrics); the last round is "
                  "always evaluated", minimum=1),
+    params.Param("evaluate", str, "global", "what is evaluated: 'global', the "
+                 "global model on the test set and on each client's test split "
+                 "(personalised methods: each client's own model after the "
+                 "round); 'local-after-training' adds each round's clients' "
+                 "models after their local training, before aggregation, each "
+                 "on its own test split (the HyperFL paper's Table 1)",
+                 choices=EVALUATIONS),
     params.Param("adaptive_adversaries", bool, False, "infer_attributes "
                  "also by adaptive adversaries, whose shadow uploads go "
                  "through the run's client defence with its parameters "
@@ -240,6 +253,7 @@ class RunConfig:
   attribute_shadow_pool: str = _run_default("attribute_shadow_pool")
   adaptive_adversaries: bool = _run_default("adaptive_adversaries")
   evaluate_every: int = _run_default("evaluate_every")
+  evaluate: str = _run_default("evaluate")
 
   def __post_init__(self):
     checked = RUN_PARAMETERS.check(
@@ -329,8 +343,9 @@ class RunConfig:
       d.pop("data_kwargs")
     if self.defense is not None:
       d["defense_kwargs"] = defenses.resolve(self.defense, self.defense_kwargs)
-    if self.evaluate_every == 1:  # as runs from before the field existed
-      d.pop("evaluate_every")
+    for name in ("evaluate_every", "evaluate"):  # as runs from before them
+      if d[name] == _run_default(name):
+        d.pop(name)
     if not self.infer_attributes:  # no effect; runs from before it resume
       d.pop("attribute_shadow_pool")
     return io.canonical(d)
@@ -466,6 +481,20 @@ class Evaluator:
     return scores[self.task.primary_metric], scores["loss"]
 
 
+def _spread(prefix: str, primary: str,
+            per_client: list[dict[str, float]]) -> dict[str, float]:
+  """'<prefix>_<metric>_mean' of every metric over clients' scores, and
+  '_std' and '_min' of the `primary` one; empty without clients."""
+  out = {}
+  for name in per_client[0] if per_client else ():
+    values = np.array([s[name] for s in per_client])
+    out[f"{prefix}_{name}_mean"] = float(values.mean())
+    if name == primary:
+      out.update({f"{prefix}_{primary}_std": float(values.std()),
+                  f"{prefix}_{primary}_min": float(values.min())})
+  return out
+
+
 def _scalar_metrics(tree, prefix: str = "") -> dict[str, float]:
   """Flattens TFF's nested training metrics to 'a/b': float for scalars."""
   out = {}
@@ -529,6 +558,13 @@ class Run:
       raise ValueError(f"defense {config.defense!r} transforms the aggregate, "
                        f"which method {config.method!r} does not use; choose "
                        "a method that averages its uploads")
+    if config.evaluate == LOCAL_AFTER_TRAINING and (
+        self.algorithm.local_model is None or self.central):
+      what = f"method {config.method!r}" + (
+          f" with defense {config.defense!r}" if config.defense else "")
+      raise ValueError(f"evaluate={LOCAL_AFTER_TRAINING!r}: the uploads of {what} "
+                       "do not give the models its clients reached by their "
+                       "local training; use evaluate='global'")
     attributes = self.fed.source.attributes
     missing = [a for a in config.infer_attributes
                if attributes is None or a not in attributes.classes]
@@ -540,6 +576,13 @@ class Run:
       raise ValueError(f"capture_rounds: method {config.method!r} uploads "
                        "nothing; leave --capture-rounds out")
     self._processes: dict[bool, tff.templates.IterativeProcess] = {}
+
+  @property
+  def uploads_evaluated(self) -> bool:
+    """Whether evaluated rounds need the clients' uploads
+    ('local-after-training' of a method that uploads something)."""
+    return (self.config.evaluate == LOCAL_AFTER_TRAINING
+            and self.algorithm.upload_kind != "none")
 
   @property
   def personalized(self) -> bool:
@@ -665,14 +708,30 @@ class Run:
                                             *self._client_tests())
       per_client = [by_client[c] for c in tested]
     entry["clients_without_test_data"] = self.config.clients - len(tested)
-    primary = evaluator.task.primary_metric
-    for name in per_client[0] if per_client else ():
-      values = np.array([s[name] for s in per_client])
-      entry[f"personal_{name}_mean"] = float(values.mean())
-      if name == primary:
-        entry.update({f"personal_{primary}_std": float(values.std()),
-                      f"personal_{primary}_min": float(values.min())})
+    entry.update(_spread("personal", evaluator.task.primary_metric, per_client))
     return entry
+
+  def evaluate_local(self, evaluator: Evaluator, broadcast, clients, metrics,
+                     state) -> dict[str, float]:
+    """'local-after-training' evaluation of a round: the model each of
+    `clients` (from `round_data`) reached by its local training, before
+    aggregation (`Algorithm.local_model` of its upload in the round's
+    `metrics` and its private state in `state` after the round), on its own
+    test split: mean, spread and minimum over those with test samples
+    (`local_after_training_<metric>_mean`, ...), and how many they were."""
+    uploads = (metrics["aggregator"]["captured"]["uploads"]
+               if self.algorithm.upload_kind != "none" else None)
+    per_client = []
+    for i, c in enumerate(clients):
+      if not len(self.fed.client_test_indices[c.index]):
+        continue
+      weights = self.algorithm.local_model(
+          broadcast, None if uploads is None else [u[i] for u in uploads],
+          state["clients"][c.index] if self.personalized else None)
+      per_client.append(evaluator.scores(weights, *self.fed.client_test_arrays(c.index)))
+    return {"local_after_training_clients": len(per_client),
+            **_spread("local_after_training", evaluator.task.primary_metric,
+                      per_client)}
 
   def round_data(self, round_num: int) -> list["RoundClient"]:
     """Every client sampled for `round_num`, as a `RoundClient`."""
@@ -869,7 +928,7 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
   what = f"method {config.method!r}" + (
       f" with defense {config.defense!r}" if config.defense else "")
   runtime.check_mergeable(r.process(capture=False).next, what)
-  if config.capture_rounds:
+  if config.capture_rounds or r.uploads_evaluated:
     # Built before any eager Keras model: tracing a TFF computation that builds
     # Keras layers invalidates Keras models made earlier in eager mode.
     runtime.check_mergeable(r.process(capture=True).next, what + " and capture")
@@ -899,10 +958,14 @@ def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
                                      r.algorithm.protocol)
     clients = r.round_data(round_num)
     sent = r.sent_models(state, clients) if capture else None
-    state, metrics = r.step(state, clients, capture)
+    evaluated = round_num % config.evaluate_every == 0 or round_num == config.rounds
+    state, metrics = r.step(state, clients,
+                            capture or (evaluated and r.uploads_evaluated))
     entry = {"round": round_num}
-    if round_num % config.evaluate_every == 0 or round_num == config.rounds:
+    if evaluated:
       entry.update(r.evaluate(evaluator, state))
+      if config.evaluate == LOCAL_AFTER_TRAINING:
+        entry.update(r.evaluate_local(evaluator, broadcast, clients, metrics, state))
       shown = _shown_metrics(r.spec.task_object.primary_metric, entry)
     train = metrics["client_work"]["train"]
     entry["train_loss"] = float(train["loss"])

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import dp_accounting
 import numpy as np
+import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
@@ -137,6 +138,12 @@ class Algorithm:
       run at once on a worker (-1: no limit), for methods whose clients, or
       whose server per upload, need much memory each; the runner applies it
       (`tff_privacy.runtime.limit_concurrent_calls`).
+    local_model: maps (the broadcast model, one client's upload (None for
+      upload kind 'none'), its private state after the round (None without
+      `private_state`)) to the model the client reached by its local
+      training that round, before aggregation, as trainable weights in the
+      model's order (the runner's 'local-after-training' evaluation); None
+      where the upload does not determine it (a defence perturbed it).
   """
 
   name: str
@@ -154,6 +161,8 @@ class Algorithm:
   aggregates_uploads: bool = True
   stated_privacy: Optional[Callable[[int], dict[str, Any]]] = None
   concurrent_clients: int = -1
+  local_model: Optional[Callable[[list[np.ndarray], Any, Any],
+                                 list[np.ndarray]]] = None
 
   def __post_init__(self):
     if self.upload_kind not in UPLOAD_KINDS:
@@ -205,17 +214,52 @@ CLIENT_OPTIMIZER = params.Param(
     choices=CLIENT_OPTIMIZERS)
 
 
-def build_client_optimizer(name: str, learning_rate: float,
-                           momentum: float = 0.0) -> tff.learning.optimizers.Optimizer:
-  """TFF's SGD (with `momentum` if > 0) or Adam for the clients' steps."""
+def build_client_optimizer(name: str, learning_rate: float, momentum: float = 0.0,
+                           weight_decay: float = 0.0) -> tff.learning.optimizers.Optimizer:
+  """TFF's SGD (with `momentum` if > 0) or Adam for the clients' steps;
+  SGD with `weight_decay` > 0 is PyTorch's SGD with coupled weight decay
+  (`CoupledWeightDecay`)."""
   if name == "adam":
-    if momentum:
-      raise ValueError("client_momentum applies to client_optimizer='sgd'; "
-                       "adam keeps its own moments")
+    for given, value in (("client_momentum", momentum),
+                         ("weight_decay", weight_decay)):
+      if value:
+        raise ValueError(f"{given} applies to client_optimizer='sgd'; adam "
+                         "keeps its own moments")
     return tff.learning.optimizers.build_adam(learning_rate)
   if name != "sgd":
     raise ValueError(f"client_optimizer={name!r}; choose one of {CLIENT_OPTIMIZERS}")
-  return tff.learning.optimizers.build_sgdm(learning_rate, momentum=momentum or None)
+  sgd = tff.learning.optimizers.build_sgdm(learning_rate, momentum=momentum or None)
+  return CoupledWeightDecay(sgd, weight_decay) if weight_decay else sgd
+
+
+class CoupledWeightDecay(tff.learning.optimizers.Optimizer):
+  """`inner` stepping on the gradient plus `weight_decay` times the weights
+  (PyTorch's coupled weight decay: g' = g + weight_decay * w)."""
+
+  def __init__(self, inner: tff.learning.optimizers.Optimizer, weight_decay: float):
+    self._inner = inner
+    self._weight_decay = weight_decay
+
+  def initialize(self, specs):
+    return self._inner.initialize(specs)
+
+  def next(self, state, weights, gradients):
+    decayed = tf.nest.map_structure(
+        lambda g, w: g + self._weight_decay * w, gradients, weights)
+    return self._inner.next(state, weights, decayed)
+
+  def get_hparams(self, state):
+    return self._inner.get_hparams(state)
+
+  def set_hparams(self, state, hparams):
+    return self._inner.set_hparams(state, hparams)
+
+
+def broadcast_minus_upload(broadcast, upload, state=None) -> list[np.ndarray]:
+  """The model a client reached, w_k = w_t - d_k, from its model delta d_k
+  (an `Algorithm.local_model` for methods with one global model)."""
+  del state  # one global model: no private state
+  return [np.asarray(w) - np.asarray(d) for w, d in zip(broadcast, upload)]
 
 
 def refuse_defense(method: str, defense) -> None:

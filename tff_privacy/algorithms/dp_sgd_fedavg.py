@@ -21,7 +21,8 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.algorithms import defended, local_dp_sgd, personalized
-from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
+from tff_privacy.algorithms.base import (Algorithm, Method,
+                                         broadcast_minus_upload, check_positive,
                                          refuse_defense, server_learning_rate)
 
 PARAMETERS = params.Params(
@@ -140,6 +141,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "dp_sgd_momentum_coupled_weight_decay",
                 "delta_convention": "broadcast_minus_local"},
+      local_model=broadcast_minus_upload,
       **local_dp_sgd.algorithm_fields(dp, seed))
 
 

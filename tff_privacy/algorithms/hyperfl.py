@@ -272,6 +272,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
   with tf.Graph().as_default():
     hyper = Hypernetwork.for_model(spec.keras(), declared["embedding_dim"],
                                    declared["hidden_dim"])
+  private_state = _private_state(spec, seed, hyper)
   return Algorithm(
       name="hyperfl", upload_kind="hypernetwork_weights", local_data="epochs",
       local_epochs=declared["classifier_epochs"] + declared["hypernetwork_epochs"],
@@ -280,7 +281,10 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
       protocol={**declared, "batch_size": batch_size,
                 "hypernetwork_parameters": hyper.num_parameters,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},
-      private_state=_private_state(spec, seed, hyper))
+      private_state=private_state,
+      # what the client trained: h(v_i; varphi_i), its own varphi_i, and phi_i
+      local_model=lambda broadcast, upload, state: private_state.personal_weights(
+          upload, state))
 
 
 METHOD = Method("hyperfl", PARAMETERS, algorithm,

@@ -102,7 +102,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float
       private_state=PrivateState(
           initial=lambda client: collections.OrderedDict(
               model=[w.copy() for w in initial]),
-          personal_weights=lambda shared, state: list(state["model"])))
+          personal_weights=lambda shared, state: list(state["model"])),
+      local_model=lambda broadcast, upload, state: list(state["model"]))
 
 
 METHOD = Method("local_only", PARAMETERS, algorithm,
