@@ -104,14 +104,18 @@ RUN_PARAMETERS = params.Params(
                  "(audiomnist, lfw)"),
     params.Param("model", str, None, _model_help(),
                  choices=tuple(sorted(models.MODELS))),
-    params.Param("clients", int, 10, "number of clients", minimum=1),
+    params.Param("clients", int, 10, "number of clients (a split file's "
+                 "partition gives its own)", minimum=1),
     params.Param("clients_per_round", int, None,
                  "clients drawn (without replacement) per round; default all",
                  minimum=1),
     params.Param("rounds", int, 20, "training rounds", minimum=1),
     params.Param("batch_size", int, 32, "local batch size", minimum=1),
-    params.Param("partition", str, "iid", "how the training set is split",
-                 choices=data.PARTITIONS),
+    params.Param("partition", str, "iid", "how the training set is split: "
+                 f"one of {', '.join(data.PARTITIONS)}, or "
+                 f"{data.splits.PREFIX}SPLIT.json, each client's train and test "
+                 f"indices into the data set's arrays, as JSON "
+                 f"{data.splits.EXAMPLE}"),
     params.Param("alpha", float, 0.5, "Dirichlet concentration of the "
                  "'dirichlet' partition", minimum=0, exclusive_minimum=True),
     params.Param("samples_per_client", int, None, "training samples per client "
@@ -201,6 +205,9 @@ def with_protocol(fields: dict[str, Any]) -> dict[str, Any]:
   if protocol is None:
     return fields
   out = {**protocol.fields, **fields}
+  if "clients" not in fields and str(fields.get("partition", "")).startswith(
+      data.splits.PREFIX):
+    out.pop("clients", None)  # the split file gives them
   for name, value in protocol.fields.items():
     if isinstance(value, dict):
       out[name] = {**value, **fields.get(name, {})}
@@ -223,7 +230,7 @@ class RunConfig:
   dataset: str = _run_default("dataset")
   model: Optional[str] = None  # None: `default_model(dataset)`
   model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  clients: int = _run_default("clients")
+  clients: Optional[int] = None  # None: the split file's, else the default
   clients_per_round: Optional[int] = None  # None: every client, every round
   rounds: int = _run_default("rounds")
   batch_size: int = _run_default("batch_size")
@@ -253,9 +260,13 @@ class RunConfig:
   attribute_shadow_pool: str = _run_default("attribute_shadow_pool")
   adaptive_adversaries: bool = _run_default("adaptive_adversaries")
   evaluate_every: int = _run_default("evaluate_every")
+  # SHA-256 of the split file or of the ClientData the clients come from
+  # (partitions 'file:...' and 'client_data'); a split file's is read from it
+  split_sha256: Optional[str] = None
   evaluate: str = _run_default("evaluate")
 
   def __post_init__(self):
+    self._resolve_federation()
     checked = RUN_PARAMETERS.check(
         **{name: getattr(self, name) for name in RUN_PARAMETERS.names})
     for name, value in checked.items():
@@ -293,6 +304,32 @@ class RunConfig:
                        "without a defense")
     if self.adaptive_adversaries:
       _check_adaptive(self)
+
+  def _resolve_federation(self) -> None:
+    """Checks the partition; takes the clients and the split's SHA-256 from
+    a split file, refusing other given values."""
+    partition = RUN_PARAMETERS["partition"].check(self.partition)
+    path = data.splits.path_of(partition)
+    if path is None:
+      if partition not in (*data.PARTITIONS, data.CLIENT_DATA):
+        raise ValueError(f"partition={partition!r}; choose one of "
+                         f"{', '.join(data.PARTITIONS)}, or "
+                         f"{data.splits.PREFIX}SPLIT.json")
+      if self.split_sha256 is not None and partition != data.CLIENT_DATA:
+        raise ValueError(f"split_sha256 belongs to a split file's or "
+                         f"ClientData's clients, not partition={partition!r}")
+      if self.clients is None:
+        object.__setattr__(self, "clients", _run_default("clients"))
+      return
+    count, digest = data.splits.describe(path)
+    if self.clients is not None and self.clients != count:
+      raise ValueError(f"clients={self.clients}, but split file {path} holds "
+                       f"{count} clients; leave clients out")
+    if self.split_sha256 not in (None, digest):
+      raise ValueError(f"split file {path} has changed: its SHA-256 is {digest}, "
+                       f"not split_sha256={self.split_sha256}")
+    object.__setattr__(self, "clients", count)
+    object.__setattr__(self, "split_sha256", digest)
 
   def _check_capture_rounds(self) -> None:
     rounds = self.capture_rounds
@@ -348,6 +385,8 @@ class RunConfig:
         d.pop(name)
     if not self.infer_attributes:  # no effect; runs from before it resume
       d.pop("attribute_shadow_pool")
+    if self.split_sha256 is None:  # as runs from before the field existed
+      d.pop("split_sha256")
     return io.canonical(d)
 
 
@@ -521,12 +560,16 @@ class RoundClient(NamedTuple):
 
 
 class Run:
-  """A configured run: data, model, algorithm and output folders."""
+  """A configured run: data, model, algorithm and output folders; `fed`,
+  the clients of a 'client_data' partition (`with_client_data`)."""
 
-  def __init__(self, config: RunConfig):
-    self.fed = data.load(config.dataset, config.clients, config.partition,
-                         config.alpha, config.seed, config.data_dir,
-                         config.samples_per_client, config.data_kwargs)
+  def __init__(self, config: RunConfig, fed: Optional[data.FederatedData] = None):
+    if (config.partition == data.CLIENT_DATA) != (fed is not None):
+      raise ValueError(f"partition={data.CLIENT_DATA!r} goes with the clients' "
+                       "ClientData: give train_data and test_data to runner.run")
+    self.fed = fed or data.load(config.dataset, config.clients, config.partition,
+                                config.alpha, config.seed, config.data_dir,
+                                config.samples_per_client, config.data_kwargs)
     task_kwargs = {}
     if config.positive_weight != 1.0:
       if self.fed.source.task != "segmentation":
@@ -910,15 +953,49 @@ def _pinned_as_saved(config: RunConfig) -> RunConfig:
       config, model_kwargs={**config.model_kwargs, "backbone_fingerprint": saved})
 
 
-def run(config: RunConfig, progress: bool = True) -> list[dict[str, Any]]:
+def with_client_data(
+    config: RunConfig, train_data: tff.simulation.datasets.ClientData,
+    test_data: tff.simulation.datasets.ClientData
+) -> tuple[RunConfig, data.FederatedData]:
+  """`config` for the clients of `train_data` and `test_data`
+  (`tff_privacy.data.from_client_data`, on the samples of `config.dataset`'s
+  kind), and those clients: partition 'client_data', their number of
+  clients and the SHA-256 of their samples (`FederatedData.sha256`).
+
+  Raises:
+    ValueError: for a partition other than the default or 'client_data'.
+  """
+  if config.partition not in (_run_default("partition"), data.CLIENT_DATA):
+    raise ValueError(f"partition={config.partition!r} and train_data: the "
+                     "ClientData gives the clients; leave partition out")
+  source = data.load_source(config.dataset, config.data_dir, config.data_kwargs)
+  fed = data.from_client_data(source, train_data, test_data)
+  return dataclasses.replace(config, partition=data.CLIENT_DATA,
+                             clients=fed.num_clients,
+                             split_sha256=fed.sha256()), fed
+
+
+def run(config: RunConfig, progress: bool = True,
+        train_data: Optional[tff.simulation.datasets.ClientData] = None,
+        test_data: Optional[tff.simulation.datasets.ClientData] = None
+        ) -> list[dict[str, Any]]:
   """Trains (or resumes) the run described by `config`; returns its metrics.
 
-  Nothing is written under `config.out` until the data, model, defence and
-  method's processes have been built from the config without error."""
+  The clients are `config`'s partition of its data set, or given as TFF
+  ClientData, `train_data` and `test_data` together (`with_client_data`:
+  config.json then records partition 'client_data' and their SHA-256, and
+  a resume needs the same ClientData). Nothing is written under
+  `config.out` until the data, model, defence and method's processes have
+  been built from the config without error."""
+  fed = None
+  if train_data is not None or test_data is not None:
+    if train_data is None or test_data is None:
+      raise ValueError("train_data and test_data: give both ClientData")
+    config, fed = with_client_data(config, train_data, test_data)
   config = _pinned_as_saved(config)
   check_workers(config, runtime.serves_remotely())
   check_config(config)
-  r = Run(config)
+  r = Run(config, fed)
   if (config.infer_attributes
       and r.algorithm.upload_kind not in attribute_inference.UPLOAD_KINDS):
     raise ValueError(f"infer_attributes: method {config.method!r} uploads "
