@@ -46,6 +46,28 @@ def test_lenet_reproduces_dlg_setting():
   assert np.all(glorot.layers[0].bias.numpy() == 0)
 
 
+def test_hyperfl_cnn_starts_from_pytorchs_layer_defaults():
+  """As the HyperFL authors' PyTorch model: every kernel and bias of a layer
+  with fan-in f is U(-1/sqrt(f), 1/sqrt(f)), f by hand (kernel area times
+  input channels; fc1 sees 32 x 5 x 5); Keras' Glorot stays reachable."""
+  model = models.build("hyperfl_cnn", (28, 28, 1), 10, seed=4)
+  fan_ins = {"conv1": 5 * 5 * 1, "conv2": 5 * 5 * 16, "fc1": 32 * 5 * 5, "fc2": 128}
+  layers = {l.name: l for l in model.layers}
+  for name, fan_in in fan_ins.items():
+    bound = 1 / np.sqrt(fan_in)
+    kernel, bias = (v.numpy() for v in (layers[name].kernel, layers[name].bias))
+    assert np.abs(kernel).max() <= bound and np.abs(bias).max() <= bound
+    assert kernel.std() == pytest.approx(bound / np.sqrt(3), rel=0.1)
+    assert np.abs(bias).max() > bound / 4  # drawn, not zeros
+  again = models.build("hyperfl_cnn", (28, 28, 1), 10, seed=4)
+  np.testing.assert_array_equal(again.layers[-1].bias.numpy(), layers["fc2"].bias.numpy())
+  glorot = models.build("hyperfl_cnn", (28, 28, 1), 10, seed=4, weight_init="default")
+  fc2 = {l.name: l for l in glorot.layers}["fc2"]
+  assert np.all(fc2.bias.numpy() == 0)
+  assert fc2.kernel.numpy().std() == pytest.approx(
+      np.sqrt(2 / (128 + 10)), rel=0.1)  # Glorot-uniform: sqrt(6 / (in + out)) / sqrt(3)
+
+
 def test_bad_model_arguments_raise():
   with pytest.raises(ValueError, match="model='resnet'"):
     models.build("resnet", (28, 28, 1), 10)

@@ -20,7 +20,8 @@ Both local optimisers are PyTorch's SGD with `momentum` and coupled
 `weight_decay`, created afresh every round (as in the authors' code). All
 clients start from one initial model: the same embedding (N(0, 1)),
 hypernetwork (PyTorch's linear default) and classifier (the target model's
-seeded initial classifier). v_i, phi_i and theta_i never leave the client.
+seeded initial classifier: for the HyperFL CNNs PyTorch's linear default,
+as in the authors' code). v_i, phi_i and theta_i never leave the client.
 
 The two phases split the client's batches of the round: the runner passes
 `classifier_epochs + hypernetwork_epochs` epochs of batches, every epoch

@@ -10,13 +10,47 @@ import inspect
 import itertools
 from typing import Any, Callable
 
+import numpy as np
 import tensorflow as tf
 
 from tff_privacy.models.lpm import lpm_resnet
 
 L = tf.keras.layers
 
-WEIGHT_INITS = ("default", "uniform")
+# 'default': Keras' (Glorot-uniform kernels, zero biases); 'uniform': every
+# weight U(-0.5, 0.5) (DLG's); 'pytorch': PyTorch's nn.Conv2d / nn.Linear
+# default, kernel and bias U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+WEIGHT_INITS = ("default", "uniform", "pytorch")
+
+
+class _FanInUniform(tf.keras.initializers.Initializer):
+  """U(-1/sqrt(f), 1/sqrt(f)) for a kernel of fan-in f (all axes but the
+  last), remembering f for its layer's bias (`_BiasOf`), which Keras layers
+  build after their kernel."""
+
+  def __init__(self, seed: int):
+    self.seed = seed
+    self.fan_in = None
+
+  def __call__(self, shape, dtype=None, **kwargs):
+    self.fan_in = int(np.prod(shape[:-1]))
+    return _uniform(shape, self.fan_in, self.seed, dtype)
+
+
+class _BiasOf(tf.keras.initializers.Initializer):
+  """U(-1/sqrt(f), 1/sqrt(f)) with f the fan-in of the layer's kernel."""
+
+  def __init__(self, kernel: _FanInUniform, seed: int):
+    self.kernel = kernel
+    self.seed = seed
+
+  def __call__(self, shape, dtype=None, **kwargs):
+    return _uniform(shape, self.kernel.fan_in, self.seed, dtype)
+
+
+def _uniform(shape, fan_in: int, seed: int, dtype) -> tf.Tensor:
+  bound = 1.0 / np.sqrt(fan_in)
+  return tf.keras.initializers.RandomUniform(-bound, bound, seed=seed)(shape, dtype)
 
 
 def _initializers(weight_init: str, seed: int, uniform_scale: float = 0.5):
@@ -29,6 +63,9 @@ def _initializers(weight_init: str, seed: int, uniform_scale: float = 0.5):
     if weight_init == "uniform":
       yield (tf.keras.initializers.RandomUniform(-uniform_scale, uniform_scale, seed=s),
              tf.keras.initializers.RandomUniform(-uniform_scale, uniform_scale, seed=s + 1))
+    elif weight_init == "pytorch":
+      kernel = _FanInUniform(s)
+      yield kernel, _BiasOf(kernel, s + 1)
     else:
       yield tf.keras.initializers.GlorotUniform(seed=s), "zeros"
 
@@ -117,21 +154,25 @@ def _paper_cnn(name, input_shape, num_classes, seed, convs, leaky_slope,
 
 
 def hyperfl_cnn(input_shape, num_classes, seed: int = 0, leaky_slope: float = 0.01,
-                weight_init: str = "default") -> tf.keras.Model:
+                weight_init: str = "pytorch") -> tf.keras.Model:
   """HyperFL's target CNN for 28x28 inputs (Guo et al., Sec. 5.1): conv 16
   5x5, max-pool, conv 32 5x5 with padding 1, max-pool, fc 800 -> 128, fc
   128 -> classes, LeakyReLU (PyTorch's slope 0.01). The feature extractor is
-  everything up to fc1, the classifier is fc2."""
+  everything up to fc1, the classifier is fc2. Initialised as the authors'
+  PyTorch code is, by PyTorch's layer defaults ('pytorch'; 'default' gives
+  Glorot-uniform kernels and zero biases, whose classifier starts with
+  logits about 2.4 times as large)."""
   return _paper_cnn("hyperfl_cnn", input_shape, num_classes, seed,
                     ((16, 5, 0), (32, 5, 1)), leaky_slope, weight_init)
 
 
 def hyperfl_cnn_cifar(input_shape, num_classes, seed: int = 0,
                       leaky_slope: float = 0.01,
-                      weight_init: str = "default") -> tf.keras.Model:
+                      weight_init: str = "pytorch") -> tf.keras.Model:
   """HyperFL's target CNN for 32x32 colour inputs: conv 16 5x5, conv 32 5x5
   (padding 1), conv 64 3x3 (padding 1), each with a max-pool, then fc
-  576 -> 128 and fc 128 -> classes, LeakyReLU."""
+  576 -> 128 and fc 128 -> classes, LeakyReLU; PyTorch's initialisation
+  as `hyperfl_cnn`'s."""
   return _paper_cnn("hyperfl_cnn_cifar", input_shape, num_classes, seed,
                     ((16, 5, 0), (32, 5, 1), (64, 3, 1)), leaky_slope, weight_init)
 
