@@ -3,17 +3,24 @@ HyperFL-LPM and their baselines on the label-group non-IID split, and how
 much their uploads leak to gradient inversion; small by default.
 
 Table 1 (utility).
-Every method trains on the same clients and is scored the paper's way: the
-mean over clients of each client's own model's accuracy on its own test
-split (drawn like its training samples), after the last round; the spread
-and the worst client beside it. Two settings, as in the paper:
+Every method trains on the same clients and is scored the paper's way, "the
+average test accuracy of all local models": the mean over clients of each
+client's model after its local training in the last round, before the
+server aggregates (`--evaluate local-after-training`), on its own test split
+(drawn like its training samples), for Local-only, FedAvg, DP-FedAvg and
+HyperFL, as the authors' code scores them; pFedHN's, pFedHN-PC's,
+CENTAUR's and PPSGD's clients are scored with their own model after the
+round. Each table names the evaluation of every row. Every row is trained
+with each of `--seeds` (default 0, 1, 2): the table gives the mean over
+seeds, their spread (std) and range, and per seed the spread over clients
+and the worst client, averaged. Two settings, as in the paper:
 
 * "20 clients": 20 clients, all in every round;
 * "100 clients": 100 clients, 30 sampled per round.
 
 Methods and their paper settings (the HyperFL authors' code): Local-only,
-FedAvg (SGD lr 0.02, momentum 0.5, 5 local epochs; TFF's optimiser has no
-weight decay, the authors' adds 5e-4), pFedHN and pFedHN-PC (pFedHN's own
+FedAvg (SGD lr 0.02, momentum 0.5, weight decay 5e-4, 5 local epochs),
+pFedHN and pFedHN-PC (pFedHN's own
 settings, see `tff_privacy.algorithms.pfedhn`; Table 1 of the paper lists
 pFedHN only), DP-FedAvg, CENTAUR and PPSGD (DP-SGD, clip 0.04, noise
 calibrated for epsilon 4, delta 1e-5 over the run), HyperFL. The paper's
@@ -30,9 +37,10 @@ ResNet-18 and ViT-S. Rows as the paper's columns: Local-only and FedAvg,
 each with a fixed feature extractor (only the classifier trains) and with
 adapter fine-tuning (adapters and classifier train; SGD lr 0.01, momentum
 0.5, 5 local epochs, the authors' ResNet settings), and HyperFL-LPM
-(hypernetwork step 0.01). Scored as Table 1.
+(hypernetwork step 0.01). Scored and seeded as Table 1.
 
-Table 3 (leakage). Each method trains `--leak-round` rounds (default 5) on
+Table 3 (leakage). Each method trains `--leak-round` rounds (default 5,
+the first of `--seeds`) on
 `--leak-clients` clients with `--leak-samples` samples each (one batch), and
 the last round's uploads are captured and attacked with what fits them (at
 round 1 a freshly initialised hypernetwork generates badly scaled models,
@@ -53,9 +61,10 @@ only where weights are given (`--lpips-weights`), and reconstructions.png:
 originals, then each method's reconstructions.
 The Table 4 timing ratios come from `benchmarks/hyperfl_round_time.py`.
 
-Each run lives in OUT/<setting>/<method>/ (Table 2: OUT/lpm/<row>/, or
-OUT/lpm_<weights file name>/<row>/ with --backbone-weights) and
-resumes where it stopped; row.json there caches its result. Tables:
+Each run lives in OUT/<setting>/<method>/seed<S>/ (Table 2: OUT/lpm/<row>/seed<S>/,
+or OUT/lpm_<weights file name>/<row>/seed<S>/ with --backbone-weights) and
+resumes where it stopped; row.json there caches its result. The runs
+evaluate their last round only. Tables:
 OUT/table1.md, OUT/table2.md, OUT/table3.md and their .csv.
 
   python experiments/hyperfl_tables.py                  # small: mnist5k
@@ -79,7 +88,7 @@ from tff_privacy.metrics import report
 METHODS = {  # label -> (method, method_kwargs)
     "Local-only": ("local_only", {}),
     "FedAvg": ("fedavg", {"client_learning_rate": 0.02, "client_momentum": 0.5,
-                          "local_epochs": 5}),
+                          "weight_decay": 5e-4, "local_epochs": 5}),
     "pFedHN": ("pfedhn", {}),
     "pFedHN-PC": ("pfedhn_pc", {}),
     "DP-FedAvg": ("dp_sgd_fedavg", {}),
@@ -121,10 +130,12 @@ LPM_METHODS = {
     "Local-only (adapters)": ("local_only", {"learning_rate": 0.01, **_LPM_SGD},
                               {}),
     "FedAvg (fixed)": ("fedavg", {"client_learning_rate": 0.01,
-                                  "client_momentum": 0.5, "local_epochs": 5},
+                                  "client_momentum": 0.5, "weight_decay": 5e-4,
+                                  "local_epochs": 5},
                        {"adapters": False}),
     "FedAvg (adapters)": ("fedavg", {"client_learning_rate": 0.01,
-                                     "client_momentum": 0.5, "local_epochs": 5},
+                                     "client_momentum": 0.5, "weight_decay": 5e-4,
+                                     "local_epochs": 5},
                           {}),
     "HyperFL-LPM": ("hyperfl_lpm", {}, {}),
 }
@@ -135,26 +146,62 @@ PAPER_LPM = {"Local-only (fixed)": (72.83, 68.57),
              "HyperFL-LPM": (80.32, 75.03)}
 
 
+# the methods whose clients' models after local training the runs score
+# (the authors' code scores these so); the others' own models after the round
+LOCAL_AFTER_TRAINING = ("local_only", "fedavg", "dp_sgd_fedavg", "hyperfl",
+                        "hyperfl_lpm")
+EVALUATIONS = {runner.LOCAL_AFTER_TRAINING: "local models after training",
+               "global": "own models after the round"}
+
+
 def _trained_row(args, out: str, title: str, row: dict, **config) -> dict:
-  """The row of the run in `out` (trained with `config` on the label-group
-  split unless row.json there has it): `row` plus the final personalised
-  accuracy, epsilon and seconds per round."""
+  """The row of the runs in OUT/seed<S> for each of `args.seeds` (trained
+  with `config` on the label-group split unless row.json there has it):
+  `row` plus the final accuracy over seeds (`over_seeds`), epsilon and
+  seconds per round."""
+  evaluate = ("global" if config["method"] not in LOCAL_AFTER_TRAINING
+              else runner.LOCAL_AFTER_TRAINING)
+  runs = [_seed_run(args, os.path.join(out, f"seed{seed}"), f"{title}, seed {seed}",
+                    dict(config, seed=seed, evaluate=evaluate))
+          for seed in args.seeds]
+  return {**row, "evaluation": EVALUATIONS[evaluate], **over_seeds(runs),
+          "epsilon": runs[0]["epsilon"],
+          "seconds_per_round": float(np.mean([r["seconds_per_round"] for r in runs]))}
+
+
+def _seed_run(args, out: str, title: str, config: dict) -> dict:
+  """One seed's run in `out`: the accuracy of its evaluation after the last
+  round (mean, spread and minimum over clients), epsilon and seconds per
+  round, cached in row.json."""
   path = os.path.join(out, "row.json")
   if os.path.exists(path):
     return io.read_json(path)
   print(title, flush=True)
   history = runner.run(runner.RunConfig(
-      out=out, dataset=args.dataset, partition="label_groups", seed=args.seed,
-      data_dir=args.data_dir, **config), progress=not args.quiet)
+      out=out, dataset=args.dataset, partition="label_groups",
+      data_dir=args.data_dir, evaluate_every=args.rounds, **config),
+      progress=not args.quiet)
   runtime.renew()  # a worker's memory grows with every run it serves
   last = history[-1]
-  row = {**row, **{k: last[k] for k in ("personal_accuracy_mean",
-                                        "personal_accuracy_std",
-                                        "personal_accuracy_min")},
-         "epsilon": last.get("epsilon"),
-         "seconds_per_round": sum(h["seconds"] for h in history) / len(history)}
-  io.write_json(path, row)
-  return row
+  prefix = ("local_after_training" if config["evaluate"] == runner.LOCAL_AFTER_TRAINING
+            else "personal")
+  result = {**{k: last[f"{prefix}_accuracy_{k}"] for k in ("mean", "std", "min")},
+            "epsilon": last.get("epsilon"),
+            "seconds_per_round": sum(h["seconds"] for h in history) / len(history)}
+  io.write_json(path, result)
+  return result
+
+
+def over_seeds(runs: list[dict]) -> dict:
+  """The accuracy of one row over its seeds' `runs`: the mean and spread
+  (std) of the seeds' mean accuracies, their range, and the mean over seeds
+  of each seed's spread over clients and worst client."""
+  means = np.array([r["mean"] for r in runs])
+  return {"accuracy": float(means.mean()), "seed_std": float(means.std()),
+          "seed_min": float(means.min()), "seed_max": float(means.max()),
+          "client_std": float(np.mean([r["std"] for r in runs])),
+          "worst_client": float(np.mean([r["min"] for r in runs])),
+          "seeds": len(runs)}
 
 
 def run_row(args, setting: str, label: str) -> dict:
@@ -194,19 +241,18 @@ def lpm_row(args, label: str) -> dict:
 
 
 def write_lpm_table(args, rows: list[dict]) -> str:
-  columns = ["method", "accuracy (%)", "std", "worst client", "s/round",
-             "paper EMNIST ResNet", "paper CIFAR-10 ResNet"]
+  columns = ["method", *ACCURACY_COLUMNS, "s/round", "paper EMNIST ResNet",
+             "paper CIFAR-10 ResNet"]
   backbone = args.backbone_weights or "the default backbone (pre-trained on digits)"
-  lines = [f"### Table 2: HyperFL-LPM, personalised test accuracy "
-           f"({args.dataset}, {args.rounds} rounds, 20 clients, {backbone})", "",
+  lines = [f"### Table 2: HyperFL-LPM, test accuracy of the clients' models "
+           f"({args.dataset}, {args.rounds} rounds, 20 clients, {backbone}, "
+           f"{_seeds_text(args.seeds)})", "",
            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for r in rows:
     lines.append("| " + " | ".join([
-        r["method"], f"{100 * r['personal_accuracy_mean']:.2f}",
-        f"{100 * r['personal_accuracy_std']:.2f}",
-        f"{100 * r['personal_accuracy_min']:.2f}", f"{r['seconds_per_round']:.1f}",
+        r["method"], *_accuracy_cells(r), f"{r['seconds_per_round']:.1f}",
         *(f"{p:.2f}" for p in PAPER_LPM[r["method"]])]) + " |")
-  text = "\n".join(lines) + "\n"
+  text = "\n".join(lines + ["", EVALUATION_NOTE]) + "\n"
   io.write_text(os.path.join(args.out, "table2.md"), text)
   io.write_csv(os.path.join(args.out, "table2.csv"), rows, list(rows[0]))
   return text
@@ -224,7 +270,7 @@ def leak_rows(args, label: str) -> list[dict]:
         model=MODELS.get(args.dataset, "hyperfl_cnn"), clients=args.leak_clients,
         rounds=args.leak_round, batch_size=args.leak_samples,
         partition="label_groups", samples_per_client=args.leak_samples,
-        seed=args.seed, data_dir=args.data_dir,
+        seed=args.seeds[0], data_dir=args.data_dir,
         capture_rounds=(args.leak_round,)), progress=False)
     runtime.renew()
   rows = []
@@ -280,25 +326,61 @@ def write_leak_table(args, rows: list[dict]) -> str:
   return text
 
 
-def write_table(out: str, rows: list[dict], dataset: str, rounds: int) -> str:
-  columns = ["setting", "method", "accuracy (%)", "std", "worst client",
-             "epsilon", "s/round", "paper FMNIST", "paper EMNIST"]
-  lines = [f"### Table 1: personalised test accuracy ({dataset}, {rounds} "
-           "rounds, label-group split)", "",
+ACCURACY_COLUMNS = ["evaluation", "accuracy (%)", "seed std", "seed range",
+                    "client std", "worst client"]
+EVALUATION_NOTE = (
+    "Accuracy: the mean over seeds of the mean over clients, each on its own "
+    "test split, of the models the evaluation names: 'local models after "
+    "training', each client's model after its local training in the last "
+    "round, before aggregation (the paper's \"average test accuracy of all "
+    "local models\"); 'own models after the round', each client's own model "
+    "after the server's step. Seed std and range: of the seeds' accuracies; "
+    "client std and worst client: over clients, averaged over seeds.")
+
+
+def _accuracy_cells(r: dict) -> list[str]:
+  """A row's evaluation and accuracy cells (`ACCURACY_COLUMNS`), in %."""
+  return [r["evaluation"], f"{100 * r['accuracy']:.2f}",
+          f"{100 * r['seed_std']:.2f}",
+          f"{100 * r['seed_min']:.2f}-{100 * r['seed_max']:.2f}",
+          f"{100 * r['client_std']:.2f}", f"{100 * r['worst_client']:.2f}"]
+
+
+def _seeds_text(seeds: list[int]) -> str:
+  return f"seeds {', '.join(str(s) for s in seeds)}"
+
+
+def write_table(out: str, rows: list[dict], dataset: str, rounds: int,
+                seeds: list[int]) -> str:
+  columns = ["setting", "method", *ACCURACY_COLUMNS, "epsilon", "s/round",
+             "paper FMNIST", "paper EMNIST"]
+  lines = [f"### Table 1: test accuracy of the clients' models ({dataset}, "
+           f"{rounds} rounds, label-group split, {_seeds_text(seeds)})", "",
            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for r in rows:
     paper = PAPER_TABLE1[r["setting"]].get(r["method"], (None, None))
     eps = r["epsilon"]
     lines.append("| " + " | ".join([
-        r["setting"], r["method"], f"{100 * r['personal_accuracy_mean']:.2f}",
-        f"{100 * r['personal_accuracy_std']:.2f}",
-        f"{100 * r['personal_accuracy_min']:.2f}",
+        r["setting"], r["method"], *_accuracy_cells(r),
         "-" if eps is None else f"{eps:.2f}", f"{r['seconds_per_round']:.1f}",
         *("-" if p is None else f"{p:.2f}" for p in paper)]) + " |")
-  text = "\n".join(lines) + "\n"
+  text = "\n".join(lines + ["", EVALUATION_NOTE]) + "\n"
   io.write_text(os.path.join(out, "table1.md"), text)
   io.write_csv(os.path.join(out, "table1.csv"), rows, list(rows[0]))
   return text
+
+
+def parse_seeds(text: str) -> list[int]:
+  """'0,1,2' as [0, 1, 2]; a one-line `ValueError` unless distinct integers."""
+  try:
+    seeds = [int(s) for s in text.split(",") if s.strip()]
+  except ValueError:
+    raise ValueError(f"--seeds: {text!r}; give comma-separated integers, "
+                     "e.g. 0,1,2") from None
+  if not seeds or len(set(seeds)) != len(seeds):
+    raise ValueError(f"--seeds: {text!r}; give one or more distinct integers, "
+                     "e.g. 0,1,2")
+  return seeds
 
 
 def main() -> None:
@@ -328,7 +410,9 @@ def main() -> None:
                       help="samples per client in the leakage runs (one batch)")
   parser.add_argument("--attack-iterations", type=int, default=2000)
   parser.add_argument("--lpips-weights", help="LPIPS weights file (optional)")
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seeds", default="0,1,2", help="seeds of Tables 1 "
+                      "and 2's runs, comma-separated; the tables give the mean "
+                      "and spread over them (Table 3 runs the first)")
   parser.add_argument("--data-dir", help="tensorflow_datasets data directory "
                       "(full scale; downloads when the data set is missing)")
   parser.add_argument("--out", help="default: results/hyperfl_<dataset>_<scale>")
@@ -344,6 +428,10 @@ def main() -> None:
     if unknown or not given:
       parser.error(f"{flag}: {unknown or 'none given'}; choose from "
                    f"{', '.join(known)}")
+  try:
+    args.seeds = parse_seeds(args.seeds)
+  except ValueError as e:
+    parser.error(str(e))
   args.rounds = args.rounds or ROUNDS[args.scale]
   args.out = args.out or os.path.join("results",
                                       f"hyperfl_{args.dataset}_{args.scale}")
@@ -356,7 +444,7 @@ def main() -> None:
   try:
     if "1" in tables:
       rows = [run_row(args, s, m) for s in settings for m in methods]
-      print(write_table(args.out, rows, args.dataset, args.rounds))
+      print(write_table(args.out, rows, args.dataset, args.rounds, args.seeds))
     if "2" in tables:
       print(write_lpm_table(args, [lpm_row(args, m) for m in lpm_methods]))
     if "3" in tables:

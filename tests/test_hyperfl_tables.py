@@ -1,0 +1,78 @@
+"""experiments/hyperfl_tables.py: which evaluation each row's runs use, and
+the mean and spread over seeds that its tables report."""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from tff_privacy import runner
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "hyperfl_tables.py")
+
+
+@pytest.fixture(scope="module")
+def script():
+  spec = importlib.util.spec_from_file_location("hyperfl_tables", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _fake_run(configs):
+  """`runner.run` that records each config and returns one round whose
+  accuracies depend on the seed and on the evaluation's metric names."""
+  def run(config, progress=True):
+    configs.append(config)
+    os.makedirs(config.out)
+    entry = {"round": config.rounds, "seconds": 2.0}
+    for prefix, base in (("personal", 0.5), ("local_after_training", 0.8)):
+      entry.update({f"{prefix}_accuracy_mean": base + 0.01 * config.seed,
+                    f"{prefix}_accuracy_std": 0.1 * (config.seed + 1),
+                    f"{prefix}_accuracy_min": base - 0.2})
+    return [entry]
+  return run
+
+
+@pytest.mark.parametrize("label,evaluation,base", [
+    ("FedAvg", "local models after training", 0.8),
+    ("HyperFL", "local models after training", 0.8),
+    ("pFedHN", "own models after the round", 0.5)])
+def test_a_row_is_its_seeds_runs_in_the_papers_evaluation(script, tmp_path,
+                                                          monkeypatch, label,
+                                                          evaluation, base):
+  configs = []
+  monkeypatch.setattr(runner, "run", _fake_run(configs))
+  monkeypatch.setattr(script.runtime, "renew", lambda: None)
+  args = argparse.Namespace(out=str(tmp_path), scale="small", dataset="mnist5k",
+                            rounds=3, seeds=[0, 1, 4], data_dir=None, quiet=True)
+  row = script.run_row(args, "20 clients", label)
+  assert [c.seed for c in configs] == [0, 1, 4]
+  assert {c.evaluate for c in configs} == {
+      "global" if base == 0.5 else "local-after-training"}
+  assert {c.evaluate_every for c in configs} == {3}  # the last round only
+  means = [base + 0.01 * s for s in (0, 1, 4)]  # by hand
+  assert row["evaluation"] == evaluation
+  assert row["accuracy"] == pytest.approx(np.mean(means))
+  assert row["seed_std"] == pytest.approx(np.std(means))
+  assert (row["seed_min"], row["seed_max"]) == pytest.approx((means[0], means[2]))
+  assert row["client_std"] == pytest.approx(np.mean([0.1, 0.2, 0.5]))
+  assert row["worst_client"] == pytest.approx(base - 0.2)
+  if label == "FedAvg":
+    assert configs[0].method_kwargs["weight_decay"] == 5e-4  # the authors'
+  table = script.write_table(str(tmp_path), [row], "mnist5k", 3, [0, 1, 4])
+  assert f"| 20 clients | {label} | {evaluation} | {100 * np.mean(means):.2f} |" in table
+  assert "seeds 0, 1, 4" in table
+  # cached: a second call trains nothing
+  assert script.run_row(args, "20 clients", label) == row and len(configs) == 3
+
+
+@pytest.mark.parametrize("text", ["", "0,x", "1,1"])
+def test_seeds_must_be_distinct_integers(script, text):
+  with pytest.raises(ValueError, match="--seeds: .*give"):
+    script.parse_seeds(text)
+  assert script.parse_seeds("2, 0,5") == [2, 0, 5]
