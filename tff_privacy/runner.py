@@ -5,7 +5,9 @@
 * `config.json`: the run's configuration, written once every argument has been
   checked (a re-run with another config into the same folder is refused),
   with HyperFL-LPM's backbone pinned by its fingerprint (model_kwargs
-  `backbone_fingerprint`: a resume refuses a replaced backbone file);
+  `backbone_fingerprint`: a resume refuses a replaced backbone file) and
+  the clients' split pinned by its SHA-256 (`split_sha256`, for a split
+  file's or ClientData's clients: a resume refuses a changed split);
 * `metrics.json`: one entry per finished round (`test_<metric>` of the
   global model on the test set for every metric of the data set's task:
   `test_accuracy` and `test_loss` for classification, `test_iou`,

@@ -17,6 +17,7 @@ from tff_privacy.data import splits
 
 # the partition of a federation given as TFF ClientData (`from_client_data`)
 CLIENT_DATA = "client_data"
+_READ_BATCH = 4096  # samples read from a ClientData at a time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,11 +241,12 @@ def _check_element_spec(name: str, client_data, source: sources.Source) -> None:
 def _client_arrays(client_data, client: str,
                    source: sources.Source) -> tuple[np.ndarray, np.ndarray]:
   """A client's samples as (x float32, y int32) arrays."""
-  elements = list(client_data.create_tf_dataset_for_client(client).as_numpy_iterator())
-  if not elements:
+  batches = list(client_data.create_tf_dataset_for_client(client)
+                 .batch(_READ_BATCH).as_numpy_iterator())
+  if not batches:
     return _no_samples(source)
-  return (np.stack([e["x"] for e in elements]).astype(np.float32),
-          np.stack([e["y"] for e in elements]).astype(np.int32))
+  return (np.concatenate([b["x"] for b in batches]).astype(np.float32),
+          np.concatenate([b["y"] for b in batches]).astype(np.int32))
 
 
 def _no_samples(source: sources.Source) -> tuple[np.ndarray, np.ndarray]:
