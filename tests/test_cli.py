@@ -397,6 +397,27 @@ def test_segmentation_run_takes_the_unet_by_default_and_prints_its_scores(
           f"+-{last['personal_f_score_std']:.4f}") in out
 
 
+def test_train_summary_gives_each_evaluation_with_its_spread(capsys, tmp_path,
+                                                              monkeypatch):
+  """--evaluate reaches the run's config, and the summary line gives the
+  last round's per-client means and spreads of both evaluations as
+  metrics.json holds them."""
+  from tff_privacy import runner, runtime
+  given = []
+  last = {"round": 2, "test_accuracy": 0.5, "personal_accuracy_mean": 0.5,
+          "personal_accuracy_std": 0.125, "local_after_training_accuracy_mean": 0.75,
+          "local_after_training_accuracy_std": 0.0625}
+  monkeypatch.setattr(runtime, "start", lambda **kwargs: None)
+  monkeypatch.setattr(runner, "run", lambda config, progress: given.append(config)
+                      or [last])
+  code, out, _ = _main(capsys, *_train_argv(tmp_path, "--rounds", "2",
+                                            "--evaluate", "local-after-training"))
+  assert code == 0
+  assert given[0].evaluate == "local-after-training"
+  assert "personal_accuracy=0.5000+-0.1250" in out
+  assert "local_after_training_accuracy=0.7500+-0.0625" in out
+
+
 def test_train_help_names_each_tasks_default_model(capsys):
   code, out, _ = _main(capsys, "train", "--help")
   assert code == 0

@@ -300,11 +300,13 @@ def _train(args) -> int:
   privacy = privacy_summary(last)
   tested = {k: v for k, v in last.items() if k.startswith("test_")}
   global_model = "".join(f"{k}={v:.4f} " for k, v in tested.items())
-  # the personal metrics reported with a spread over clients: the task's
-  # primary one
+  # the per-client metrics reported with a spread over clients (the task's
+  # primary one): of the clients' own models and, when evaluated, of their
+  # models after local training
   personal = "".join(
       f"{k[:-len('_std')]}={last[k[:-len('_std')] + '_mean']:.4f}+-{last[k]:.4f} "
-      for k in last if k.startswith("personal_") and k.endswith("_std"))
+      for k in last if k.startswith(("personal_", "local_after_training_"))
+      and k.endswith("_std"))
   print(" ".join(f"method={config.method} dataset={config.dataset} "
                  f"model={config.model} defense={config.defense} rounds="
                  f"{last.get('round')} {global_model}{personal} {privacy}".split()))
