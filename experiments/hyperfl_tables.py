@@ -7,10 +7,10 @@ Every method trains on the same clients and is scored the paper's way, "the
 average test accuracy of all local models": the mean over clients of each
 client's model after its local training in the last round, before the
 server aggregates (`--evaluate local-after-training`), on its own test split
-(drawn like its training samples), for Local-only, FedAvg, DP-FedAvg and
-HyperFL, as the authors' code scores them; pFedHN's, pFedHN-PC's,
-CENTAUR's and PPSGD's clients are scored with their own model after the
-round. Each table names the evaluation of every row. Every row is trained
+(drawn like its training samples), for every method but pFedHN, as the
+authors' code scores them; pFedHN's and pFedHN-PC's clients (whose models
+the server generates, outside the authors' code) are scored with their own
+model after the round. Each table names the evaluation of every row. Every row is trained
 with each of `--seeds` (default 0, 1, 2): the table gives the mean over
 seeds, their spread (std) and range, and per seed the spread over clients
 and the worst client, averaged. Two settings, as in the paper:
@@ -148,8 +148,8 @@ PAPER_LPM = {"Local-only (fixed)": (72.83, 68.57),
 
 # the methods whose clients' models after local training the runs score
 # (the authors' code scores these so); the others' own models after the round
-LOCAL_AFTER_TRAINING = ("local_only", "fedavg", "dp_sgd_fedavg", "hyperfl",
-                        "hyperfl_lpm")
+LOCAL_AFTER_TRAINING = ("local_only", "fedavg", "dp_sgd_fedavg", "centaur",
+                        "ppsgd", "hyperfl", "hyperfl_lpm")
 EVALUATIONS = {runner.LOCAL_AFTER_TRAINING: "local models after training",
                "global": "own models after the round"}
 

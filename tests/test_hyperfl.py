@@ -219,12 +219,15 @@ def test_fedavg_is_evaluated_per_client_with_its_global_model(tmp_path):
 
 @pytest.mark.parametrize("method,kwargs", [
     ("hyperfl", dict(method_kwargs=dict(SMALL, hypernetwork_epochs=1))),
+    ("centaur", dict(method_kwargs={})),
+    ("ppsgd", dict(method_kwargs={})),
     ("local_only", dict(method_kwargs={}))])
 def test_a_lone_clients_model_after_training_is_its_own_model(tmp_path, method,
                                                               kwargs):
-  """With one client, the server's mean of its upload is the upload (and
-  local-only shares nothing), so the model it reached by its local training
-  is the one personal evaluation scores after the round."""
+  """With one client, the server's mean of its upload (a hypernetwork, a
+  body) is the upload (and local-only shares nothing), so the model it
+  reached by its local training is the one personal evaluation scores after
+  the round."""
   entry = runner.run(_config(tmp_path, method=method, clients=1, rounds=1,
                              evaluate="local-after-training", **kwargs),
                      progress=False)[0]

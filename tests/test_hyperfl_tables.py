@@ -41,6 +41,7 @@ def _fake_run(configs):
 @pytest.mark.parametrize("label,evaluation,base", [
     ("FedAvg", "local models after training", 0.8),
     ("HyperFL", "local models after training", 0.8),
+    ("CENTAUR", "local models after training", 0.8),
     ("pFedHN", "own models after the round", 0.5)])
 def test_a_row_is_its_seeds_runs_in_the_papers_evaluation(script, tmp_path,
                                                           monkeypatch, label,

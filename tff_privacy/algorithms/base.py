@@ -262,6 +262,13 @@ def broadcast_minus_upload(broadcast, upload, state=None) -> list[np.ndarray]:
   return [np.asarray(w) - np.asarray(d) for w, d in zip(broadcast, upload)]
 
 
+def model_from_upload(private: PrivateState):
+  """The `Algorithm.local_model` of a personalised method whose upload is
+  the shared part a client trained (HyperFL's hypernetwork, a body): the
+  client's own model built from its upload and its private state."""
+  return lambda broadcast, upload, state: private.personal_weights(upload, state)
+
+
 def refuse_defense(method: str, defense) -> None:
   """Raises `ValueError` if a client-side `defense` is given to a method that
   is its own defence."""

@@ -36,7 +36,7 @@ import tensorflow_federated as tff
 from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
-                                         refuse_defense)
+                                         model_from_upload, refuse_defense)
 
 PARAMETERS = params.Params(
     local_dp_sgd.CLASSIFIER_LEARNING_RATE,
@@ -141,6 +141,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
   sgd, dp_declared = local_dp_sgd.split_declared(declared)
   dp = local_dp_sgd.configure("centaur", federation, batch_size,
                               sgd["local_epochs"], **dp_declared)
+  private = local_dp_sgd.private_classifier(spec, seed)
   return Algorithm(
       name="centaur", upload_kind="body_weights", local_data="epochs",
       local_epochs=sgd["classifier_epochs"] + sgd["local_epochs"],
@@ -151,7 +152,9 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},
       **local_dp_sgd.algorithm_fields(dp, seed),
-      private_state=local_dp_sgd.private_classifier(spec, seed))
+      private_state=private,
+      # what the client trained: its uploaded body and its classifier
+      local_model=model_from_upload(private))
 
 
 METHOD = Method("centaur", PARAMETERS, algorithm,

@@ -41,7 +41,8 @@ import tensorflow_federated as tff
 from tff_privacy import params
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
-                                         check_positive, refuse_defense)
+                                         check_positive, model_from_upload,
+                                         refuse_defense)
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 
 PARAMETERS = params.Params(
@@ -284,8 +285,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},
       private_state=private_state,
       # what the client trained: h(v_i; varphi_i), its own varphi_i, and phi_i
-      local_model=lambda broadcast, upload, state: private_state.personal_weights(
-          upload, state))
+      local_model=model_from_upload(private_state))
 
 
 METHOD = Method("hyperfl", PARAMETERS, algorithm,
