@@ -4,7 +4,6 @@ the mean and spread over seeds that its tables report."""
 import argparse
 import importlib.util
 import os
-import sys
 
 import numpy as np
 import pytest
