@@ -132,7 +132,12 @@ def _train_argv(out, *extra):
      "method 'fedsgd' takes no local_epochs; its parameters: server_learning_rate"),
     (["--data-kwargs", '{"max_images": 3}'],
      "data_kwargs of dataset 'digits' takes no max_images; its parameters: "
-     "test_fraction"),
+     "test_fraction, normalize"),
+    (["--data-kwargs", '{"normalize": "mnsit"}'],
+     "data_kwargs of dataset 'digits': normalize='mnsit' is no preset"),
+    (["--data-kwargs", '{"normalize": "cifar10"}'],
+     "data_kwargs of dataset 'digits': normalize='cifar10' has 3 channel(s); "
+     "the images have 1"),
     (["--model-kwargs", '{"hiden": [8]}'],
      "model_kwargs: model 'mlp' takes no hiden; its arguments: hidden, activation"),
     (["--method", "fedre", "--rounds", "3", "--budget-rounds", "2"],

@@ -146,3 +146,69 @@ def test_segmentation_takes_one_image_per_client():
                   data_kwargs={"num": 10})
   assert [len(p) for p in fed.client_indices] == [1, 1, 1]
   assert len({int(p[0]) for p in fed.client_indices}) == 3
+
+
+@pytest.mark.parametrize("normalize,mean,std", [
+    ("mnist", [0.1307], [0.3081]), ([[0.5], [0.25]], [0.5], [0.25])])
+def test_normalize_gives_the_images_in_mean_std_units(normalize, mean, std):
+  plain = data.load_source("digits")
+  src = data.load_source("digits", data_kwargs={"normalize": normalize})
+  for raw, got in ((plain.x_train, src.x_train), (plain.x_test, src.x_test)):
+    np.testing.assert_allclose(got, (raw - mean[0]) / std[0], rtol=1e-6, atol=1e-6)
+  assert src.normalization.to_json() == {"mean": mean, "std": std}
+  assert src.value_range == (0.0, 1.0)  # the range before normalising
+
+
+def test_normalize_is_per_channel():
+  import dataclasses
+  from tff_privacy.data import normalization
+  rgb = np.random.default_rng(0).random((4, 3, 3, 3)).astype(np.float32)
+  norm = normalization.resolve("cifar10", 3)
+  mean = np.array([0.4914, 0.4822, 0.4465])
+  std = np.array([0.2470, 0.2435, 0.2616])
+  expected = np.stack([(rgb[..., c] - mean[c]) / std[c] for c in range(3)], -1)
+  np.testing.assert_allclose(norm.apply(rgb), expected, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(norm.undo(norm.apply(rgb)), rgb, atol=1e-6)
+  assert dataclasses.asdict(norm) == {"mean": tuple(mean), "std": tuple(std)}
+
+
+@pytest.mark.parametrize("normalize,message", [
+    ("imagenet", r"normalize='imagenet' is no preset; give a preset \(mnist, "
+     r"cifar10\)"),
+    ([[0.1, 0.2, 0.3], [0.3, 0.3, 0.3]],
+     r"normalize=\[\[0.1, 0.2, 0.3\], \[0.3, 0.3, 0.3\]\] has 3 channel\(s\); "
+     "the images have 1"),
+    ("cifar10", "normalize='cifar10' has 3 channel"),
+    ([[0.1], [0.0]], r"normalize: every std must be > 0, got \[0.0\]"),
+    ([[0.1], [-1]], r"normalize: every std must be > 0, got \[-1\]"),
+    ([[0.1, 0.2], [0.3]], "normalize must be a preset .* or \\[means, stds\\]"),
+    ([0.1, 0.3], "normalize must be a preset"),
+    ([[0.1], [float("nan")]], "normalize must be a preset"),
+    (3, "normalize must be a preset"),
+])
+def test_bad_normalize_names_data_kwargs_normalize(normalize, message):
+  with pytest.raises(ValueError, match="^data_kwargs of dataset 'digits': "
+                     + message) as e:
+    data.load_source("digits", data_kwargs={"normalize": normalize})
+  assert "\n" not in str(e.value)
+
+
+def test_tabular_data_take_no_normalize():
+  with pytest.raises(ValueError, match="dataset 'adult' takes no normalize"):
+    data.sources.resolve_data_kwargs("adult", {"normalize": "mnist"})
+
+
+def test_client_data_samples_are_normalised_like_the_data_set():
+  import collections
+  import tensorflow_federated as tff
+  src = data.load_source("digits")
+  def client_data(x, y):
+    return tff.simulation.datasets.TestClientData(
+        {"a": collections.OrderedDict(x=x, y=y)})
+  normed = data.load_source("digits", data_kwargs={"normalize": "mnist"})
+  fed = data.from_client_data(normed, client_data(src.x_train[:5], src.y_train[:5]),
+                              client_data(src.x_test[:3], src.y_test[:3]))
+  np.testing.assert_allclose(fed.client_arrays(0)[0],
+                             (src.x_train[:5] - 0.1307) / 0.3081, atol=1e-6)
+  np.testing.assert_allclose(fed.test[0], (src.x_test[:3] - 0.1307) / 0.3081,
+                             atol=1e-6)

@@ -96,3 +96,18 @@ def test_constructors_check_through_the_declaration():
     attacks.InvertingGradients(iterations=0)
   with pytest.raises(ValueError, match="attack 'dlg' takes no tv_weight"):
     attacks.DLG(tv_weight=0.1)
+
+
+def test_object_parameters_are_checked_by_their_parse_function():
+  def pair(value):
+    if not (isinstance(value, list) and len(value) == 2):
+      raise ValueError(f"pair must be a list of two, got {value!r}")
+    return value
+  p = Param("pair", object, None, "two things", cli=False, parse=pair)
+  assert Params(p).resolve("x", {"pair": [1, "a"]}) == {"pair": [1, "a"]}
+  with pytest.raises(ValueError, match=r"^x: pair must be a list of two, got 3$"):
+    Params(p).resolve("x", {"pair": 3})
+  for bad in (dict(kind=object), dict(kind=object, parse=pair, cli=True),
+              dict(kind=str, parse=pair, cli=False)):
+    with pytest.raises(TypeError, match="kind object goes with parse"):
+      Param("pair", **bad)

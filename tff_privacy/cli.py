@@ -210,11 +210,17 @@ def _protocols_text() -> str:
 def _data_options_text() -> str:
   from tff_privacy.data import sources
   options = sources.DATA_PARAMETERS
-  fixed = sorted(name for name, params in options.items() if not params.names)
-  own = [f"{name}: {', '.join(n for n in params.names if n != 'test_fraction')}"
-         for name, params in sorted(options.items()) if len(params.names) > 1]
-  return (f"test_fraction (all but {', '.join(fixed)}, which keep tfds' "
-          f"splits); {'; '.join(own)}")
+  shared = ("test_fraction", "normalize")
+  fixed = sorted(name for name, params in options.items()
+                 if "test_fraction" not in params)
+  own = [f"{name}: {', '.join(n for n in params.names if n not in shared)}"
+         for name, params in sorted(options.items())
+         if set(params.names) - set(shared)]
+  return (f"test_fraction (all but {', '.join(fixed)}, which keep their "
+          f"published splits); normalize (all but "
+          f"{', '.join(sources.TABULAR_DATASETS)}: "
+          f"{sources.normalization.ACCEPTED}, e.g. '{{\"normalize\": "
+          f"\"mnist\"}}'); {'; '.join(own)}")
 
 
 def _read_config(path: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ class _Required:
 REQUIRED: Any = _Required()  # default of a parameter the caller must give
 
 _KIND_NAMES = {int: "an integer", float: "a finite number", str: "a string",
-               bool: "true or false"}
+               bool: "true or false", object: "a JSON value"}
 _KINDS = tuple(_KIND_NAMES)
 
 
@@ -47,7 +47,8 @@ class Param:
   Attributes:
     name: the keyword argument.
     kind: int, float, str or bool; values are converted to it (an int is a
-      valid float, a bool is not a number).
+      valid float, a bool is not a number). `object`: a value of a shape
+      the kinds cannot express, checked by `parse`.
     default: the paper's default, `REQUIRED`, or None for "chosen by the
       component" (then None is an accepted value).
     help: one line for `--help`.
@@ -57,6 +58,8 @@ class Param:
     flag: the command-line flag without its dashes (default: the name with
       '-' for '_'); None with `cli=False`.
     cli: whether the parameter gets a flag.
+    parse: for kind `object`, converts a value or raises `ValueError`
+      naming the parameter and what it accepts.
   """
 
   name: str
@@ -70,10 +73,15 @@ class Param:
   exclusive_maximum: bool = False
   flag: Optional[str] = None
   cli: bool = True
+  parse: Optional[Callable[[Any], Any]] = None
 
   def __post_init__(self):
     if self.kind not in _KINDS:
       raise TypeError(f"Param {self.name}: kind must be one of {_KINDS}")
+    if (self.kind is object) != (self.parse is not None) or (
+        self.kind is object and self.cli):
+      raise TypeError(f"Param {self.name}: kind object goes with parse and "
+                      "cli=False")
     if self.cli and self.flag is None:
       object.__setattr__(self, "flag", self.name.replace("_", "-"))
     if self.default is not REQUIRED and self.default is not None:
@@ -102,6 +110,8 @@ class Param:
     parameter and what it accepts if it is not valid."""
     if value is None and self.default is None:
       return None
+    if self.parse is not None:
+      return self.parse(value)
     value = self._convert(value)
     if self.choices and value not in self.choices:
       raise ValueError(f"{self.name}={value!r}; choose one of "

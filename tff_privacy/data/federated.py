@@ -178,7 +178,9 @@ def from_client_data(source: sources.Source,
   `source` names the data set the samples are of: its task, classes and
   value range apply, and the ClientData's elements must be single samples
   shaped like its own, `OrderedDict(x=float32 [*input_shape], y=int32
-  [*label_shape])`, which is what the model takes.
+  [*label_shape])`, which is what the model takes. Where `source` is
+  normalised (`Source.normalization`), so are the samples, which are given
+  in its value range.
 
   Raises:
     ValueError: in one line, for elements of another structure, shape or
@@ -211,10 +213,11 @@ def from_client_data(source: sources.Source,
   if not sum(len(y) for _, y in test_arrays):
     raise ValueError("test_data: no client has test samples, so no model can "
                      "be tested")
+  norm = source.normalization.apply if source.normalization else np.asarray
   pooled = dataclasses.replace(
-      source, x_train=np.concatenate([x for x, _ in train_arrays]),
+      source, x_train=norm(np.concatenate([x for x, _ in train_arrays])),
       y_train=np.concatenate([y for _, y in train_arrays]),
-      x_test=np.concatenate([x for x, _ in test_arrays]),
+      x_test=norm(np.concatenate([x for x, _ in test_arrays])),
       y_test=np.concatenate([y for _, y in test_arrays]),
       groups=None, elements=None, attributes=None)
   return FederatedData(pooled, _ranges([len(y) for _, y in train_arrays]),

@@ -3,7 +3,9 @@
 Every source returns a `Source`: images as float32 NHWC scaled to [0, 1] (or,
 for tabular data, feature vectors in [0, 1]) and int32 labels, with the
 scaling recorded (`raw_max`) so that attacks and metrics work in the same
-range as training.
+range as training. An image data set's `normalize` option
+(`tff_privacy.data.normalization`) then maps the images to (x - mean) / std
+per channel, recorded in `Source.normalization`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from tff_privacy import params
-from tff_privacy.data import documents, tamper_sets
+from tff_privacy.data import documents, normalization, tamper_sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Source:
   groups: Optional[tuple[np.ndarray, np.ndarray]] = None
   elements: Optional[ElementMaps] = None
   attributes: Optional[SensitiveAttributes] = None
+  # applied to x_train and x_test; value_range is the range before it
+  normalization: Optional[normalization.Normalization] = None
 
   @property
   def input_shape(self) -> tuple[int, ...]:
@@ -370,6 +374,7 @@ _ON_DISK: dict[str, Callable[..., Source]] = {"audiomnist": load_audiomnist,
 # tensorflow_datasets data sets with their own loaders
 _TFDS_LOADERS: dict[str, Callable[..., Source]] = {"celeba": load_celeba}
 SEGMENTATION_DATASETS = ("docs", "doctamper", "tsroie")
+TABULAR_DATASETS = ("adult",)  # feature vectors, not images
 # the data sets whose task (`Source.task`) is not classification
 DATASET_TASKS: dict[str, str] = {
     **{name: "segmentation" for name in SEGMENTATION_DATASETS},
@@ -388,20 +393,27 @@ _TAMPER_REGIONS = params.Param(
     "regions", str, None, "JSON file of privacy-sensitive boxes per sample and "
     "element class (tff_privacy.data.tamper_sets.load_regions), for FedRE's "
     "element-class regions; the data sets ship none")
-# each data set's options (`data_kwargs`), passed to its loader
+_NORMALIZE = params.Param(
+    "normalize", object, None, "per-channel normalisation (x - mean) / std of "
+    "the [0, 1] images: a preset (" + ", ".join(normalization.PRESETS) +
+    ") or [means, stds]", cli=False, parse=normalization.parse)
+# each data set's options (`data_kwargs`), passed to its loader but for
+# `normalize`, which `load_source` applies
 DATA_PARAMETERS: dict[str, params.Params] = {
-    **{name: params.Params(_TEST_FRACTION) for name in _BUNDLED},
+    **{name: params.Params(_TEST_FRACTION, _NORMALIZE) for name in _BUNDLED
+       if name not in TABULAR_DATASETS},
+    "adult": params.Params(_TEST_FRACTION),
     "docs": params.Params(
-        _TEST_FRACTION,
+        _TEST_FRACTION, _NORMALIZE,
         params.Param("num", int, 800, "documents generated", minimum=1),
         params.Param("size", int, 64, "side of the square document images",
                      minimum=documents.MIN_SIZE)),
     "audiomnist": params.Params(
-        _TEST_FRACTION,
+        _TEST_FRACTION, _NORMALIZE,
         params.Param("max_per_speaker", int, None, "recordings read per "
                      "speaker, in file-name order (default all 500)", minimum=1)),
     "lfw": params.Params(
-        _TEST_FRACTION,
+        _TEST_FRACTION, _NORMALIZE,
         params.Param("max_images", int, None, "annotated images read, in the "
                      "attribute file's order (default all)", minimum=1)),
     "doctamper": params.Params(
@@ -413,14 +425,14 @@ DATA_PARAMETERS: dict[str, params.Params] = {
         _TAMPER_SIZE,
         params.Param("max_samples", int, 1000, "samples read per split, from "
                      "the first (the training set holds 120,000)", minimum=1),
-        _TAMPER_REGIONS),
+        _TAMPER_REGIONS, _NORMALIZE),
     "tsroie": params.Params(
         _TAMPER_SIZE,
         params.Param("max_samples", int, None, "samples read per split, from "
                      "the first (default all)", minimum=1),
-        _TAMPER_REGIONS),
-    "celeba": params.Params(_TEST_FRACTION),
-    **{name: params.Params() for name in _TFDS_SOURCES},
+        _TAMPER_REGIONS, _NORMALIZE),
+    "celeba": params.Params(_TEST_FRACTION, _NORMALIZE),
+    **{name: params.Params(_NORMALIZE) for name in _TFDS_SOURCES},
 }
 
 
@@ -449,8 +461,24 @@ def resolve_data_kwargs(name: str, data_kwargs: dict | None) -> dict:
 def load_source(name: str, data_dir: str | None = None,
                 data_kwargs: dict | None = None) -> Source:
   """Returns the arrays of data set `name` (one of `DATASETS`), read with its
-  options `data_kwargs` (`DATA_PARAMETERS[name]`, defaults for the rest)."""
+  options `data_kwargs` (`DATA_PARAMETERS[name]`, defaults for the rest),
+  normalised as its `normalize` option says."""
   kwargs = resolve_data_kwargs(name, data_kwargs)
+  norm = kwargs.pop("normalize", None)
+  source = _read_source(name, data_dir, kwargs)
+  try:
+    norm = normalization.resolve(norm, source.input_shape[-1])
+  except ValueError as e:
+    raise ValueError(f"data_kwargs of dataset {name!r}: {e}") from None
+  if norm is None:
+    return source
+  return dataclasses.replace(source, x_train=norm.apply(source.x_train),
+                             x_test=norm.apply(source.x_test),
+                             normalization=norm)
+
+
+def _read_source(name: str, data_dir: str | None, kwargs: dict) -> Source:
+  """The arrays of data set `name` read by its loader with `kwargs`."""
   if name in _BUNDLED:
     return _BUNDLED[name](**kwargs)
   if name in _ON_DISK:
