@@ -54,13 +54,14 @@ C_l 0.15.
   and 10000, where utility returns): LDP-Fed (alpha-CLDP, its alpha set
   so that the basic composition of every entry over every round spends the
   same total epsilon), FedRE (its defaults: noise scaled to one sample's
-  sensitivity 2 C_l / |D_k|, clip and noise in gradient units scaled by
-  eq. 11's eta, the normalised PDA-PAM rule), FedRE without PSI (even
+  sensitivity 2 C_l / |D_k|, eq. 6 over layers, clip and noise on the
+  model change, the normalised PDA-PAM rule), FedRE without PSI (even
   split), FedRE without PDA-PAM (plain mean), FedRE with eq. 11 as written,
   FedRE whose PDA-PAM weighs by score ratios (log S in eq. 10), FedRE whose
   noise the accountant calibrates to really spend epsilon, FedRE with eq. 8
-  on the whole clipped update (std C_l sigma_l) and FedRE noising the model
-  change itself (eta on the client). Central, FedAvg and the DP rows
+  on the whole clipped update (std C_l sigma_l), FedRE clipping and noising
+  the local gradient that eq. 11's eta scales (eta at the server) and FedRE
+  scoring and budgeting each tensor alone (per-tensor budget). Central, FedAvg and the DP rows
   report the global model's scores, Localset the mean of each client's own
   model on its own test split.
   Every method trains with the setting's client optimizer and local
@@ -198,7 +199,8 @@ DP_ROWS = {"LDP-Fed": None,
            "FedRE (log-score PDA-PAM)": {"pda_pam_scores": "log"},
            "FedRE (accountant noise)": {"noise_calibration": "accountant"},
            "FedRE (whole-update sensitivity)": {"sensitivity": "update"},
-           "FedRE (eta on the client)": {"eta_placement": "client"}}
+           "FedRE (eta at the server)": {"eta_placement": "server"},
+           "FedRE (per-tensor budget)": {"budget_unit": "tensor"}}
 TABLE1_METHODS = ("Central", "FedAvg", "Localset", *DP_ROWS)
 # Table 1 of the paper (T-SROIE, DocTamper): (IoU, F-score)
 PAPER_TABLE1 = {("inf", "Central"): ((0.721, 0.838), (0.575, 0.729)),

@@ -71,15 +71,34 @@ def test_json_regions_need_known_clients_and_a_default(tmp_path):
     fedre.client_regions(str(path), 2, 8, 8)
 
 
-def test_layer_epsilons_follow_eq_6_on_the_reference_scores():
+def test_tensor_epsilons_follow_eq_6_on_the_reference_scores():
   weights = SPEC.initial_weights(0)
   view, x, y = _view(weights)
-  got = _mechanism().layer_epsilons(view, tf.constant([1, 2], tf.int64)).numpy()
+  got = _mechanism(budget_unit="tensor").layer_epsilons(
+      view, tf.constant([1, 2], tf.int64)).numpy()
   reference = psi.psi_scores_nested_tape(
       SPEC.keras(), [tf.constant(w) for w in weights], x[:3], y[:3],
       np.repeat(MASK[None], 3, 0)).numpy().mean(0)
   inverse = 1 / reference
   np.testing.assert_allclose(got, 20.0 * inverse / inverse.sum(), rtol=1e-4)
+
+
+def test_layer_epsilons_follow_eq_6_on_each_layers_kernel_and_bias_together():
+  weights = SPEC.initial_weights(0)
+  view, x, y = _view(weights)
+  got = _mechanism().layer_epsilons(view, tf.constant([1, 2], tf.int64)).numpy()
+  # per pixel, a layer's norm over its kernel's and bias's entries, from the
+  # nested-tape reference; then eq. 5's mean over the region and eq. 6
+  model, w = SPEC.keras(), [tf.constant(v) for v in weights]
+  scores = []
+  for i in range(3):
+    squares = psi.pixel_norms_nested_tape(model, w, x[i], y[i]).numpy() ** 2
+    layers = np.sqrt(np.stack([squares[0] + squares[1], squares[2] + squares[3]]))
+    scores.append((layers * MASK).sum((1, 2)) / MASK.sum())
+  inverse = 1 / np.mean(scores, 0)
+  layer_epsilons = 20.0 * inverse / inverse.sum()
+  np.testing.assert_allclose(got, np.repeat(layer_epsilons / 2, 2), rtol=1e-4)
+  assert np.isclose(got.sum(), 20.0)
 
 
 # (calibration, sensitivity, eta placement, local epochs); the client holds

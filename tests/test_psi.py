@@ -210,3 +210,32 @@ def test_box_text_is_parsed_and_partial_boxes_are_refused():
   for text in ("1,2,3", "0,0,1,1;2", "", "a,b,c,d"):
     with pytest.raises(ValueError, match="expected 'x0,y0,x1,y1"):
       psi.parse_boxes(text, name="region")
+
+
+def test_grouped_scores_take_each_layers_norm_over_all_its_entries(setup):
+  model, weights, x, y, masks = setup
+  # layer 0: the hidden layer's kernel and bias; layer 1: the output's
+  groups = psi.layer_groups(model)
+  assert groups == [0, 0, 1, 1]
+  got = psi.psi_scores(model, _f32(weights), x, y, masks, groups=groups).scores.numpy()
+  expected = []
+  for i in range(len(x)):
+    squares = _fd_pixel_norms(weights, x[i], y[i]) ** 2
+    layers = np.sqrt(np.stack([squares[0] + squares[1], squares[2] + squares[3]]))
+    expected.append((layers * masks[i]).sum((1, 2)) / masks[i].sum())
+  np.testing.assert_allclose(got, np.stack(expected), rtol=2e-4)
+
+
+def test_layer_groups_skip_layers_without_weights_and_keep_bias_free_ones():
+  inputs = tf.keras.Input((4,))
+  hidden = tf.keras.layers.Dense(3, use_bias=False)(inputs)
+  hidden = tf.keras.layers.Activation("relu")(hidden)
+  outputs = tf.keras.layers.Dense(2)(hidden)
+  assert psi.layer_groups(tf.keras.Model(inputs, outputs)) == [0, 1, 1]
+
+
+@pytest.mark.parametrize("groups", [[0, 0, 1], [0, 0, 2, 2], [0, 1, 1, -1]])
+def test_groups_that_miss_a_tensor_or_an_index_are_refused(setup, groups):
+  model, weights, x, y, masks = setup
+  with pytest.raises(ValueError, match="groups must give each of the 4 tensors"):
+    psi.psi_scores(model, _f32(weights), x, y, masks, groups=groups)

@@ -11,8 +11,9 @@ Round t (Algorithm 1): the server broadcasts w~; client k
    its own privacy-sensitive region, under the broadcast model w~;
 3. splits its budget (epsilon, delta): epsilon_l by eq. 6 (`budget_split=
    'psi'`; 'even' is FedRE without PSI; a zero score takes the smallest
-   share, see `tff_privacy.dp.layerwise_budget`), delta_l = delta / L
-   (Corollary 1 leaves the split open);
+   share, see `tff_privacy.dp.layerwise_budget`) over the model's layers
+   (`budget_unit`, below), delta_l = delta / L per tensor (Corollary 1
+   leaves the split open);
 4. clips tensor l of g to C_l = `clip` (eq. 7) and adds Gaussian noise of
    std sigma_l times the sensitivity (eq. 8) through
    `tff_privacy.dp.LayerwiseGaussianQuery`, sigma_l from eq. 9
@@ -37,13 +38,27 @@ the whole clipped update, std C_l sigma_l: local DP of each upload, which
 on the documents leaves a signal-to-noise ratio near 0.002 per client and
 round whatever the client's data size.
 
-Where eta acts (`eta_placement`): eq. 11 applies eta to the clipped, noisy
-gradients, so clip and noise are in gradient units and the model moves by
-eta times them ('server', default: in the model's units the clip is eta C_l
-and the noise eta times its std). 'client' clips and noises the model
-change w~ - w^k itself, the learning rate folded in (noise eta^-1 times
-larger relative to the step). With Adam, g is the sum of Adam's steps over
-eta rather than a gradient.
+Layers (`budget_unit`): the paper scores and budgets "the l-th layer".
+'layer' (default) scores a Keras layer's tensors together (eq. 4's norm
+over the kernel's and the bias's entries, `psi.layer_groups`), splits
+epsilon over the layers by eq. 6 and gives each tensor of a layer an equal
+part of the layer's epsilon_l; clipping and noise stay per tensor. 'tensor'
+scores and budgets every tensor alone. A tensor's score grows with its
+number of entries, so per tensor eq. 6 hands most of the budget to the
+biases: on the documents' U-Net at the start, biases score 1e-5 and kernels
+1e-3, and the kernels get sigma_l of 150 to 440 against 10.6 for the even
+split (the model then diverges).
+
+Where eta acts (`eta_placement`): 'client' (default) clips and noises the
+model change w~ - w^k itself, so C_l bounds how far a tensor moves in a
+round. 'server' reads eq. 11 literally: clip and noise the local gradient
+(model change / eta), which eq. 11's eta then scales (in the model's units
+the clip is eta C_l and the noise eta times its std). With SGD the two
+differ only by the units of C_l; with Adam, whose steps have a size near
+eta per weight whatever the gradient, 'server' bounds a tensor's move to
+eta C_l = 7.5e-4 per round: on the documents' protocol FedRE then learns
+nothing even without noise (F 0.000 after 20 rounds, against 0.237 with
+'client' and 0.241 for FedAvg, in a plain-TensorFlow replica of the round).
 
 Fig. 5's alternative (`perturbation='pixels'`): instead of steps 2-4, the
 client adds Gaussian noise of standard deviation `pixel_noise` to the
@@ -134,6 +149,7 @@ from tff_privacy.models.functional import forward
 MASK_KEY = "psi_mask"
 PROFILE_KEY = "public_profile"  # which public set PDA-PAM scores a client on
 BUDGET_SPLITS = ("psi", "even")
+BUDGET_UNITS = ("layer", "tensor")
 ETA_PLACEMENTS = ("server", "client")
 NOISE_CALIBRATIONS = ("paper", "accountant")
 AGGREGATIONS = ("pda_pam", "mean")
@@ -154,6 +170,10 @@ PARAMETERS = params.Params(
                  exclusive_minimum=True, flag="layer-clip"),
     params.Param("budget_split", str, "psi", "psi: eq. 6; even: the same "
                  "epsilon split evenly (FedRE without PSI)", choices=BUDGET_SPLITS),
+    params.Param("budget_unit", str, "layer", "layer: eq. 6 over the model's "
+                 "layers (a layer's kernel and bias scored together, its "
+                 "epsilon_l shared equally); tensor: every tensor scored and "
+                 "budgeted alone", choices=BUDGET_UNITS),
     params.Param("perturbation", str, "gradient", "gradient: FedRE's layer-"
                  "wise noise on the update; pixels: Gaussian noise of std "
                  "pixel_noise on the region's pixels instead (Fig. 5)",
@@ -175,10 +195,10 @@ PARAMETERS = params.Params(
                  "eq. 9 cites (a heuristic epsilon); update: std C_l sigma_l, "
                  "local DP of the whole clipped update (eq. 8 as written)",
                  choices=budget.SENSITIVITIES),
-    params.Param("eta_placement", str, "server", "server: clip and noise the "
-                 "local gradient (model change / client learning rate), which "
-                 "eq. 11's eta scales; client: clip and noise the model change "
-                 "itself", choices=ETA_PLACEMENTS),
+    params.Param("eta_placement", str, "client", "client: clip and noise the "
+                 "model change itself; server: clip and noise the local "
+                 "gradient (model change / client learning rate), which eq. "
+                 "11's eta scales", choices=ETA_PLACEMENTS),
     params.Param("budget_rounds", int, None, "rounds the budget covers "
                  "(eq. 9's T; default: the run's rounds), for runs that stop "
                  "early, e.g. to attack round 1 of a longer plan", minimum=1),
@@ -310,7 +330,7 @@ STEPS_GUARANTEE = ("proven: sample-level DP-SGD on Poisson batches, every step "
                    "accounted")
 # what noise_on='steps' leaves to the steps, refused beside it
 STEPS_FIXED = {"perturbation": "gradient", "sensitivity": "sample",
-               "noise_calibration": "paper", "eta_placement": "server"}
+               "noise_calibration": "paper", "eta_placement": "client"}
 
 
 class FedREMechanism(UpdateDefense):
@@ -323,7 +343,8 @@ class FedREMechanism(UpdateDefense):
   def __init__(self, spec, *, epsilon: float, delta: float, rounds: int,
                clip: float, budget_split: str, noise_calibration: str,
                psi_samples: int, psi_pixels: Optional[int],
-               sensitivity: str = "sample", eta_placement: str = "server",
+               sensitivity: str = "sample", eta_placement: str = "client",
+               budget_unit: str = "layer",
                learning_rate: float = 0.005, local_epochs: int = 1,
                perturbation: str = "gradient", pixel_noise: Optional[float] = None,
                seed: int = 0, noise_on: str = "update",
@@ -342,6 +363,8 @@ class FedREMechanism(UpdateDefense):
     if eta_placement not in ETA_PLACEMENTS:
       raise ValueError(f"eta_placement={eta_placement!r}; choose one of "
                        f"{ETA_PLACEMENTS}")
+    if budget_unit not in BUDGET_UNITS:
+      raise ValueError(f"budget_unit={budget_unit!r}; choose one of {BUDGET_UNITS}")
     check_positive(learning_rate=learning_rate, local_epochs=local_epochs)
     self.sensitivity, self.eta_placement = sensitivity, eta_placement
     self.learning_rate, self.local_epochs = learning_rate, local_epochs
@@ -359,6 +382,10 @@ class FedREMechanism(UpdateDefense):
     if steps is not None:
       self.dp_relation = dp_sgd.RELATION
     self.num_layers = len(spec.initial_weights(0))
+    self.budget_unit = budget_unit
+    # each tensor's group: its Keras layer, or itself
+    self.groups = (psi.layer_groups(spec.keras()) if budget_unit == "layer"
+                   else list(range(self.num_layers)))
     self.epsilon, self.delta, self.rounds, self.clip = epsilon, delta, rounds, clip
     self.budget_split, self.noise_calibration = budget_split, noise_calibration
     self.psi_samples, self.psi_pixels = psi_samples, psi_pixels
@@ -378,7 +405,7 @@ class FedREMechanism(UpdateDefense):
       return {"perturbation": "pixels", "pixel_noise": self.pixel_noise}
     return {"epsilon": self.epsilon, "delta": self.delta, "rounds": self.rounds,
             "clip": self.clip,
-            "budget_split": self.budget_split,
+            "budget_split": self.budget_split, "budget_unit": self.budget_unit,
             "noise_calibration": self.noise_calibration,
             "psi_samples": self.psi_samples, "psi_pixels": self.psi_pixels,
             "sensitivity": self.sensitivity, "eta_placement": self.eta_placement,
@@ -404,19 +431,33 @@ class FedREMechanism(UpdateDefense):
     noisy = x + self.pixel_noise * region * tf.map_fn(noise, x)
     return type(batch)((k, noisy if k == "x" else v) for k, v in batch.items())
 
+  def per_tensor(self, group_epsilons) -> tf.Tensor:
+    """Each tensor's epsilon: an equal part of its group's."""
+    counts = np.bincount(self.groups).astype(np.float32)
+    return tf.gather(tf.cast(group_epsilons, tf.float32) / counts, self.groups)
+
+  def even_epsilons(self) -> tf.Tensor:
+    """The even split (FedRE without PSI) over the budget's units."""
+    num_groups = max(self.groups) + 1
+    return self.per_tensor(tf.fill([num_groups], self.epsilon / num_groups))
+
   def layer_epsilons(self, client: ClientView, seed) -> tf.Tensor:
-    """Eq. 6 from the PSI scores of the client's first `psi_samples` samples
-    under the broadcast model (or the even split)."""
+    """Each tensor's epsilon_l: eq. 6 on the PSI scores (of its layer, or
+    of itself by `budget_unit`) of the client's first `psi_samples` samples
+    under the broadcast model, or the even split."""
     if self.budget_split == "even":
-      return tf.fill([self.num_layers], self.epsilon / self.num_layers)
+      return self.even_epsilons()
     batch = client.dataset.unbatch().take(self.psi_samples).batch(
         self.psi_samples).get_single_element()
     masks = tf.tile(client.inputs[MASK_KEY][None] > 0.5,
                     [tf.shape(batch["x"])[0], 1, 1])
     scores = psi.psi_scores(self.spec.keras(), client.weights, batch["x"],
                             batch["y"], masks, self.spec.task_object.loss,
-                            pixels=self.psi_pixels, seed=seed).scores
-    return budget.layerwise_budget(tf.reduce_mean(scores, 0), self.epsilon)
+                            pixels=self.psi_pixels, seed=seed,
+                            groups=(self.groups if self.budget_unit == "layer"
+                                    else None)).scores
+    return self.per_tensor(
+        budget.layerwise_budget(tf.reduce_mean(scores, 0), self.epsilon))
 
   def step_noise_multipliers(self, client: ClientView, seed) -> tf.Tensor:
     """noise_on='steps': every local step's sigma_l, eq. 9's shape 1 /
@@ -470,8 +511,8 @@ class FedREMechanism(UpdateDefense):
     if self.round_multiplier is not None:
       return dp_accounting.GaussianDpEvent(self.round_multiplier)
     if self.budget_split == "even":
-      even = [self.epsilon / self.num_layers] * self.num_layers
-      sigmas = budget.paper_noise_multipliers(even, self.layer_delta, self.rounds)
+      sigmas = budget.paper_noise_multipliers(self.even_epsilons(),
+                                              self.layer_delta, self.rounds)
       return budget.layerwise_event(sigmas.numpy(), self.sensitivity)
     return dp_accounting.GaussianDpEvent(budget.paper_round_multiplier_bound(
         self.epsilon, self.delta, self.rounds, self.num_layers, self.sensitivity))
@@ -668,7 +709,7 @@ def public_regions(federation: Federation, regions: Optional[str],
 
 
 def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
-              epsilon: float, clip: float, budget_split: str,
+              epsilon: float, clip: float, budget_split: str, budget_unit: str,
               noise_calibration: str, budget_rounds: Optional[int],
               sensitivity: str, eta_placement: str,
               psi_samples: int, psi_pixels: Optional[int],
@@ -703,7 +744,8 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
   mechanism = FedREMechanism(
       spec, epsilon=epsilon, delta=delta,
       rounds=planned, clip=clip,
-      budget_split=budget_split, noise_calibration=noise_calibration,
+      budget_split=budget_split, budget_unit=budget_unit,
+      noise_calibration=noise_calibration,
       psi_samples=psi_samples, psi_pixels=psi_pixels,
       sensitivity=sensitivity, eta_placement=eta_placement,
       learning_rate=client_learning_rate, local_epochs=local_epochs,

@@ -26,6 +26,11 @@ Two exact implementations and one estimator:
 
 Scores are per sample; `mean_by_format` averages them per data format, as
 the paper does with 10 samples per document format.
+
+Layers. Eq. 4's norm runs over the entries of "the l-th layer's" gradient.
+`psi_scores(..., groups=...)` scores groups of tensors (a Keras layer's
+kernel and bias: `layer_groups`) by the norm over all their entries, per
+pixel, before eq. 5's mean; without `groups` every tensor is scored alone.
 """
 
 from __future__ import annotations
@@ -162,6 +167,28 @@ def region_pixel_norms(model: tf.keras.Model, weights: Sequence[tf.Tensor],
   return tf.cast(tf.sqrt(per_pixel), tf.float32)
 
 
+def layer_groups(model: tf.keras.Model) -> list[int]:
+  """For each of `model`'s trainable tensors, in order, the index of the
+  top-level layer that holds it (layers holding no trainable tensor are
+  skipped, so the indices run 0..G-1)."""
+  owner = {}
+  for layer in model.layers:
+    for v in layer.trainable_weights:
+      owner.setdefault(v.ref(), layer.name)
+  names = [owner[v.ref()] for v in model.trainable_variables]
+  order = {name: i for i, name in enumerate(dict.fromkeys(names))}
+  return [order[name] for name in names]
+
+
+def _group_norms(norms: tf.Tensor, groups: Optional[Sequence[int]]) -> tf.Tensor:
+  """[P, L] per-tensor norms -> [P, G] norms over each group's entries."""
+  if groups is None:
+    return norms
+  squares = tf.math.unsorted_segment_sum(tf.transpose(tf.square(norms)),
+                                         tf.constant(groups), max(groups) + 1)
+  return tf.sqrt(tf.transpose(squares))
+
+
 def _chosen_pixels(mask: tf.Tensor, pixels: Optional[int], seed) -> tf.Tensor:
   """The region's pixel coordinates, or `pixels` of them drawn uniformly
   without replacement (all of them when the region is not larger)."""
@@ -176,7 +203,8 @@ def _chosen_pixels(mask: tf.Tensor, pixels: Optional[int], seed) -> tf.Tensor:
 def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
                loss_fn: LossFn = CLASSIFICATION_LOSS, *,
                pixels: Optional[int] = None, seed=(0, 0),
-               chunk: int = 64) -> PsiScores:
+               chunk: int = 64,
+               groups: Optional[Sequence[int]] = None) -> PsiScores:
   """Eqs. 3-5 for N samples `x` [N, H, W, C], labels `y` and region masks
   `masks` [N, H, W], by forward-mode JVPs over the region's pixels.
 
@@ -187,18 +215,24 @@ def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
     pixels: None for the exact score; else the estimator's number of region
       pixels per sample (>= 2), drawn with `seed` (a stateless-RNG seed).
     chunk: JVPs vectorised at once (memory: chunk x the model's parameters).
+    groups: None to score each tensor; else each tensor's group index
+      (0..G-1, e.g. `layer_groups(model)`), scoring each group as one layer.
 
   Returns:
-    `PsiScores(scores, standard_error)`, both [N, L]; the standard error is 0
-    for the exact score and for regions no larger than `pixels`.
+    `PsiScores(scores, standard_error)`, both [N, L] (or [N, G]); the
+    standard error is 0 for the exact score and for regions no larger than
+    `pixels`.
 
   Raises:
-    ValueError: for `pixels` < 2 or `chunk` < 1.
+    ValueError: for `pixels` < 2, `chunk` < 1, or `groups` that do not give
+      every tensor an index in 0..G-1 with every group used.
   """
   if pixels is not None and pixels < 2:
     raise ValueError(f"pixels must be >= 2 (or None for the exact score), got {pixels}")
   if chunk < 1:
     raise ValueError(f"chunk must be >= 1, got {chunk}")
+  _check_groups(groups, len(weights))
+  width = len(weights) if groups is None else max(groups) + 1
   x = tf.cast(x, tf.float32)
   masks = tf.cast(masks, tf.bool)
   seeds = tf.random.experimental.stateless_split(
@@ -207,7 +241,8 @@ def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
   def one(args):
     x1, y1, mask, s = args
     coords = _chosen_pixels(mask, pixels, s)
-    norms = region_pixel_norms(model, weights, x1, y1, coords, loss_fn, chunk)
+    norms = _group_norms(
+        region_pixel_norms(model, weights, x1, y1, coords, loss_fn, chunk), groups)
     score = tf.reduce_mean(norms, 0)
     m = tf.cast(tf.shape(norms)[0], tf.float32)
     population = tf.reduce_sum(tf.cast(mask, tf.float32))
@@ -217,9 +252,18 @@ def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
 
   scores, errors = tf.map_fn(
       one, (x, tf.convert_to_tensor(y), masks, seeds),
-      fn_output_signature=(tf.TensorSpec([len(weights)]),) * 2,
+      fn_output_signature=(tf.TensorSpec([width]),) * 2,
       parallel_iterations=1)
   return PsiScores(scores, errors)
+
+
+def _check_groups(groups: Optional[Sequence[int]], num_tensors: int) -> None:
+  if groups is None:
+    return
+  groups = list(groups)
+  if len(groups) != num_tensors or sorted(set(groups)) != list(range(max(groups, default=-1) + 1)):
+    raise ValueError(f"groups must give each of the {num_tensors} tensors a group "
+                     f"index, using every index 0..G-1; got {groups}")
 
 
 def mean_by_format(scores: np.ndarray, formats: Sequence) -> dict:
