@@ -1,8 +1,11 @@
+import importlib.util
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
+
 import psutil  # noqa: E402
 import pytest  # noqa: E402
 
@@ -153,3 +156,14 @@ def write_doctamper_split(path, count: int, side: int, seed: int):
               encoded(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), "JPEG"))
       txn.put(b"label-%09d" % i, encoded(mask, "PNG"))
   env.close()
+
+
+def load_script(path: str):
+  """The experiment or benchmark script at `path` imported as a module
+  (its name: the file's), without running its main."""
+  name = os.path.splitext(os.path.basename(path))[0]
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # dataclasses of the script look it up
+  spec.loader.exec_module(module)
+  return module

@@ -2,7 +2,6 @@
 fixture), as a user runs it."""
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import write_doctamper_split
+from conftest import load_script, write_doctamper_split
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments", "fedre_tables.py")
@@ -29,11 +28,7 @@ def script():
   """The script as a module: its functions, and its main() for refusals,
   which come before it starts a worker (a process of their own would spend
   seconds importing TensorFlow)."""
-  spec = importlib.util.spec_from_file_location("fedre_tables", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules["fedre_tables"] = module  # its dataclasses look it up
-  spec.loader.exec_module(module)
-  return module
+  return load_script(SCRIPT)
 
 
 def _refusal(script, monkeypatch, capsys, *argv) -> str:

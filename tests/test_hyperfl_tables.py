@@ -2,7 +2,6 @@
 the mean and spread over seeds that its tables report."""
 
 import argparse
-import importlib.util
 import os
 
 import numpy as np
@@ -10,16 +9,15 @@ import pytest
 
 from tff_privacy import runner
 
+from conftest import load_script
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments", "hyperfl_tables.py")
 
 
 @pytest.fixture(scope="module")
 def script():
-  spec = importlib.util.spec_from_file_location("hyperfl_tables", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(SCRIPT)
 
 
 def _fake_run(configs):

@@ -3,7 +3,6 @@ RECUP-FL's Table 1 does (local training, then the perturbation), against a
 zoo of the paper's shape, and reads memory as the system sees it."""
 
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,16 +15,15 @@ from tff_privacy.defenses import defender_zoo, recupfl
 from tff_privacy.models import builders
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_script
+
 SCRIPT = os.path.join(ROOT, "benchmarks", "recupfl_client_time.py")
 EPSILON = 1e-3
 
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("recupfl_client_time", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(SCRIPT)
 
 
 def _keras_gradient(broadcast, x, y):

@@ -2,7 +2,6 @@
 the curves, and the rows it builds from a run's metrics.json."""
 
 import argparse
-import importlib.util
 import math
 import os
 
@@ -11,16 +10,15 @@ import pytest
 
 from tff_privacy import io
 
+from conftest import load_script
+
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "experiments", "recupfl_tables.py")
 
 
 @pytest.fixture(scope="module")
 def tables():
-  spec = importlib.util.spec_from_file_location("recupfl_tables", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(SCRIPT)
 
 
 def test_levels_are_log_spaced_for_noise_and_even_for_shares(tables):

@@ -5,7 +5,6 @@ pooling."""
 
 import contextlib
 import csv
-import importlib.util
 import io
 import json
 import os
@@ -19,6 +18,8 @@ from tff_privacy import data
 from tff_privacy.defenses import recupfl
 from tff_privacy.models import builders
 
+from conftest import load_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "recupfl_unperturbed.py")
 BUDGETS = (1e-3, 0.1)
@@ -31,12 +32,9 @@ CONFIGURATIONS = ("paper_tie_splitting", "paper_first_max", "default")
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("recupfl_unperturbed", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclasses look their module up
-  spec.loader.exec_module(module)
+  module = load_script(SCRIPT)
   yield module
-  del sys.modules[spec.name]
+  del sys.modules[module.__name__]
 
 
 @pytest.fixture(scope="module")
