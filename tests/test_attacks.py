@@ -403,3 +403,46 @@ def test_adam_deltas_refuse_analytic_label_recovery():
   protocol = {"batch_size": 2, "learning_rate": 0.1, "client_optimizer": "adam"}
   with pytest.raises(attacks.UploadRefused, match="Adam client's model delta"):
     mean_gradient([np.ones(3)], "model_delta", protocol, 4)
+
+
+CIFAR_MEAN = np.array([0.4914, 0.4822, 0.4465])
+CIFAR_STD = np.array([0.2470, 0.2435, 0.2616])
+
+
+def _normalised_record(seed=0):
+  """A 3-channel record of a run normalised with the cifar10 preset."""
+  rng = np.random.default_rng(seed)
+  spec = models.ModelSpec("lenet", (8, 8, 3), 10)
+  x = ((rng.random((2, 8, 8, 3)) - CIFAR_MEAN) / CIFAR_STD).astype(np.float32)
+  record = _record(x, np.array([1, 4]), spec)
+  return dataclasses.replace(record, metadata={
+      **record.metadata, "normalize": {"mean": list(CIFAR_MEAN),
+                                       "std": list(CIFAR_STD)}})
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("ig", {"iterations": 4, "init": "uniform"}),
+    ("dlg", {"iterations": 4, "init": "uniform"}),
+    ("rog", {"iterations": 4, "prior": False})])
+def test_attacks_search_within_the_normalised_range_per_channel(name, kwargs):
+  lo, hi = (0 - CIFAR_MEAN) / CIFAR_STD, (1 - CIFAR_MEAN) / CIFAR_STD
+  target = attacks.Target.from_record(_normalised_record())
+  np.testing.assert_allclose(target.bounds[0], lo, rtol=1e-6)
+  np.testing.assert_allclose(target.bounds[1], hi, rtol=1e-6)
+  attack = attacks.build(name, **kwargs)
+  start = attack._start(target, np.random.default_rng(0))
+  x0 = (start["results"].position[:2 * 8 * 8 * 3].numpy().reshape(2, 8, 8, 3)
+        if name == "dlg" else start.get("x", start.get("z")).numpy())
+  got = attack([_normalised_record()])[0].x
+  for x in (x0, got):
+    for c in range(3):  # each channel fills its own range, not another's
+      assert lo[c] - 1e-6 <= x[..., c].min() and x[..., c].max() <= hi[c] + 1e-6
+  assert x0[..., 0].min() < lo[2] or x0[..., 0].max() > hi[2]
+
+
+def test_normalised_runs_compile_apart_from_plain_ones():
+  record = _normalised_record()
+  plain = dataclasses.replace(record, metadata={
+      k: v for k, v in record.metadata.items() if k != "normalize"})
+  assert (attacks.Target.from_record(plain).cache_key()
+          != attacks.Target.from_record(record).cache_key())

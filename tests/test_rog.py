@@ -116,3 +116,24 @@ def test_default_prior_on_the_attacked_data_and_bad_files_are_refused(tmp_path):
   with pytest.raises(ValueError, match="prior_weights=.*is not a file"):
     attacks.build("rog", iterations=1,
                   prior_weights=os.path.join(tmp_path, "missing.npz"))([record])
+
+
+def test_prior_sees_a_normalised_run_in_pixel_units(tmp_path):
+  import dataclasses
+  spec = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": (16,)})
+  x = np.random.default_rng(2).random((1, 8, 8, 1)).astype(np.float32)
+  record = _record((x - 0.5) / 0.5, np.array([1]), spec=spec)
+  record = dataclasses.replace(record, metadata={
+      **record.metadata, "normalize": {"mean": [0.5], "std": [0.5]}})
+  prior = rog.ImagePrior(1)
+  weights = {k: np.zeros(s, np.float32) for k, s in prior.shapes.items()}
+  weights[f"conv{prior.depth}/bias"][:] = 0.25  # adds 0.25 to every pixel
+  path = str(tmp_path / "prior.npz")
+  pretrained.save(path, weights, {})
+  kwargs = dict(scale_factor=2, iterations=20)
+  plain = attacks.build("rog", prior=False, **kwargs)([record])[0]
+  shifted = attacks.build("rog", prior_weights=path, **kwargs)([record])[0]
+  # the normalised range is [-1, 1]; 0.25 in pixels is 0.5 there
+  inside = (plain.x > -1 + 1e-3) & (plain.x < 0.49)
+  assert inside.mean() > 0.3
+  np.testing.assert_allclose(shifted.x[inside], plain.x[inside] + 0.5, atol=1e-5)

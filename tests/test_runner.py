@@ -423,6 +423,12 @@ def test_client_inputs_join_every_batch():
      "data_kwargs of dataset 'mnist5k' takes no max_per_speaker; its parameters: "
      "test_fraction"),
     (dict(dataset="docs", data_kwargs={"size": 8}), "size must be >= 32"),
+    (dict(method="fedem", data_kwargs={"normalize": "mnist"}),
+     "data_kwargs 'normalize' and method 'fedem': its input perturbation is "
+     "stated in pixel units"),
+    (dict(method="fedre", method_kwargs={"perturbation": "pixels"},
+          data_kwargs={"normalize": [[0.5], [0.5]]}),
+     "data_kwargs 'normalize' and method 'fedre'"),
 ])
 def test_bad_config_raises(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -850,3 +856,49 @@ def test_many_evaluators_log_no_retracing_warning_and_others_still_do(caplog):
   for n in range(1, 8):  # a new shape each call: real retracing
     square(tf.zeros([n]))
   assert "triggered tf.function retracing" in caplog.text
+
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+@pytest.fixture(scope="module")
+def normalised_run(tmp_path_factory):
+  out = str(tmp_path_factory.mktemp("normalised"))
+  config = runner.RunConfig(out=out, method="fedsgd", rounds=1, capture_rounds=(1,),
+                            **{**SMALL, "clients": 2, "batch_size": 1},
+                            data_kwargs={"normalize": "mnist"})
+  runner.run(config, progress=False)
+  return config
+
+
+def test_a_normalised_run_records_its_normalisation(normalised_run):
+  out = normalised_run.out
+  assert io.read_json(os.path.join(out, "config.json"))["data_kwargs"] == {
+      "normalize": "mnist"}
+  record = UpdateStore(os.path.join(out, "updates")).read(1, 0)
+  assert record.metadata["normalize"] == {"mean": [MNIST_MEAN], "std": [MNIST_STD]}
+  assert record.metadata["value_range"] == [0.0, 1.0]
+  x, _ = GroundTruthStore(os.path.join(out, "ground_truth")).read(1, 0)
+  pixels = x * MNIST_STD + MNIST_MEAN  # what the client trained on, in [0, 1]
+  assert pixels.min() >= -1e-6 and pixels.max() <= 1 + 1e-6 and x.min() < 0
+
+
+def test_an_attack_on_a_normalised_run_scores_in_pixel_space(normalised_run,
+                                                             tmp_path):
+  from skimage import metrics as skm
+  from tff_privacy import attacks, evaluate
+  updates = os.path.join(normalised_run.out, "updates")
+  result = evaluate.attack_round(updates, 1, str(tmp_path / "a"), "ig", [0],
+                                 {"iterations": 20})
+  record = UpdateStore(updates).read(1, 0)
+  rec = attacks.build("ig", iterations=20)([record], seed=0)[0].x[0]
+  x, _ = GroundTruthStore(os.path.join(normalised_run.out, "ground_truth")).read(1, 0)
+  true = x[0, ..., 0] * MNIST_STD + MNIST_MEAN
+  got = np.clip(rec[..., 0] * MNIST_STD + MNIST_MEAN, 0.0, 1.0)
+  row = result["samples"][0]
+  assert row["ssim"] == pytest.approx(
+      skm.structural_similarity(true, got, win_size=7, data_range=1.0), abs=1e-5)
+  assert row["mse"] == pytest.approx(np.mean((true - got) ** 2), rel=1e-4)
+  assert result["normalize"] == {"mean": [MNIST_MEAN], "std": [MNIST_STD]}
+  pairs = np.load(tmp_path / "a" / "reconstructions.npz")
+  np.testing.assert_allclose(pairs["original"][0, ..., 0], true, atol=1e-6)

@@ -4,7 +4,9 @@ The attack sees only the update store; scoring reads the ground-truth store.
 Writes `attack.json` (per-sample MSE, PSNR, SSIM, feature MSE, recovered and
 true label, and their means), `reconstructions.png` (originals above
 reconstructions) and `reconstructions.npz` (the matched 'original' and
-'reconstructed' images, in `attack.json`'s sample order).
+'reconstructed' images, in `attack.json`'s sample order). Images are scored
+and saved in the data's pixel units (`value_range`), a normalised run's
+normalisation (`normalize`) undone.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "round": round_num,
             "clients": clients, "device": device or "default", "seed": seed,
             "value_range": list(value_range),
+            # undone before scoring: the scores are in value_range's units
+            "normalize": records[0].metadata.get("normalize"),
             "region": ({str(c): _boxes(r) for c, r in zip(clients, regions)}
                        if regions[0] is not None else None),
             "region_setting": _region_setting(region, regions),

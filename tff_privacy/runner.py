@@ -292,7 +292,9 @@ class RunConfig:
       raise ValueError(f"clients_per_round must be in [1, clients={self.clients}]"
                        f", got {self.clients_per_round}")
     models.builders.check_kwargs(self.model, self.model_kwargs)
-    data.sources.resolve_data_kwargs(self.dataset, self.data_kwargs)
+    if data.sources.resolve_data_kwargs(self.dataset,
+                                        self.data_kwargs).get("normalize"):
+      _check_pixel_units(self)
     if (self.model in LPM_MODELS
         and self.model_kwargs.get("backbone_weights") is None):
       pretrained.check_dataset(
@@ -846,7 +848,12 @@ class Run:
             "dp_sampling": round_event.sampling, **stated}
 
   def run_metadata(self) -> dict[str, Any]:
+    """The store's run metadata; 'normalize' only for normalised data
+    (`tff_privacy.data.normalization`), so that stores of other runs keep
+    their metadata."""
     src = self.fed.source
+    normalized = ({"normalize": src.normalization.to_json()}
+                  if src.normalization else {})
     return {"method": self.algorithm.name,
             "upload_kind": self.algorithm.upload_kind,
             "defense": (self.algorithm.defense or
@@ -854,12 +861,23 @@ class Run:
                          if self.central else None)),
             "model": self.spec.to_json(), "dataset": src.name,
             "value_range": list(src.value_range), "raw_max": src.raw_max,
-            "protocol": self.algorithm.protocol}
+            **normalized, "protocol": self.algorithm.protocol}
 
 
 # Local DP is accounted per client over every round, sampled or not.
 _LOCAL_SAMPLING = ("none assumed: every round counts for every client (an upper "
                    "bound when clients are sampled)")
+
+
+def _check_pixel_units(config: RunConfig) -> None:
+  """Refuses data_kwargs 'normalize' for the input perturbations stated in
+  the pixel units of [0, 1] images (FedEM's radius and clipping, FedRE's
+  perturbation='pixels'), which would act on normalised values."""
+  method = algorithms.method(config.method).resolve(config.method_kwargs)
+  if config.method == "fedem" or method.get("perturbation") == "pixels":
+    raise ValueError(f"data_kwargs 'normalize' and method {config.method!r}: "
+                     "its input perturbation is stated in pixel units of "
+                     "[0, 1] images; leave normalize out")
 
 
 def check_workers(config: RunConfig, remote: bool) -> None:
@@ -1148,6 +1166,7 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
   GroundTruthStore(os.path.join(r.config.out, "ground_truth")).write_round(
       round_num, [(c.index, c.x, c.y, c.attributes) for c in clients],
       {"dataset": meta["dataset"], "value_range": meta["value_range"],
+       **{k: meta[k] for k in ("normalize",) if k in meta},
        **_attribute_classes(r.fed.source)})
 
 

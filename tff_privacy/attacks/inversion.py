@@ -55,6 +55,7 @@ from tff_privacy import tasks
 from tff_privacy.attacks import functional
 from tff_privacy.attacks.labels import recover_labels
 from tff_privacy.attacks.refusal import UploadRefused
+from tff_privacy.data import normalization
 from tff_privacy.params import Param, Params
 from tff_privacy.updates import UpdateRecord
 
@@ -114,9 +115,11 @@ class Target:
     return (self.num_examples,) + self.task.label_shape(self.input_shape[1:])
 
   @property
-  def value_range(self) -> tuple[float, float]:
-    lo, hi = self.record.metadata["value_range"]
-    return float(lo), float(hi)
+  def bounds(self) -> tuple[Any, Any]:
+    """(lo, hi) of the model's inputs: the data's value range, or for a
+    normalised run its normalised image, one bound per channel
+    (`normalization.input_bounds`)."""
+    return normalization.input_bounds(self.record.metadata)
 
   def recovered_labels(self) -> np.ndarray:
     """Labels inferred analytically from the upload (`recover_labels`)."""
@@ -126,7 +129,7 @@ class Target:
                           "'background'")
     return recover_labels(self.model, self.record.broadcast, self.record.upload,
                           self.num_examples, self.record.upload_kind,
-                          self.record.metadata["protocol"], self.value_range)
+                          self.record.metadata["protocol"], self.bounds)
 
   def simulate(self, weights, x, y_soft, records: bool = False):
     """The upload of (x, y_soft) from broadcast `weights` under the record's
@@ -140,7 +143,8 @@ class Target:
     """What a compiled attack function depends on besides its arguments."""
     meta = self.record.metadata
     return json.dumps([meta["model"], meta["upload_kind"], meta["protocol"],
-                       meta["value_range"], self.num_examples], sort_keys=True)
+                       meta["value_range"], meta.get("normalize"),
+                       self.num_examples], sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +153,7 @@ class Reconstruction:
 
   round_num: int
   client_index: int
-  x: np.ndarray           # reconstructed inputs, clipped to the data range
+  x: np.ndarray           # reconstructed inputs, clipped to `Target.bounds`
   labels: np.ndarray      # recovered or optimised labels
   objective: float        # the attack's own objective at the kept iterate
 
@@ -215,10 +219,10 @@ def adam_step(p, g, m, v, step, lr):
   return p, m, v
 
 
-def _initial(shape, init: str, value_range, rng: np.random.Generator) -> tf.Tensor:
+def _initial(shape, init: str, bounds, rng: np.random.Generator) -> tf.Tensor:
   if init == "randn":
     return tf.constant(rng.standard_normal(shape), tf.float32)
-  lo, hi = value_range
+  lo, hi = bounds
   return tf.constant(rng.uniform(lo, hi, shape), tf.float32)
 
 
@@ -446,7 +450,7 @@ class GradientInversion(abc.ABC):
 
   @staticmethod
   def _reconstruction(target: Target, x, labels, objective) -> Reconstruction:
-    lo, hi = target.value_range
+    lo, hi = target.bounds
     return Reconstruction(target.record.round_num, target.record.client_index,
                           np.clip(x, lo, hi), np.asarray(labels, np.int32),
                           objective)
@@ -540,7 +544,7 @@ class DLG(GradientInversion):
     fixed = labels is not None
     c = target.num_classes
     parts = [tf.reshape(_initial(target.input_shape, self.init,
-                                 target.value_range, rng), [-1])]
+                                 target.bounds, rng), [-1])]
     if not fixed:
       parts.append(tf.constant(rng.standard_normal(
           int(np.prod(target.label_shape)) * c), tf.float32))
@@ -616,7 +620,7 @@ class InvertingGradients(GradientInversion):
     argument stacked on a leading record axis, the objective one per record
     (one pass of the record-batched forward, `Target.simulate(records=
     True)`)."""
-    lo, hi = target.value_range
+    lo, hi = target.bounds
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
 
     def objective(x, y_soft, upload, upload_norm, broadcast):
@@ -664,7 +668,7 @@ class InvertingGradients(GradientInversion):
     return advance
 
   def _start(self, target, rng):
-    x = _initial(target.input_shape, self.init, target.value_range, rng)
+    x = _initial(target.input_shape, self.init, target.bounds, rng)
     labels = self.fixed_labels(target)
     return {"x": x, "m": tf.zeros_like(x), "v": tf.zeros_like(x), "best_x": x,
             "best_loss": tf.constant(np.inf, tf.float32), "labels": labels,

@@ -67,8 +67,10 @@ def whole_counts(counts: np.ndarray, total: int) -> np.ndarray:
 
 def recover_labels(model: tf.keras.Model, broadcast, upload, num_examples: int,
                    upload_kind: str, protocol: dict,
-                   value_range=(0.0, 1.0), seed: int = 0) -> np.ndarray:
-  """Labels (length `num_examples`, sorted) inferred from `upload`."""
+                   bounds=(0.0, 1.0), seed: int = 0) -> np.ndarray:
+  """Labels (length `num_examples`, sorted) inferred from `upload`;
+  `bounds`: the range of the model's inputs (`Target.bounds`), which the
+  probe of the expected softmax is drawn from."""
   num_classes = int(model.output_shape[-1])
   grads = mean_gradient(upload, upload_kind, protocol, num_examples)
   signal, is_bias = _last_layer_signal(grads, num_classes)
@@ -76,7 +78,7 @@ def recover_labels(model: tf.keras.Model, broadcast, upload, num_examples: int,
     order = np.argsort(signal)
     return np.sort(order[:num_examples]).astype(np.int32)
   rng = np.random.default_rng(seed)
-  lo, hi = value_range
+  lo, hi = bounds
   probe = rng.uniform(lo, hi, size=(64,) + tuple(model.input_shape[1:]))
   logits = functional.forward(model, [tf.constant(w) for w in broadcast],
                               tf.constant(probe, tf.float32))

@@ -4,8 +4,10 @@ image space, then a learned image prior.
 
 The search, as in the authors' code: the unknown is a low-resolution image
 z of 1/`scale_factor` the input's height and width (their 4), started from
-U(0, 1); the model sees its bicubic upsampling, unclamped; the objective is
-the squared L2 distance between the simulated and the captured upload (for
+U(0, 1) (on normalised data, uniform in the model's input range,
+`Target.bounds`; the prior below then sees the images in pixel units); the
+model sees its bicubic upsampling, unclamped; the objective is the
+squared L2 distance between the simulated and the captured upload (for
 FedAvg deltas, the client's local steps simulated, as their multi-step
 attack); Adam at `lr` 0.05, cosine-annealed to a tenth of it over
 `iterations` 100. Labels are recovered analytically from the upload (the
@@ -36,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from tff_privacy import pretrained
+from tff_privacy.data import normalization
 from tff_privacy.attacks.inversion import (GradientInversion, Target,
                                            _MAX_EXAMPLES, _RESTARTS, _iterations,
                                            adam_step, l2_distance)
@@ -265,7 +268,8 @@ class ROG(GradientInversion):
 
   def _start(self, target, rng):
     spec = target.record.model_spec
-    z = tf.constant(rng.uniform(0, 1, (target.num_examples,)
+    lo, hi = target.bounds
+    z = tf.constant(rng.uniform(lo, hi, (target.num_examples,)
                                 + low_resolution(spec.input_shape, self.scale_factor)
                                 + (spec.input_shape[-1],)), tf.float32)
     labels = target.recovered_labels()
@@ -283,8 +287,12 @@ class ROG(GradientInversion):
 
   def _finish(self, target, state):
     shape = target.record.model_spec.input_shape
-    x = upsample(state["best_z"], shape)
+    x = upsample(state["best_z"], shape).numpy()
     if self.prior:
+      # the prior restores images in the data's own range
       prior, weights = self._prior(shape)
-      x = prior(weights, x)
-    return x.numpy(), state["labels"], float(state["best_loss"])
+      norm = normalization.of_metadata(target.record.metadata)
+      pixels = x if norm is None else norm.undo(x)
+      x = prior(weights, tf.constant(pixels, tf.float32)).numpy()
+      x = x if norm is None else norm.apply(x)
+    return x, state["labels"], float(state["best_loss"])

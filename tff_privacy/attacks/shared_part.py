@@ -135,7 +135,7 @@ class _AdamSearch(GradientInversion):
     return [labels] + classifier
 
   def _build(self, target: Target):
-    lo, hi = target.value_range
+    lo, hi = target.bounds
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
     matching = self._objective_fn(target)
 
@@ -171,7 +171,7 @@ class _AdamSearch(GradientInversion):
     return advance
 
   def _start(self, target, rng):
-    x = _initial(target.input_shape, self.init, target.value_range, rng)
+    x = _initial(target.input_shape, self.init, target.bounds, rng)
     unknowns = self._unknowns(target, rng)
     moments = [tf.zeros_like(t) for t in [x, x]]
     for u in unknowns:

@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from tff_privacy import io
+from tff_privacy.data import normalization
 from tff_privacy.metrics.image import (feature_mse, image_scores, match_by_mse,
                                        region_scores, summarize)
 from tff_privacy.updates import GroundTruthStore
@@ -35,6 +36,12 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
   segmentation model's row holds `label_pixel_accuracy`, the share of
   pixels whose label the attack used (or found) is the true one.
 
+  Images are scored in `value_range`, the data's pixel units: where the
+  run normalised its inputs (the records' 'normalize' metadata), the true
+  samples and the reconstructions are mapped back first
+  (`tff_privacy.data.normalization.to_pixels`), and the pairs returned are
+  in pixel units too.
+
   `records` are the attacked `UpdateRecord`s, in the same order; their
   broadcast model gives the features of the feature MSE. Where the
   broadcast is not the client's whole model (HyperFL's hypernetwork, a
@@ -44,10 +51,14 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
   rows, pairs = [], []
   regions = regions or [None] * len(records)
   for rec, record, region in zip(reconstructions, records, regions):
-    x_true, y_true = truth.read(rec.round_num, rec.client_index)
+    inputs, y_true = truth.read(rec.round_num, rec.client_index)
+    x_true = normalization.to_pixels(inputs, record.metadata)
     lo, hi = value_range
-    perm = match_by_mse(x_true, np.clip(rec.x, lo, hi))
-    x_rec, labels = rec.x[perm], np.asarray(rec.labels)[perm]
+    perm = match_by_mse(x_true, np.clip(
+        normalization.to_pixels(rec.x, record.metadata), lo, hi))
+    x_in, labels = rec.x[perm], np.asarray(rec.labels)[perm]
+    x_rec = normalization.to_pixels(x_in, record.metadata)
+    in_lo, in_hi = normalization.input_bounds(record.metadata)
     model = record.model_spec.keras()
     whole_model = record.upload_kind in WHOLE_MODEL_UPLOADS
     inside = (region_scores(x_true, x_rec, region, value_range)
@@ -55,8 +66,8 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
     for i, s in enumerate(image_scores(x_true, x_rec, value_range)):
       if inside is not None:
         s.update({f"region_{k}": v for k, v in inside[i].items()})
-      s["feature_mse"] = (feature_mse(model, record.broadcast, x_true[i:i + 1],
-                                      np.clip(x_rec[i:i + 1], lo, hi))
+      s["feature_mse"] = (feature_mse(model, record.broadcast, inputs[i:i + 1],
+                                      np.clip(x_in[i:i + 1], in_lo, in_hi))
                           if whole_model else float("nan"))
       rows.append({"round": rec.round_num, "client": rec.client_index,
                    "sample": i, **s, **_label_scores(labels[i], y_true[i]),
