@@ -278,6 +278,13 @@ DOCS_PROTOCOL_FIELDS = {"clients": 10, "partition": "groups", "rounds": 20,
                         "data_kwargs": {"size": 32}}
 DOCS_PROTOCOL_METHOD = {"client_optimizer": "adam", "client_learning_rate": 0.005,
                         "local_epochs": 2}
+# what only FedRE declares: PSI by its estimator on 16 pixels
+DOCS_PROTOCOL_FEDRE = {"psi_pixels": 16}
+
+
+def _docs_method_kwargs(method, **given):
+  return {**DOCS_PROTOCOL_METHOD,
+          **(DOCS_PROTOCOL_FEDRE if method == "fedre" else {}), **given}
 
 
 @pytest.mark.parametrize("method", ["fedavg", "fedre"])
@@ -288,11 +295,11 @@ def test_docs_runs_take_the_documents_protocol_where_nothing_is_given(
   base = ["train", "--out", str(tmp_path), "--method", method, "--dataset", "docs"]
   run = cli._config_from_args(parser.parse_args(base))
   assert {k: getattr(run, k) for k in DOCS_PROTOCOL_FIELDS} == DOCS_PROTOCOL_FIELDS
-  assert run.method_kwargs == DOCS_PROTOCOL_METHOD
+  assert run.method_kwargs == _docs_method_kwargs(method)
   saved = run.to_json()  # what config.json records
   assert {k: saved[k] for k in DOCS_PROTOCOL_FIELDS} == DOCS_PROTOCOL_FIELDS
-  assert {k: saved["method_kwargs"][k] for k in DOCS_PROTOCOL_METHOD} == \
-      DOCS_PROTOCOL_METHOD
+  expected = _docs_method_kwargs(method)
+  assert {k: saved["method_kwargs"][k] for k in expected} == expected
   # a flag, or a field of --config, overrides the protocol's value
   config = tmp_path / "run.json"
   config.write_text(json.dumps({"method": method, "rounds": 3,
@@ -302,8 +309,8 @@ def test_docs_runs_take_the_documents_protocol_where_nothing_is_given(
               "--client-lr", "0.01", "--data-kwargs", '{"num": 40}']))
   assert (run.clients, run.partition, run.rounds, run.batch_size) == (4, "iid", 3, 16)
   assert run.data_kwargs == {"size": 32, "num": 40}
-  assert run.method_kwargs == {"client_optimizer": "adam",
-                               "client_learning_rate": 0.01, "local_epochs": 1}
+  assert run.method_kwargs == _docs_method_kwargs(
+      method, client_learning_rate=0.01, local_epochs=1)
 
 
 def test_data_sets_without_a_protocol_keep_the_run_defaults(tmp_path):
