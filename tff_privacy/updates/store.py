@@ -17,7 +17,8 @@ this round), two different facts: FedEM weighs every client 1, FedAvg by the
 examples of every local epoch.
 
 The run metadata holds the public facts of the protocol an attacker may use:
-method, upload kind, model builder and arguments, data set and its value range,
+method, upload kind, model builder and arguments, data set and its value range
+(and, for normalised data, the per-channel mean and std under 'normalize'),
 learning rates, local epochs or steps, batch size. Records are `np.savez`
 files read with `allow_pickle=False`; every read checks the SHA-256, the
 tensor names, shapes and dtypes against the manifest and names the file that
