@@ -33,10 +33,6 @@ class Normalization:
   mean: tuple[float, ...]
   std: tuple[float, ...]
 
-  @property
-  def channels(self) -> int:
-    return len(self.mean)
-
   def apply(self, x: np.ndarray) -> np.ndarray:
     """(x - mean) / std, float32."""
     return ((np.asarray(x, np.float32) - np.float32(self.mean))
