@@ -297,3 +297,98 @@ def test_wide_sums_are_the_correctly_rounded_float32_totals():
   metrics = finalized([collections.OrderedDict(total=v, halved=v) for v in values])
   np.testing.assert_array_equal(metrics["total"], exact)
   np.testing.assert_array_equal(metrics["halved"], exact / 2)
+
+
+def test_wide_mean_folded_in_parts_is_tff_mean_to_the_bit(monkeypatch):
+  """`wide_mean_factory` and `federated_wide_sum` with every value cut into
+  parts of 4 entries (a matrix cut between its rows, a scalar and a vector
+  packed together): the exact sums (math.fsum) of the float32 products,
+  rounded once, then divided as `tff.aggregators.MeanFactory` divides."""
+  import collections
+  import math
+  from tff_privacy.aggregation import wide_sum
+  monkeypatch.setattr(wide_sum, "PART_ELEMENTS", 4)
+  rng = np.random.default_rng(0)
+  value_type = collections.OrderedDict(
+      m=tff.TensorType(np.float32, [5, 3]), s=tff.TensorType(np.float32),
+      v=tff.TensorType(np.float32, [2]))
+  clients = [collections.OrderedDict(
+      m=(rng.normal(size=(5, 3)) * 10.0 ** rng.integers(-8, 3, (5, 3))).astype(np.float32),
+      s=np.float32(rng.normal()), v=rng.normal(size=2).astype(np.float32))
+      for _ in range(6)]
+  weights = np.float32([1, 2, 3, 150, 0.5, 7])
+
+  def exact(name, w):
+    stacked = np.stack([c[name] * np.float32(x) for c, x in zip(clients, w)])
+    return np.float32(np.vectorize(lambda *t: math.fsum(t))(*stacked))
+
+  mean = wide_sum.wide_mean_factory().create(tff.to_type(value_type),
+                                             tff.TensorType(np.float32))
+  got = mean.next(mean.initialize(), clients, list(weights)).result
+  for name in value_type:
+    np.testing.assert_array_equal(
+        got[name], exact(name, weights) / np.float32(math.fsum(weights)))
+
+  @tff.federated_computation(tff.FederatedType(tff.to_type(value_type), tff.CLIENTS))
+  def total(values):
+    return wide_sum.federated_wide_sum(values)
+
+  summed = total(clients)
+  for name in value_type:
+    np.testing.assert_array_equal(summed[name], exact(name, np.ones(6)))
+
+
+def _worker_peak_mb(computation, *args) -> int:
+  """The peak resident MiB of a fresh local worker (and its children) over
+  one call of `computation`, above its size before the call."""
+  import threading
+  runtime.stop()
+  worker = psutil.Process(runtime.start().process.pid)
+
+  def rss():
+    return sum(p.memory_info().rss for p in [worker, *worker.children(recursive=True)])
+  before, peak, done = rss(), [0], threading.Event()
+
+  def sample():
+    while not done.is_set():
+      peak[0] = max(peak[0], rss())
+      time.sleep(0.02)
+  sampler = threading.Thread(target=sample)
+  sampler.start()
+  computation(*args)
+  done.set()
+  sampler.join()
+  runtime.stop()
+  return (peak[0] - before) // 2**20
+
+
+def test_wide_mean_holds_no_copy_of_every_client_value(monkeypatch):
+  """Averaging 20 clients' values of 8 MiB with `wide_mean_factory`, folded
+  in parts of 256 KiB, takes the worker less than one more copy of all of
+  them (160 MiB) beyond receiving them (a computation that only reads
+  them): TFF's runtime keeps every accumulator of one `federated_aggregate`
+  and every client's weighted value until the aggregation ends, which a
+  float64 fold of every client's weighted value in one aggregation (480
+  MiB here) would exceed."""
+  from tff_privacy.aggregation import wide_sum
+  monkeypatch.setattr(wide_sum, "PART_ELEMENTS", 2**16, raising=False)
+  size, n = 2**21, 20
+  value_type = tff.TensorType(np.float32, [size])
+  values = [np.full(size, i, np.float32) for i in range(n)]
+  weights = [np.float32(i + 1) for i in range(n)]
+  mean = wide_sum.wide_mean_factory().create(value_type, tff.TensorType(np.float32))
+
+  @tff.tensorflow.computation(value_type)
+  def first(value):
+    return value[0]
+
+  @tff.federated_computation(tff.FederatedType(value_type, tff.CLIENTS),
+                             tff.FederatedType(np.float32, tff.CLIENTS))
+  def read_only(value, weight):
+    del weight
+    return tff.federated_sum(tff.federated_map(first, value))
+
+  received = _worker_peak_mb(read_only, values, weights)
+  averaged = _worker_peak_mb(
+      lambda v, w: mean.next(mean.initialize(), v, w), values, weights)
+  assert averaged - received < n * size * 4 // 2**20, (received, averaged)

@@ -12,9 +12,12 @@ is then the correctly rounded sum, whatever the grouping; beyond that span
 the groupings differ only where the float64 sums straddle a float32 rounding
 boundary. Other dtypes (the integer counts of metrics) are summed as they
 are. The clients' values are folded one by one into a float64 accumulator
-(`tff.federated_aggregate`), so the aggregation holds one widened total,
-not a widened copy of every client's value. `WideSumFactory` serves `tff.aggregators.MeanFactory`,
-`wide_sum_then_finalize` TFF's learning builders' metrics, and
+(`tff.federated_aggregate`), in parts of at most `PART_ELEMENTS` entries:
+TFF's runtime holds each aggregation's accumulator of every client until
+that aggregation ends, so the parts bound that memory to a few MiB per
+client whatever the size of the value. `WideMeanFactory` is the weighted
+mean (the default model aggregator), `WideSumFactory` the unweighted sum,
+`wide_sum_then_finalize` serves TFF's learning builders' metrics, and
 `federated_wide_sum` and `federated_wide_mean` the project's own federated
 computations. Value types are structures with Python containers (lists,
 OrderedDicts), as TFF's learning types are.
@@ -27,6 +30,10 @@ import collections
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
+
+# float32 entries folded by one aggregation (see `_wide_total`): a float64
+# accumulator of 8 MiB per client
+PART_ELEMENTS = 2**20
 
 
 def _float32_leaves(value_type) -> list[bool]:
@@ -46,67 +53,137 @@ def _recast(value_type, leaves: list[bool], target):
   return recast
 
 
-def _wide_total(value):
-  """(the float64 sum of a CLIENTS value, the sum's type, which leaves were
-  float32): `tff.federated_aggregate` folds each client's value into one
-  float64 accumulator, so no widened copy of every client's value is held
-  at once (the mergeable form merges the workers' accumulators)."""
-  value_type = value.type_signature.member
-  leaves = _float32_leaves(value_type)
-  wide_type = _recast(value_type, leaves, tf.float64).type_signature.result
+def _parts(specs) -> list[list[tuple[int, int, int]]]:
+  """`specs` (flat `tf.TensorSpec`s) cut into parts of at most
+  `PART_ELEMENTS` entries (one part when there is nothing to cut): each
+  part a list of (leaf, first row, end row) slices along the leaves' first
+  axis (a scalar is its one row), whole leaves packed together in order
+  and a larger leaf cut into blocks of rows."""
+  parts, part, size = [], [], 0
+  for i, spec in enumerate(specs):
+    rows = spec.shape[0] if spec.shape.rank else 1
+    row = spec.shape[1:].num_elements() if spec.shape.rank else 1
+    block = max(1, PART_ELEMENTS // max(row, 1))
+    for first in range(0, max(rows, 1), block):
+      end = min(first + block, rows)
+      if part and size + (end - first) * row > PART_ELEMENTS:
+        parts.append(part)
+        part, size = [], 0
+      part.append((i, first, end))
+      size += (end - first) * row
+  return parts + [part] if part or not parts else parts
+
+
+def _slice(tensor, first: int, end: int):
+  return tensor[first:end] if tensor.shape.rank else tensor
+
+
+def _wide_part(value, part, specs, leaves, weighted: bool):
+  """The float64 total of one part (see `_parts`) of a CLIENTS value (of
+  (value, weight) pairs if `weighted`), SERVER-placed: a list of its slices."""
+  wide = [tf.TensorSpec([b - a, *specs[i].shape[1:]] if specs[i].shape.rank else [],
+                        tf.float64 if leaves[i] else specs[i].dtype)
+          for i, a, b in part]
 
   @tff.tensorflow.computation
   def zeros():
-    specs = tff.types.type_to_tf_tensor_specs(wide_type)
-    return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), specs)
+    return [tf.zeros(s.shape, s.dtype) for s in wide]
 
-  @tff.tensorflow.computation(wide_type, value_type)
+  @tff.tensorflow.computation(zeros.type_signature.result,
+                              value.type_signature.member)
   def accumulate(total, client_value):
-    flat = [t + (tf.cast(v, tf.float64) if cast else v) for t, v, cast in zip(
-        tf.nest.flatten(total), tf.nest.flatten(client_value), leaves)]
-    return tf.nest.pack_sequence_as(total, flat)
+    flat = tf.nest.flatten(client_value[0] if weighted else client_value)
+    out = []
+    for t, (i, a, b) in zip(total, part):
+      v = _slice(flat[i], a, b)
+      if weighted:  # as `tff.aggregators.MeanFactory` weighs
+        v = v * tf.cast(client_value[1], v.dtype)
+      out.append(t + (tf.cast(v, tf.float64) if leaves[i] else v))
+    return out
 
-  @tff.tensorflow.computation(wide_type, wide_type)
+  @tff.tensorflow.computation(zeros.type_signature.result,
+                              zeros.type_signature.result)
   def merge(a, b):
-    return tf.nest.map_structure(tf.add, a, b)
+    return [x + y for x, y in zip(a, b)]
 
-  @tff.tensorflow.computation(wide_type)
+  @tff.tensorflow.computation(zeros.type_signature.result)
   def report(total):
     return total
 
-  total = tff.federated_aggregate(value, zeros(), accumulate, merge, report)
-  return total, wide_type, leaves
+  return tff.federated_aggregate(value, zeros(), accumulate, merge, report)
+
+
+def _wide_total(value, weighted: bool = False):
+  """The sum of a CLIENTS value (with `weighted`, of (value, weight) pairs:
+  the sum of value * weight as `tff.aggregators.MeanFactory` forms each
+  product), its float32 leaves accumulated in float64: (the SERVER-placed
+  total as a list of the summed type's leaves in `tf.nest` order, the
+  summed type, which of its leaves are float32).
+
+  TFF's C++ runtime keeps every client's accumulator of a
+  `tff.federated_aggregate` until the aggregation ends, so one aggregation
+  over the whole value would hold a float64 copy of it per client. The
+  value is folded in parts of at most `PART_ELEMENTS` entries instead, one
+  aggregation each, which the runtime runs one after another; every entry
+  is summed by the same client-by-client fold either way."""
+  value_type = value.type_signature.member
+  summed_type = value_type[0] if weighted else value_type
+  specs = tf.nest.flatten(tff.types.type_to_tf_tensor_specs(summed_type))
+  leaves = [spec.dtype == tf.float32 for spec in specs]
+  parts = _parts(specs)
+  totals = tff.federated_zip([_wide_part(value, part, specs, leaves, weighted)
+                              for part in parts])
+
+  @tff.tensorflow.computation(totals.type_signature.member)
+  def assemble(part_totals):
+    pieces = [[] for _ in specs]
+    for part, part_total in zip(parts, part_totals):
+      for (i, _, _), t in zip(part, part_total):
+        pieces[i].append(t)
+    return [tf.concat(p, 0) if len(p) > 1 else p[0] for p in pieces]
+
+  return tff.federated_map(assemble, totals), summed_type, leaves
+
+
+def _narrow(flat, leaves: list[bool], summed_type):
+  """The float64 leaves `flat` of a total cast back to float32 where
+  `leaves` says, packed as `summed_type`."""
+  return tf.nest.pack_sequence_as(
+      tff.types.type_to_tf_tensor_specs(summed_type),
+      [tf.cast(t, tf.float32) if cast else t for t, cast in zip(flat, leaves)])
 
 
 def federated_wide_sum(value):
   """`tff.federated_sum` of a CLIENTS value, its float32 leaves accumulated
   in float64 (see the module docstring); call it inside a federated
   computation."""
-  total, wide_type, leaves = _wide_total(value)
-  return tff.federated_map(_recast(wide_type, leaves, tf.float32), total)
+  total, summed_type, leaves = _wide_total(value)
+
+  @tff.tensorflow.computation(total.type_signature.member)
+  def narrow(flat):
+    return _narrow(flat, leaves, summed_type)
+  return tff.federated_map(narrow, total)
 
 
 def federated_wide_mean(value):
   """`tff.federated_mean` (unweighted) of a CLIENTS value of float32
   leaves, the sum accumulated in float64 and divided before the one
   rounding to float32."""
-  if not all(_float32_leaves(value.type_signature.member)):
-    raise TypeError("federated_wide_mean takes float32 values, not "
-                    f"{value.type_signature.member}")
-  total, wide_type, _ = _wide_total(value)
+  member = value.type_signature.member
+  if not all(_float32_leaves(member)):
+    raise TypeError(f"federated_wide_mean takes float32 values, not {member}")
+  total, _, leaves = _wide_total(value)
   count = tff.federated_sum(tff.federated_value(np.int32(1), tff.CLIENTS))
 
-  @tff.tensorflow.computation(wide_type, np.int32)
-  def divide(wide_total, clients):
-    return tf.nest.map_structure(
-        lambda t: tf.cast(t / tf.cast(clients, tf.float64), tf.float32), wide_total)
+  @tff.tensorflow.computation(total.type_signature.member, np.int32)
+  def divide(flat, clients):
+    return _narrow([t / tf.cast(clients, tf.float64) for t in flat], leaves, member)
   return tff.federated_map(divide, (total, count))
 
 
 class WideSumFactory(tff.aggregators.UnweightedAggregationFactory):
   """`tff.aggregators.SumFactory` accumulated in float64 (see the module
-  docstring): as `value_sum_factory` of `tff.aggregators.MeanFactory`, a
-  weighted mean whose sum does not depend on how clients are grouped."""
+  docstring): a sum that does not depend on how clients are grouped."""
 
   def create(self, value_type) -> tff.templates.AggregationProcess:
     @tff.federated_computation()
@@ -123,10 +200,51 @@ class WideSumFactory(tff.aggregators.UnweightedAggregationFactory):
     return tff.templates.AggregationProcess(initialize, next_fn)
 
 
-def wide_mean_factory() -> tff.aggregators.MeanFactory:
+class WideMeanFactory(tff.aggregators.WeightedAggregationFactory):
+  """`tff.aggregators.MeanFactory` over two `WideSumFactory`s, to the bit:
+  sum_i (value_i * weight_i) / sum_i weight_i, each product rounded to the
+  value's dtype, both sums accumulated in float64 and rounded once, then
+  divided. Each client's product is formed inside the fold (`_wide_total`)
+  rather than by a `federated_map` first, which the runtime would hold for
+  every client until the round ends. State and measurements have
+  `MeanFactory`'s layout, so checkpoints of either load in both."""
+
+  def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
+    specs = tf.nest.flatten(tff.types.type_to_tf_tensor_specs(value_type))
+    if not all(spec.dtype.is_floating for spec in specs):
+      raise TypeError(f"WideMeanFactory averages float values, not {value_type}")
+
+    @tff.federated_computation()
+    def initialize():
+      return tff.federated_value(collections.OrderedDict(
+          value_sum_process=(), weight_sum_process=()), tff.SERVER)
+
+    @tff.federated_computation(initialize.type_signature.result,
+                               tff.FederatedType(value_type, tff.CLIENTS),
+                               tff.FederatedType(weight_type, tff.CLIENTS))
+    def next_fn(state, value, weight):
+      total, summed_type, leaves = _wide_total(
+          tff.federated_zip((value, weight)), weighted=True)
+      weight_sum = federated_wide_sum(weight)
+
+      @tff.tensorflow.computation(total.type_signature.member,
+                                  weight_sum.type_signature.member)
+      def divide(flat, weights):
+        mean = _narrow(flat, leaves, summed_type)
+        return tf.nest.map_structure(
+            lambda t: tf.math.divide(t, tf.cast(weights, t.dtype)), mean)
+
+      return tff.templates.MeasuredProcessOutput(
+          state=state, result=tff.federated_map(divide, (total, weight_sum)),
+          measurements=tff.federated_value(collections.OrderedDict(
+              mean_value=(), mean_weight=()), tff.SERVER))
+
+    return tff.templates.AggregationProcess(initialize, next_fn)
+
+
+def wide_mean_factory() -> WideMeanFactory:
   """TFF's weighted mean with both of its sums accumulated in float64."""
-  return tff.aggregators.MeanFactory(value_sum_factory=WideSumFactory(),
-                                     weight_sum_factory=WideSumFactory())
+  return WideMeanFactory()
 
 
 def wide_sum_then_finalize(metric_finalizers, local_unfinalized_metrics_type=None):
