@@ -326,7 +326,9 @@ def check_addresses(addresses: Sequence[str], allow_remote: bool = False) -> Non
 def _executor_factory(worker):
   def stack_fn(cardinalities):
     cardinalities.setdefault(placements.CLIENTS, 0)
-    executor = remote_executor.RemoteExecutor(worker.stub)
+    # TFF's default batches 20 disposals, so a worker would keep the values
+    # of the last few rounds (with HyperFL's, every client's upload) alive
+    executor = remote_executor.RemoteExecutor(worker.stub, dispose_batch_size=1)
     executor.set_cardinalities(cardinalities)
     return executor
   return python_executor_stacks.ResourceManagingExecutorFactory(
