@@ -7,10 +7,14 @@ FedAvg runs 5 local epochs (SGD, lr 0.02, momentum 0.5), HyperFL its 1
 classifier epoch and 5 hypernetwork epochs, DP-FedAvg and PPSGD 5 DP-SGD
 epochs, CENTAUR 1 classifier epoch and 5 DP-SGD epochs (`--baselines`
 chooses which of these to time). All run through TFF on the same round's
-clients; rounds of the methods alternate after one compiling round each.
+clients, each method in a process of its own, one after another: one
+compiling round, then `--rounds` timed ones. The whole process tree of each
+(the driver and its TFF worker) is sampled every 0.5 s for its peak
+resident memory, and killed above `--limit-mb`.
 
 Prints the median seconds per round of each, `ratio_hyperfl_over_fedavg=`
-and `ratio_<baseline>_over_fedavg=` for each baseline,
+and `ratio_<baseline>_over_fedavg=` for each baseline, beside
+`peak_rss_mb_<method>=` of each method's process tree,
 the bytes each client uploads per round (float32 tensors), and the floating
 point operations per round: TensorFlow's profiler counts one local step's
 graph (FedAvg: forward and backward pass of the model; HyperFL's classifier
@@ -22,6 +26,7 @@ P generated weights) are added by hand.
 
   python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
       [--samples 150] [--baselines dp_sgd_fedavg,ppsgd,centaur]
+      [--limit-mb 12000]
 """
 
 from __future__ import annotations
@@ -31,18 +36,24 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
+import json
 import statistics
+import sys
 import tempfile
 import time
 
 import numpy as np
 import tensorflow as tf
 
+from fedre_memory import watch  # this folder's
 from tff_privacy import runner, runtime
+from tff_privacy.cli import _positive_int
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork
 
 BASELINES = ("dp_sgd_fedavg", "ppsgd", "centaur")
+METHOD_KWARGS = {"fedavg": dict(local_epochs=5, client_learning_rate=0.02,
+                                client_momentum=0.5)}
 
 
 def _run(method: str, out: str, clients: int, samples: int, **method_kwargs):
@@ -50,6 +61,41 @@ def _run(method: str, out: str, clients: int, samples: int, **method_kwargs):
       out=out, method=method, dataset="mnist5k", model="hyperfl_cnn",
       clients=clients, batch_size=50, partition="label_groups",
       samples_per_client=samples, seed=0, method_kwargs=method_kwargs))
+
+
+def time_rounds(method: str, rounds: int, clients: int, samples: int,
+                path: str) -> None:
+  """Writes to `path` (JSON) the seconds of each of `rounds` rounds of
+  `method` after a compiling one, all on round 1's clients."""
+  runtime.start()
+  with tempfile.TemporaryDirectory() as tmp:
+    r = _run(method, tmp, clients, samples, **METHOD_KWARGS.get(method, {}))
+    data = r.round_data(1)
+    state = r.step(r.initial_state(), data, False)[0]  # compile
+    times = []
+    for _ in range(rounds):
+      start = time.perf_counter()
+      state = r.step(state, data, False)[0]
+      times.append(time.perf_counter() - start)
+  with open(path, "w") as f:
+    json.dump(times, f)
+  runtime.stop()
+
+
+def measured(method: str, args) -> tuple[list[float], int]:
+  """(seconds of each timed round, peak resident bytes of the process tree)
+  of `method` in a process of its own (`time_rounds`)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "times.json")
+    peak, _, outcome = watch(
+        [sys.executable, os.path.abspath(__file__), "--time-method", method,
+         "--times-file", path, "--rounds", str(args.rounds), "--clients",
+         str(args.clients), "--samples", str(args.samples)],
+        args.limit_mb * 2**20)
+    if outcome != "finished":
+      sys.exit(f"{method}: {outcome} at peak_rss_mb={peak // 2**20}")
+    with open(path) as f:
+      return json.load(f), peak
 
 
 def _flops(fn, *specs) -> int:
@@ -108,35 +154,28 @@ def _step_flops(spec, hyper: Hypernetwork, batch: int) -> tuple[int, int, int]:
 def main() -> None:
   runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--clients", type=int, default=20)
-  parser.add_argument("--samples", type=int, default=150)
+  parser.add_argument("--rounds", type=_positive_int, default=3)
+  parser.add_argument("--clients", type=_positive_int, default=20)
+  parser.add_argument("--samples", type=_positive_int, default=150)
   parser.add_argument("--baselines", default=",".join(BASELINES),
                       help="comma-separated, from: " + ", ".join(BASELINES))
+  parser.add_argument("--limit-mb", type=_positive_int, default=12000,
+                      help="kill a method's process tree above this resident size")
+  parser.add_argument("--time-method", help=argparse.SUPPRESS)
+  parser.add_argument("--times-file", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.time_method:
+    time_rounds(args.time_method, args.rounds, args.clients, args.samples,
+                args.times_file)
+    return
   baselines = [b for b in args.baselines.split(",") if b]
   if set(baselines) - set(BASELINES):
     parser.error(f"--baselines: {baselines}; choose from {', '.join(BASELINES)}")
-  runtime.start()
-  with tempfile.TemporaryDirectory() as tmp:
-    runs = {"fedavg": _run("fedavg", os.path.join(tmp, "fedavg"), args.clients,
-                           args.samples, local_epochs=5, client_learning_rate=0.02,
-                           client_momentum=0.5),
-            "hyperfl": _run("hyperfl", os.path.join(tmp, "hyperfl"),
-                            args.clients, args.samples)}
-    for name in baselines:
-      runs[name] = _run(name, os.path.join(tmp, name), args.clients, args.samples)
-    clients = {name: r.round_data(1) for name, r in runs.items()}
-    states = {name: r.step(r.initial_state(), clients[name], False)[0]  # compile
-              for name, r in runs.items()}
-    times = {name: [] for name in runs}
-    for _ in range(args.rounds):
-      for name, r in runs.items():
-        start = time.perf_counter()
-        states[name] = r.step(states[name], clients[name], False)[0]
-        times[name].append(time.perf_counter() - start)
+  times, peaks = {}, {}
+  for name in ["fedavg", "hyperfl", *baselines]:
+    times[name], peaks[name] = measured(name, args)
   fedavg, hyperfl = (statistics.median(times[n]) for n in ("fedavg", "hyperfl"))
-  spec = runs["fedavg"].spec
+  spec = _run("fedavg", "unused", args.clients, args.samples).spec
   hyper = Hypernetwork.for_model(spec.keras())
   model_params = sum(int(np.prod(w.shape)) for w in spec.initial_weights(0))
   steps = -(-args.samples // 50)  # batches per epoch
@@ -150,11 +189,14 @@ def main() -> None:
         "hyperfl_cnn; FedAvg 5 local epochs; HyperFL 1 + 5 epochs")
   print(f"fedavg: {fedavg:.3f} s/round, hyperfl: {hyperfl:.3f} s/round "
         f"(medians of {args.rounds})")
-  print(f"ratio_hyperfl_over_fedavg={hyperfl / fedavg:.2f}")
+  print(f"ratio_hyperfl_over_fedavg={hyperfl / fedavg:.2f} "
+        f"peak_rss_mb_hyperfl={peaks['hyperfl'] // 2**20} "
+        f"peak_rss_mb_fedavg={peaks['fedavg'] // 2**20}")
   for name in baselines:
     seconds = statistics.median(times[name])
     print(f"{name}: {seconds:.3f} s/round, "
-          f"ratio_{name}_over_fedavg={seconds / fedavg:.2f}")
+          f"ratio_{name}_over_fedavg={seconds / fedavg:.2f} "
+          f"peak_rss_mb_{name}={peaks[name] // 2**20}")
   print(f"upload_bytes_per_client_per_round: fedavg={4 * model_params} "
         f"hyperfl={4 * hyper.num_parameters}")
   print(f"flops_per_round: fedavg={flops_fedavg:.4g} hyperfl={flops_hyperfl:.4g} "
