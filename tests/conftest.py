@@ -159,8 +159,10 @@ def write_doctamper_split(path, count: int, side: int, seed: int):
 
 
 def load_script(path: str):
-  """The experiment or benchmark script at `path` imported as a module
-  (its name: the file's), without running its main."""
+  """The experiment or benchmark script at `path` (absolute, or relative to
+  the project's root) imported as a module (its name: the file's), without
+  running its main."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), path)
   name = os.path.splitext(os.path.basename(path))[0]
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)

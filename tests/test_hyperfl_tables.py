@@ -11,13 +11,10 @@ from tff_privacy import runner
 
 from conftest import load_script
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "experiments", "hyperfl_tables.py")
-
 
 @pytest.fixture(scope="module")
 def script():
-  return load_script(SCRIPT)
+  return load_script("experiments/hyperfl_tables.py")
 
 
 def _fake_run(configs):

@@ -12,13 +12,10 @@ from tff_privacy import io
 
 from conftest import load_script
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "experiments", "recupfl_tables.py")
-
 
 @pytest.fixture(scope="module")
 def tables():
-  return load_script(SCRIPT)
+  return load_script("experiments/recupfl_tables.py")
 
 
 def test_levels_are_log_spaced_for_noise_and_even_for_shares(tables):
