@@ -1,9 +1,12 @@
 """Attacks that judge defences: gradient inversion and attribute inference.
 
 They read only what an honest-but-curious server holds: captured records from
-`tff_privacy.updates` (broadcast model, upload, protocol facts).
+`tff_privacy.updates` (broadcast model, upload, protocol facts). Adaptive
+attacks (`adaptive`) also read the run's public defence configuration; each
+declares the defences it answers (`adaptive_attacks`).
 """
 
+from tff_privacy.attacks.adaptive import MaskedInvertingGradients
 from tff_privacy.attacks.inversion import (DLG, IDLG, GradientInversion,
                                            InvertingGradients, Reconstruction,
                                            Target)
@@ -16,7 +19,7 @@ from tff_privacy.attacks.shared_part import (ExtractorInversion,
 ATTACKS: dict[str, type[GradientInversion]] = {
     cls.name: cls for cls in (DLG, IDLG, InvertingGradients, ROG,
                               ExtractorInversion, HyperFLInversion,
-                              TailoredHyperFL)}
+                              TailoredHyperFL, MaskedInvertingGradients)}
 
 
 def attack_class(name: str) -> type[GradientInversion]:
@@ -29,3 +32,19 @@ def attack_class(name: str) -> type[GradientInversion]:
 def build(name: str, **kwargs) -> GradientInversion:
   """Attack `name` (one of `ATTACKS`) with its declared parameters."""
   return attack_class(name)(**kwargs)
+
+
+def adaptive_attacks(defense: str) -> list[str]:
+  """The attacks that know defence `defense` (one of
+  `tff_privacy.defenses.DEFENSES`), by their declared `DEFENDS`; empty where
+  it has no known adaptive attack."""
+  from tff_privacy import defenses  # deferred: RECUP-FL imports this package
+  defenses.defense_class(defense)
+  return sorted(name for name, cls in ATTACKS.items() if defense in cls.DEFENDS)
+
+
+def without_adaptive_attack() -> list[str]:
+  """The defences of `tff_privacy.defenses.DEFENSES` that no attack here
+  knows: judged by attacks unaware of them only."""
+  from tff_privacy import defenses  # deferred: RECUP-FL imports this package
+  return sorted(name for name in defenses.DEFENSES if not adaptive_attacks(name))

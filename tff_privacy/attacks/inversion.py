@@ -261,6 +261,7 @@ class GradientInversion(abc.ABC):
   TASKS = ("classification",)  # the models whose uploads it can invert
   PARAMETERS = Params()
   OPTIMISES_LABELS = False  # 'auto' labels: optimised, or recovered/class 0
+  DEFENDS: tuple[str, ...] = ()  # the defences an adaptive attack knows
   label_knowledge = "auto"  # see the module docstring
   CHUNK = 100  # iterations per compiled call
 
@@ -596,6 +597,10 @@ class InvertingGradients(GradientInversion):
   1e-1 (library default) and 1e-6 (CIFAR examples) for images normalised by
   the data set's mean and std; on the [0, 1] grey images here 1e-4 keeps edges
   sharp while suppressing noise, and is the default.
+
+  A subclass may match only some coordinates of the upload (`upload_mask`):
+  both uploads are multiplied by a 0/1 mask before the cosine, so the
+  coordinates the mask drops count in neither.
   """
 
   name = "ig"
@@ -623,11 +628,13 @@ class InvertingGradients(GradientInversion):
     lo, hi = target.bounds
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
 
-    def objective(x, y_soft, upload, upload_norm, broadcast):
+    def objective(x, y_soft, upload, upload_norm, broadcast, mask):
       with tf.GradientTape() as tape:
         tape.watch(x)
-        loss = cosine_distance(target.simulate(broadcast, x, y_soft, grouped),
-                               upload, grouped, upload_norm)
+        simulated = target.simulate(broadcast, x, y_soft, grouped)
+        if mask:
+          simulated = [s * m for s, m in zip(simulated, mask)]
+        loss = cosine_distance(simulated, upload, grouped, upload_norm)
         loss += self.tv_weight * total_variation(x, grouped)
         # records' objectives are independent: the gradient of their sum is
         # each one's own
@@ -641,8 +648,8 @@ class InvertingGradients(GradientInversion):
       return tf.where(pick, x, best_x), tf.where(better, loss, best_loss)
 
     def step(t, x, m, v, best_x, best_loss, y_soft, upload, upload_norm,
-             broadcast):
-      loss, grad = objective(x, y_soft, upload, upload_norm, broadcast)
+             broadcast, mask):
+      loss, grad = objective(x, y_soft, upload, upload_norm, broadcast, mask)
       best_x, best_loss = keep_best(x, loss, best_x, best_loss)
       g = tf.sign(grad) if self.signed else grad
       lr = self.lr
@@ -658,14 +665,21 @@ class InvertingGradients(GradientInversion):
       loss, _ = objective(x, *arguments)  # the latest iterate
       return keep_best(x, loss, best_x, best_loss)
 
-    def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload, broadcast):
-      arguments = (y_soft, upload, norm(upload, grouped), broadcast)
+    def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload,
+                broadcast, mask):
+      upload = [u * k for u, k in zip(upload, mask)] if mask else upload
+      arguments = (y_soft, upload, norm(upload, grouped), broadcast, mask)
       for i in tf.range(steps):
         x, m, v, best_x, best_loss = step(done + i, x, m, v, best_x, best_loss,
                                           *arguments)
       best_x, best_loss = last(x, best_x, best_loss, *arguments)
       return x, m, v, best_x, best_loss
     return advance
+
+  def upload_mask(self, target: Target) -> list[tf.Tensor]:
+    """0/1 per coordinate of the upload: 1 where the objective matches it;
+    empty: every coordinate (Inverting Gradients as published)."""
+    return []
 
   def _start(self, target, rng):
     x = _initial(target.input_shape, self.init, target.bounds, rng)
@@ -679,7 +693,7 @@ class InvertingGradients(GradientInversion):
     keys = ("x", "m", "v", "best_x", "best_loss")
     values = advance(*(state[k] for k in keys), tf.constant(done),
                      tf.constant(steps), state["y_soft"], target.upload,
-                     target.broadcast)
+                     target.broadcast, self.upload_mask(target))
     return {**state, **dict(zip(keys, values))}, False
 
   def _advance_group(self, targets, state, done, steps):
@@ -687,7 +701,8 @@ class InvertingGradients(GradientInversion):
                             lambda t: self._build(t, grouped=True))
     keys = ("x", "m", "v", "best_x", "best_loss")
     stacked = [[tf.stack(ws) for ws in zip(*tensors)] for tensors in (
-        [t.upload for t in targets], [t.broadcast for t in targets])]
+        [t.upload for t in targets], [t.broadcast for t in targets],
+        [self.upload_mask(t) for t in targets])]
     values = advance(*(state[k] for k in keys), tf.constant(done),
                      tf.constant(steps), state["y_soft"], *stacked)
     return {**state, **dict(zip(keys, values))}

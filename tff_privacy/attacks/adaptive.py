@@ -1,0 +1,69 @@
+"""Adaptive attacks: inversions that know the clients' defence.
+
+Beside the upload and the broadcast model, an adaptive attack reads the
+run's public configuration from the record's metadata ('defense': the
+defence's name and parameters), never the clients' data, noise draws or
+perturbations. Each declares the defences it answers in `DEFENDS`
+(`tff_privacy.attacks.adaptive_attacks` reads those declarations).
+
+* `MaskedInvertingGradients` ('ig_masked'): Inverting Gradients matching
+  only the coordinates the upload transmits. Sparsification keeps the
+  largest entries and zeroes the rest, so the transmitted coordinates are the
+  upload's non-zero ones. Soteria zeroes whole rows of its defended layer's
+  kernel (the layer is named in the run's metadata), so that kernel's
+  all-zero rows are dropped and every other tensor is matched in full. Plain
+  IG instead asks the dummy's upload to be zero wherever the defence zeroed
+  the client's, which no image near the client's satisfies.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import tensorflow as tf
+
+from tff_privacy.attacks.inversion import InvertingGradients, Target
+from tff_privacy.attacks.refusal import UploadRefused
+from tff_privacy.models import functional
+from tff_privacy.updates import UpdateRecord
+
+
+def nonzero_mask(upload: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+  """1 at the upload's non-zero entries, 0 at its exact zeros."""
+  return [tf.cast(tf.not_equal(u, 0), u.dtype) for u in upload]
+
+
+def zero_row_mask(upload: Sequence[tf.Tensor], index: int) -> list[tf.Tensor]:
+  """1 everywhere except the all-zero rows of tensor `index` (a kernel)."""
+  mask = [tf.ones_like(u) for u in upload]
+  kept = tf.reduce_any(tf.not_equal(upload[index], 0), axis=1, keepdims=True)
+  mask[index] = tf.broadcast_to(tf.cast(kept, upload[index].dtype),
+                                tf.shape(upload[index]))
+  return mask
+
+
+class MaskedInvertingGradients(InvertingGradients):
+  """Inverting Gradients on the coordinates a sparsifying or pruning defence
+  transmits (see the module docstring); the search is IG's."""
+
+  name = "ig_masked"
+  DEFENDS = ("sparsification", "soteria")
+
+  def check_records(self, records: Sequence[UpdateRecord]) -> None:
+    super().check_records(records)
+    for record in records:
+      defense = (record.metadata.get("defense") or {}).get("name")
+      if defense not in self.DEFENDS:
+        raise UploadRefused(
+            f"attack {self.name!r} answers the defences {', '.join(self.DEFENDS)}; "
+            f"round {record.round_num} client {record.client_index} was "
+            f"uploaded under {defense or 'no defence'}: use 'ig'")
+
+  def upload_mask(self, target: Target) -> list[tf.Tensor]:
+    """The transmitted coordinates, from the upload and the defence's public
+    parameters."""
+    defense = target.record.metadata["defense"]
+    if defense["name"] == "soteria":
+      return zero_row_mask(target.upload,
+                           functional.kernel_index(target.model, defense["layer"]))
+    return nonzero_mask(target.upload)
