@@ -13,7 +13,11 @@ perturbations. Each declares the defences it answers in `DEFENDS`
   kernel (the layer is named in the run's metadata), so that kernel's
   all-zero rows are dropped and every other tensor is matched in full. Plain
   IG instead asks the dummy's upload to be zero wherever the defence zeroed
-  the client's, which no image near the client's satisfies.
+  the client's, which no image near the client's satisfies. The exact zeros
+  also drop the coordinates that were zero before the defence: where a dense
+  first layer reads the pixels, those of a dark background, whose zeros pin
+  the background for plain IG. On such models a mildly sparsified upload can
+  be matched better by plain IG, so a judge takes the worse of the two.
 """
 
 from __future__ import annotations
