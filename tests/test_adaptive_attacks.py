@@ -54,17 +54,25 @@ def test_masked_ig_recovers_what_sparsification_hides_from_ig(digits, i):
   assert _ssim(truth, masked.x) > 0.85
 
 
-def test_soteria_mask_drops_the_pruned_rows_and_keeps_every_other_layer(digits):
+def _soterian(digits, i, p=0.8):
+  """(record of sample i's gradient under Soteria at p, the defence, the
+  client's view it pruned from)."""
   x, y = digits
-  record = record_of(x[2:3], y[2:3])
-  soteria = Soteria(SPEC, p=0.8)
+  record = record_of(x[i:i + 1], y[i:i + 1])
+  soteria = Soteria(SPEC, p=p)
   view = ClientView([tf.constant(w) for w in record.broadcast],
                     tf.data.Dataset.from_tensor_slices(
-                        {"x": x[2:3], "y": y[2:3]}).batch(1))
+                        {"x": x[i:i + 1], "y": y[i:i + 1]}).batch(1))
   upload = soteria.apply([tf.constant(u) for u in record.upload], client=view)
   record = dataclasses.replace(
       record, upload=[u.numpy() for u in upload],
       metadata={**record.metadata, "defense": {"name": "soteria", **soteria.params()}})
+  return record, soteria, view
+
+
+def test_soteria_mask_drops_the_pruned_rows_and_keeps_every_other_layer(digits):
+  x, y = digits
+  record, soteria, view = _soterian(digits, 2)
   kernel = [v.name for v in SPEC.keras().trainable_variables].index(
       f"{soteria.layer}/kernel:0")
   mask = attacks.build("ig_masked").upload_mask(Target.from_record(record))
@@ -78,6 +86,16 @@ def test_soteria_mask_drops_the_pruned_rows_and_keeps_every_other_layer(digits):
   for j, m in enumerate(mask):
     if j != kernel:
       assert np.all(m.numpy() == 1)
+
+
+def test_masked_ig_recovers_what_soteria_hides_from_ig(digits):
+  # Measured at p 0.8 (400 iterations, samples 0-3): IG 0.08-0.34, ig_masked
+  # 1.000.
+  record, _, _ = _soterian(digits, 0)
+  truth = digits[0][:1]
+  assert _ssim(truth, attacks.build("ig", iterations=400)([record])[0].x) < 0.6
+  assert _ssim(truth, attacks.build("ig_masked", iterations=400)(
+      [record])[0].x) > 0.9
 
 
 def _store(tmp_path, record, x, y):
