@@ -46,7 +46,7 @@ part of the layer's epsilon_l; clipping and noise stay per tensor. 'tensor'
 scores and budgets every tensor alone. A tensor's score grows with its
 number of entries, so per tensor eq. 6 hands most of the budget to the
 biases: on the documents' U-Net at the start, biases score 1e-5 and kernels
-1e-3, and the kernels get sigma_l of 150 to 440 against 10.6 for the even
+1e-3, and the kernels get sigma_l of 77 to 473 against 10.6 for the even
 split (the model then diverges).
 
 Where eta acts (`eta_placement`): 'client' (default) clips and noises the
