@@ -261,7 +261,8 @@ def _check_groups(groups: Optional[Sequence[int]], num_tensors: int) -> None:
   if groups is None:
     return
   groups = list(groups)
-  if len(groups) != num_tensors or sorted(set(groups)) != list(range(max(groups, default=-1) + 1)):
+  used = sorted(set(groups))
+  if len(groups) != num_tensors or used != list(range(len(used))):
     raise ValueError(f"groups must give each of the {num_tensors} tensors a group "
                      f"index, using every index 0..G-1; got {groups}")
 
