@@ -18,6 +18,10 @@ and the worst client, averaged. Two settings, as in the paper:
 * "20 clients": 20 clients, all in every round;
 * "100 clients": 100 clients, 30 sampled per round.
 
+`--split FILE` trains Table 1 on the clients of a split file instead (all in
+every round; `experiments/write_split.py` writes one by the authors'
+procedure), in one setting named after its number of clients.
+
 Methods and their paper settings (the HyperFL authors' code): Local-only,
 FedAvg (SGD lr 0.02, momentum 0.5, weight decay 5e-4, 5 local epochs),
 pFedHN and pFedHN-PC (pFedHN's own
@@ -61,7 +65,8 @@ only where weights are given (`--lpips-weights`), and reconstructions.png:
 originals, then each method's reconstructions.
 The Table 4 timing ratios come from `benchmarks/hyperfl_round_time.py`.
 
-Each run lives in OUT/<setting>/<method>/seed<S>/ (Table 2: OUT/lpm/<row>/seed<S>/,
+Each run lives in OUT/<setting>/<method>/seed<S>/ (with --split:
+OUT/split_<file name>/<method>/seed<S>/; Table 2: OUT/lpm/<row>/seed<S>/,
 or OUT/lpm_<weights file name>/<row>/seed<S>/ with --backbone-weights) and
 resumes where it stopped; row.json there caches its result. The runs
 evaluate their last round only. Tables:
@@ -70,6 +75,9 @@ OUT/table1.md, OUT/table2.md, OUT/table3.md and their .csv.
   python experiments/hyperfl_tables.py                  # small: mnist5k
   python experiments/hyperfl_tables.py --dataset fashion_mnist --scale full
   python experiments/hyperfl_tables.py --dataset emnist --scale full
+  python experiments/write_split.py --out split.json
+  python experiments/hyperfl_tables.py --tables 1 --split split.json \\
+      --methods Local-only,FedAvg,HyperFL
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ import argparse
 import numpy as np
 
 from tff_privacy import evaluate, io, runner, runtime
+from tff_privacy.data import splits
 from tff_privacy.metrics import report
 
 METHODS = {  # label -> (method, method_kwargs)
@@ -178,8 +187,8 @@ def _seed_run(args, out: str, title: str, config: dict) -> dict:
     return io.read_json(path)
   print(title, flush=True)
   history = runner.run(runner.RunConfig(
-      out=out, dataset=args.dataset, partition="label_groups",
-      data_dir=args.data_dir, evaluate_every=args.rounds, **config),
+      out=out, dataset=args.dataset, data_dir=args.data_dir,
+      evaluate_every=args.rounds, **config),
       progress=not args.quiet)
   runtime.renew()  # a worker's memory grows with every run it serves
   last = history[-1]
@@ -205,16 +214,30 @@ def over_seeds(runs: list[dict]) -> dict:
 
 
 def run_row(args, setting: str, label: str) -> dict:
-  """Table 1's row `label` in `setting`."""
-  clients, per_round, samples = SETTINGS[args.scale][setting]
+  """Table 1's row `label` in `setting`: the label-group split drawn by the
+  runner, or with `args.split` the clients of that split file, all in every
+  round (`setting` is then `split_setting`'s)."""
   method, kwargs = METHODS[label]
+  if getattr(args, "split", None):
+    folder = "split_" + os.path.splitext(os.path.basename(args.split))[0]
+    clients = dict(partition=f"file:{args.split}")
+  else:
+    folder = setting.replace(" ", "_")
+    n, per_round, samples = SETTINGS[args.scale][setting]
+    clients = dict(partition="label_groups", clients=n,
+                   clients_per_round=per_round, samples_per_client=samples)
   return _trained_row(
-      args, os.path.join(args.out, setting.replace(" ", "_"), method),
+      args, os.path.join(args.out, folder, method),
       f"{setting}: {label}", {"setting": setting, "method": label},
       method=method, method_kwargs=kwargs,
-      model=MODELS.get(args.dataset, "hyperfl_cnn"), clients=clients,
-      clients_per_round=per_round, rounds=args.rounds, batch_size=50,
-      samples_per_client=samples)
+      model=MODELS.get(args.dataset, "hyperfl_cnn"), rounds=args.rounds,
+      batch_size=50, **clients)
+
+
+def split_setting(path: str) -> str:
+  """Table 1's setting of split file `path`: 'N clients' for its N clients
+  (compared with the paper's row of that name where there is one)."""
+  return f"{splits.describe(path)[0]} clients"
 
 
 def _lpm_folder(args) -> str:
@@ -237,7 +260,7 @@ def lpm_row(args, label: str) -> dict:
       f"Table 2: {label}", {"method": label}, method=method,
       method_kwargs=kwargs, model="lpm_resnet", model_kwargs=model_kwargs,
       clients=clients, rounds=args.rounds, batch_size=16,
-      samples_per_client=samples)
+      partition="label_groups", samples_per_client=samples)
 
 
 def write_lpm_table(args, rows: list[dict]) -> str:
@@ -351,14 +374,16 @@ def _seeds_text(seeds: list[int]) -> str:
 
 
 def write_table(out: str, rows: list[dict], dataset: str, rounds: int,
-                seeds: list[int]) -> str:
+                seeds: list[int], split: str | None = None) -> str:
   columns = ["setting", "method", *ACCURACY_COLUMNS, "epsilon", "s/round",
              "paper FMNIST", "paper EMNIST"]
   lines = [f"### Table 1: test accuracy of the clients' models ({dataset}, "
-           f"{rounds} rounds, label-group split, {_seeds_text(seeds)})", "",
+           f"{rounds} rounds, "
+           f"{f'split file {split}' if split else 'label-group split'}, "
+           f"{_seeds_text(seeds)})", "",
            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for r in rows:
-    paper = PAPER_TABLE1[r["setting"]].get(r["method"], (None, None))
+    paper = PAPER_TABLE1.get(r["setting"], {}).get(r["method"], (None, None))
     eps = r["epsilon"]
     lines.append("| " + " | ".join([
         r["setting"], r["method"], *_accuracy_cells(r),
@@ -392,8 +417,13 @@ def main() -> None:
   parser.add_argument("--rounds", type=int,
                       help=f"default: {ROUNDS['small']} (small), "
                       f"{ROUNDS['full']} (full)")
-  parser.add_argument("--settings", default=",".join(SETTINGS["small"]),
-                      help="comma-separated, from: " + ", ".join(SETTINGS["small"]))
+  parser.add_argument("--settings",
+                      help="comma-separated, from: " + ", ".join(SETTINGS["small"])
+                      + " (default: both)")
+  parser.add_argument("--split", help="Table 1: train on the clients of this "
+                      "split file (experiments/write_split.py), all in every "
+                      "round, instead of drawing the label-group split; "
+                      "replaces --settings")
   parser.add_argument("--methods", default=",".join(METHODS),
                       help="comma-separated, from: " + ", ".join(METHODS))
   parser.add_argument("--tables", default="1,2,3",
@@ -418,7 +448,10 @@ def main() -> None:
   parser.add_argument("--out", help="default: results/hyperfl_<dataset>_<scale>")
   parser.add_argument("--quiet", action="store_true")
   args = parser.parse_args()
-  settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+  if args.split and args.settings:
+    parser.error("--split: replaces --settings; give one of them")
+  settings = [s.strip() for s in (args.settings or ",".join(SETTINGS["small"])
+                                   ).split(",") if s.strip()]
   methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   lpm_methods = [m.strip() for m in args.lpm_methods.split(",") if m.strip()]
   for given, known, flag in ((settings, SETTINGS["small"], "--settings"),
@@ -440,11 +473,17 @@ def main() -> None:
     parser.error(f"--tables: {sorted(tables)}; choose from 1, 2, 3")
   if args.backbone_weights and not os.path.isfile(args.backbone_weights):
     parser.error(f"--backbone-weights: {args.backbone_weights!r} is not a file")
+  if args.split:
+    try:
+      settings = [split_setting(args.split)]
+    except ValueError as e:
+      parser.error(str(e))
   runtime.start()
   try:
     if "1" in tables:
       rows = [run_row(args, s, m) for s in settings for m in methods]
-      print(write_table(args.out, rows, args.dataset, args.rounds, args.seeds))
+      print(write_table(args.out, rows, args.dataset, args.rounds, args.seeds,
+                        args.split))
     if "2" in tables:
       print(write_lpm_table(args, [lpm_row(args, m) for m in lpm_methods]))
     if "3" in tables:

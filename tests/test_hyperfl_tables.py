@@ -71,3 +71,25 @@ def test_seeds_must_be_distinct_integers(script, text):
   with pytest.raises(ValueError, match="--seeds: .*give"):
     script.parse_seeds(text)
   assert script.parse_seeds("2, 0,5") == [2, 0, 5]
+
+
+def test_a_split_file_gives_table_1_its_clients(script, tmp_path, monkeypatch):
+  from tff_privacy.data import splits
+  path = str(tmp_path / "mine.json")
+  splits.write(path, [np.arange(3), np.arange(3, 6)], [np.arange(2), np.arange(2, 4)])
+  configs = []
+  monkeypatch.setattr(runner, "run", _fake_run(configs))
+  monkeypatch.setattr(script.runtime, "renew", lambda: None)
+  args = argparse.Namespace(out=str(tmp_path), scale="small", dataset="mnist5k",
+                            rounds=3, seeds=[0], data_dir=None, quiet=True,
+                            split=path)
+  setting = script.split_setting(path)
+  assert setting == "2 clients"
+  row = script.run_row(args, setting, "FedAvg")
+  (config,) = configs
+  assert config.partition == f"file:{path}"
+  assert (config.clients_per_round, config.samples_per_client) == (None, None)
+  assert config.out == os.path.join(str(tmp_path), "split_mine", "fedavg", "seed0")
+  table = script.write_table(str(tmp_path), [row], "mnist5k", 3, [0], path)
+  assert f"split file {path}" in table
+  assert "| 2 clients | FedAvg |" in table and table.rstrip().count("| - | - |") == 1
