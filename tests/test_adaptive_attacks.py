@@ -4,6 +4,7 @@ the run's public configuration only."""
 import dataclasses
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -168,8 +169,10 @@ def test_each_defence_is_answered_by_its_adaptive_attacks_or_listed_without():
   assert attacks.adaptive_attacks("sparsification") == ["ig_masked"]
   assert attacks.adaptive_attacks("soteria") == ["ig_masked"]
   assert attacks.adaptive_attacks("ldp_gaussian") == []
+  assert attacks.adaptive_attacks("hyperfl") == ["tailored_hyperfl"]
   assert attacks.without_adaptive_attack() == [
-      "dp_clip", "dp_fedavg", "ldp_fed", "ldp_gaussian", "ldp_laplace", "recupfl"]
+      "dp_clip", "dp_fedavg", "fedem", "fedre", "ldp_fed", "ldp_gaussian",
+      "ldp_laplace", "recupfl"]
   with pytest.raises(ValueError, match="defense='nope' is unknown"):
     attacks.adaptive_attacks("nope")
 
@@ -185,3 +188,15 @@ def test_grouped_masked_search_equals_one_record_at_a_time(digits):
     want = grouped([record], seed=7)[0]
     np.testing.assert_allclose(got.x, want.x, atol=1e-5, rtol=0)
     assert got.objective == pytest.approx(want.objective, abs=1e-6)
+
+
+@pytest.mark.parametrize("metadata,expected", [
+    ({"method": "fedsgd", "defense": {"name": "soteria", "p": 0.8}}, "soteria"),
+    ({"method": "fedem", "defense": None}, "fedem"),
+    ({"method": "fedre", "defense": {"name": "fedre", "epsilon": 50.0}}, "fedre"),
+    ({"method": "fedavg", "defense": None}, None),
+    ({"method": "fedavg"}, None)])
+def test_a_records_defence_is_its_defences_else_a_defending_methods(metadata,
+                                                                     expected):
+  record = types.SimpleNamespace(metadata=metadata)
+  assert attacks.defence_of(record) == expected

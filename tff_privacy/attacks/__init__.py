@@ -6,7 +6,8 @@ attacks (`adaptive`) also read the run's public defence configuration; each
 declares the defences it answers (`adaptive_attacks`).
 """
 
-from tff_privacy.attacks.adaptive import MaskedInvertingGradients
+from tff_privacy.attacks.adaptive import (DEFENDED_METHODS,
+                                          MaskedInvertingGradients, defence_of)
 from tff_privacy.attacks.inversion import (DLG, IDLG, GradientInversion,
                                            InvertingGradients, Reconstruction,
                                            Target)
@@ -34,17 +35,23 @@ def build(name: str, **kwargs) -> GradientInversion:
   return attack_class(name)(**kwargs)
 
 
-def adaptive_attacks(defense: str) -> list[str]:
-  """The attacks that know defence `defense` (one of
-  `tff_privacy.defenses.DEFENSES`), by their declared `DEFENDS`; empty where
-  it has no known adaptive attack."""
+def defences() -> list[str]:
+  """Every defence an adaptive attack may answer: the client-side defences
+  of `tff_privacy.defenses.DEFENSES` and the methods that are defences
+  (`DEFENDED_METHODS`)."""
   from tff_privacy import defenses  # deferred: RECUP-FL imports this package
-  defenses.defense_class(defense)
+  return sorted({*defenses.DEFENSES, *DEFENDED_METHODS})
+
+
+def adaptive_attacks(defense: str) -> list[str]:
+  """The attacks that know defence `defense` (one of `defences()`), by their
+  declared `DEFENDS`; empty where it has no known adaptive attack."""
+  if defense not in defences():
+    raise ValueError(f"defense={defense!r} is unknown; choose one of {defences()}")
   return sorted(name for name, cls in ATTACKS.items() if defense in cls.DEFENDS)
 
 
 def without_adaptive_attack() -> list[str]:
-  """The defences of `tff_privacy.defenses.DEFENSES` that no attack here
-  knows: judged by attacks unaware of them only."""
-  from tff_privacy import defenses  # deferred: RECUP-FL imports this package
-  return sorted(name for name in defenses.DEFENSES if not adaptive_attacks(name))
+  """The defences of `defences()` that no attack here knows: judged by
+  attacks unaware of them only."""
+  return [name for name in defences() if not adaptive_attacks(name)]

@@ -4,7 +4,9 @@ Beside the upload and the broadcast model, an adaptive attack reads the
 run's public configuration from the record's metadata ('defense': the
 defence's name and parameters), never the clients' data, noise draws or
 perturbations. Each declares the defences it answers in `DEFENDS`
-(`tff_privacy.attacks.adaptive_attacks` reads those declarations).
+(`tff_privacy.attacks.adaptive_attacks` reads those declarations): client-
+side defences of `tff_privacy.defenses.DEFENSES`, and the methods whose
+uploads carry their own defence (`DEFENDED_METHODS`).
 
 * `MaskedInvertingGradients` ('ig_masked'): Inverting Gradients matching
   only the coordinates the upload transmits. Sparsification keeps the
@@ -22,7 +24,7 @@ perturbations. Each declares the defences it answers in `DEFENDS`
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
@@ -30,6 +32,33 @@ from tff_privacy.attacks.inversion import InvertingGradients, Target
 from tff_privacy.attacks.refusal import UploadRefused
 from tff_privacy.models import functional
 from tff_privacy.updates import UpdateRecord
+
+
+# methods that are defences themselves: their uploads are judged like a
+# defence's, by the attacks that know them
+DEFENDED_METHODS = ("fedem", "fedre", "hyperfl")
+
+
+def defence_of(record: UpdateRecord) -> Optional[str]:
+  """The defence `record`'s upload went through, from the run's public
+  metadata: its client-side defence's name, else its method's where the
+  method is a defence (`DEFENDED_METHODS`), else None."""
+  defense = (record.metadata.get("defense") or {}).get("name")
+  method = record.metadata.get("method")
+  return defense or (method if method in DEFENDED_METHODS else None)
+
+
+def check_defence(attack: str, defends: Sequence[str],
+                  records: Sequence[UpdateRecord]) -> None:
+  """Refuses (`UploadRefused`) records uploaded under a defence that
+  attack `attack` does not answer (`defends`)."""
+  for record in records:
+    defence = defence_of(record)
+    if defence not in defends:
+      raise UploadRefused(
+          f"attack {attack!r} answers {', '.join(defends)}; round "
+          f"{record.round_num} client {record.client_index} was uploaded under "
+          f"{defence or 'no defence'}: use 'ig'")
 
 
 def nonzero_mask(upload: Sequence[tf.Tensor]) -> list[tf.Tensor]:
@@ -55,13 +84,7 @@ class MaskedInvertingGradients(InvertingGradients):
 
   def check_records(self, records: Sequence[UpdateRecord]) -> None:
     super().check_records(records)
-    for record in records:
-      defense = (record.metadata.get("defense") or {}).get("name")
-      if defense not in self.DEFENDS:
-        raise UploadRefused(
-            f"attack {self.name!r} answers the defences {', '.join(self.DEFENDS)}; "
-            f"round {record.round_num} client {record.client_index} was "
-            f"uploaded under {defense or 'no defence'}: use 'ig'")
+    check_defence(self.name, self.DEFENDS, records)
 
   def upload_mask(self, target: Target) -> list[tf.Tensor]:
     """The transmitted coordinates, from the upload and the defence's public

@@ -241,6 +241,7 @@ class TailoredHyperFL(_ExtractorSearch):
 
   name = "tailored_hyperfl"
   UPLOAD_KINDS = ("hypernetwork_weights",)
+  DEFENDS = ("hyperfl",)  # knows what HyperFL shares and how
 
   def _view(self, target):
     return ExtractorView.of_hypernetwork(target)
