@@ -774,7 +774,9 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           SEED_KEY: client_seed(seed, round_num, client),
           MASK_KEY: masks[client].astype(np.float32),
           PROFILE_KEY: np.int32(client)},
-      defense={"name": mechanism.name, **mechanism.params()},
+      # the regions are the run's public configuration: adaptive attacks
+      # score and regularise them
+      defense={"name": mechanism.name, **mechanism.params(), "regions": regions},
       dp_event=mechanism.dp_event, dp_relation=mechanism.dp_relation,
       # a client's PSI scores (and PDA-PAM's of an upload) of the documents'
       # U-Net need 1.4 GB: one client at a time
