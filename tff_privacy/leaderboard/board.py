@@ -4,7 +4,8 @@ Each row lives in OUT/rows/<key>/: `settings.json` (what the folder was
 made with), `train/` (the run, which resumes), one folder per inversion
 attack, `attributes/`, and `row.json`, written last: a row with row.json
 is finished and is not run again while its settings are unchanged, unless
-one of its attacks failed. A row whose settings changed starts again in an
+one of its attacks failed or the grid now attacks it with one it lacks
+(that attack then runs on the stored uploads). A row whose settings changed starts again in an
 emptied folder. An attack that refuses a method's uploads
 (`tff_privacy.attacks.UploadRefused`: it would refuse them on every try)
 is recorded with its one-line reason instead of a number. Any other
@@ -56,7 +57,8 @@ def run(grid: Grid, out: str, progress: bool = True,
   results, pending = {}, []
   for i, row in enumerate(rows, start=1):
     results[row.key] = _cached(row, out)
-    if results[row.key] and not failures(results[row.key]):
+    if results[row.key] and not failures(results[row.key]) and not set(
+        row.inversion) - set(results[row.key]["inversion"]):
       log(f"[{i}/{len(rows)}] {row.label}: cached")
     else:
       pending.append((i, row))

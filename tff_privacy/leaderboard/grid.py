@@ -23,6 +23,12 @@ entry's utility: each swept entry's utility-matched row is the strength
 whose utility is closest to it. An entry may name its own inversion attacks
 ("attacks": ["tailored_hyperfl"]) where the common ones cannot read its
 uploads.
+
+Every row is also attacked by the adaptive attacks of its defence (its
+client-side defence, else its method where the method is a defence, e.g.
+FedRE; `tff_privacy.attacks.adaptive_attacks`): the attacks that know it.
+Which attacks run is not one of a row's settings: adding one attacks the
+stored uploads again without retraining.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import re
 from typing import Any, Optional
 
 from tff_privacy import algorithms, defenses, io
+from tff_privacy import attacks as inversion_attacks
 from tff_privacy.attacks import ATTACKS
 from tff_privacy.attacks import attribute as attribute_inference
 
@@ -57,7 +64,7 @@ class Row:
   defense: Optional[str]
   defense_kwargs: dict
   protocol: dict
-  inversion: tuple
+  inversion: tuple  # every inversion attack of the row, the adaptive ones last
   parameter: Optional[str] = None  # the swept parameter
   strength: Any = None
   is_default: bool = True
@@ -67,6 +74,20 @@ class Row:
     if self.parameter is None:
       return self.entry
     return f"{self.entry} ({self.parameter}={_shown(self.strength)})"
+
+  @property
+  def defence(self) -> Optional[str]:
+    """The defence the row's uploads go through: its client-side defence,
+    else its method where the method is a defence, else None."""
+    if self.defense is not None:
+      return self.defense
+    return self.method if self.method in inversion_attacks.DEFENDED_METHODS else None
+
+  @property
+  def adaptive(self) -> tuple:
+    """The row's attacks that know its defence."""
+    known = inversion_attacks.adaptive_attacks(self.defence) if self.defence else []
+    return tuple(a for a in self.inversion if a in known)
 
   def run_config(self, out: str, capture_round: int):
     """The row's `runner.RunConfig`, writing to `out`, capturing one round."""
@@ -80,7 +101,7 @@ class Row:
     """What makes the row's results; a cached row with other settings is
     not reused."""
     return io.canonical({k: v for k, v in dataclasses.asdict(self).items()
-                         if k not in ("entry", "key", "is_default")})
+                         if k not in ("entry", "key", "is_default", "inversion")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,10 +292,19 @@ def _expand(entry: dict, grid: Grid) -> list[Row]:
         method_kwargs=method_kwargs, defense=entry["defense"],
         defense_kwargs=defense_kwargs,
         protocol={**grid.protocol, **entry["protocol"]},
-        inversion=tuple(entry["attacks"] or grid.attacks["inversion"]),
-        parameter=parameter, strength=strength,
-        is_default=strength is None or strength == entry["default"]))
+        inversion=_with_adaptive(entry, grid), parameter=parameter,
+        strength=strength, is_default=strength is None or strength == entry["default"]))
   return rows
+
+
+def _with_adaptive(entry: dict, grid: Grid) -> tuple:
+  """The entry's inversion attacks (its own, else the grid's), then the
+  adaptive attacks of its defence that are not among them."""
+  named = list(entry["attacks"] or grid.attacks["inversion"])
+  defence = entry["defense"] or (
+      entry["method"] if entry["method"] in inversion_attacks.DEFENDED_METHODS else None)
+  adaptive = inversion_attacks.adaptive_attacks(defence) if defence else []
+  return tuple(named + [a for a in adaptive if a not in named])
 
 
 def _shown(strength: Any) -> str:

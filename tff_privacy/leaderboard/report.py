@@ -1,9 +1,13 @@
 """The leaderboard's report: OUT/report.md with its table, figures, CSV and
 JSON, rebuilt from the finished rows at any time (`tff-privacy report`).
 
-Leakage is the worst case over a row's inversion attacks: the attack with
-the highest SSIM. A row is on the Pareto front when no other row has at
-least its utility and at most its leakage, one of them strictly.
+Leakage is the worst case over a row's inversion attacks, those unaware of
+its defence and the adaptive ones that know it: the attack with the highest
+SSIM. Beside it the report gives the worst of the unaware attacks alone (what
+a defence looks like to an attacker who ignores it), and leaderboard.csv
+every attack's SSIM and PSNR. A row is on the Pareto front when no other row
+has at least its utility and at most its (worst-case) leakage, one of them
+strictly.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from tff_privacy import attacks as inversion_attacks
 from tff_privacy import io
 from tff_privacy.leaderboard.board import GLOBAL_UTILITY, failures, refusals
 from tff_privacy.leaderboard.grid import Grid
@@ -24,17 +29,20 @@ FIGURES = ("tradeoff.png", "reconstructions.png", "asr.png")
 PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
             "tensorflow-privacy", "dp-accounting", "scikit-learn", "numpy")
 COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "pareto",
-           "utility", "utility_kind", "loss", "attack", "ssim", "psnr",
-           "label_accuracy", "asr_max", "chance", "balanced_asr_max",
+           "utility", "utility_kind", "loss", "defence", "attack", "ssim", "psnr",
+           "label_accuracy", "unaware_attack", "unaware_ssim", "asr_max", "chance", "balanced_asr_max",
            "balanced_chance", "epsilon", "delta", "relation",
            "time_ratio", "upload_bytes")
 
 
-def leakage(result: dict) -> Optional[dict[str, Any]]:
-  """The row's worst inversion result (highest SSIM), with the attack's name;
-  None when no attack could read the uploads."""
+def leakage(result: dict, among: Optional[Sequence[str]] = None
+            ) -> Optional[dict[str, Any]]:
+  """The row's worst inversion result (highest SSIM) over all its attacks or
+  those `among`, with the attack's name; None when no such attack could read
+  the uploads."""
   scored = [(name, r) for name, r in result["inversion"].items()
-            if "error" not in r and _finite(r["ssim"])]
+            if "error" not in r and _finite(r["ssim"])
+            and (among is None or name in among)]
   if not scored:
     return None
   name, best = max(scored, key=lambda item: item[1]["ssim"])
@@ -47,9 +55,12 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
   target = (grid.utility_target * reference["utility"]
             if reference and _finite(reference["utility"]) else None)
   matched = matched_keys(results, target)
+  grid_rows = {row.key: row for row in grid.rows()}
   rows = []
   for r in results:
     worst = leakage(r) or {}
+    row = grid_rows[r["key"]]
+    unaware = leakage(r, [a for a in r["inversion"] if a not in row.adaptive]) or {}
     attribute = r.get("attribute") or {}
     asr, balanced = attribute.get("asr"), attribute.get("balanced_asr")
     strength = r["settings"]["strength"]
@@ -58,8 +69,12 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "parameter": r["settings"]["parameter"], "strength": strength,
         "default": r["is_default"], "matched": r["key"] in matched,
         "utility": r["utility"], "utility_kind": r["utility_kind"], "loss": r["loss"],
+        "defence": row.defence, "adaptive": list(row.adaptive),
         "attack": worst.get("attack"), "ssim": worst.get("ssim"),
         "psnr": worst.get("psnr"), "label_accuracy": worst.get("label_accuracy"),
+        "unaware_attack": unaware.get("attack"), "unaware_ssim": unaware.get("ssim"),
+        **{f"{metric}_{name}": cell.get(metric)
+           for name, cell in r["inversion"].items() for metric in ("ssim", "psnr")},
         "asr": asr, "asr_max": max(asr.values()) if asr else None,
         "chance": attribute.get("chance"),
         "balanced_asr": balanced,
@@ -130,8 +145,10 @@ def write(grid: Grid, results: Sequence[dict], out: str,
   elif os.path.exists(kept):
     command = io.read_json(kept)
   rows = table_rows(grid, results)
+  attacks = dict.fromkeys(a for row in grid.rows() for a in row.inversion)
   io.write_csv(os.path.join(out, "leaderboard.csv"), rows, COLUMNS + tuple(
-      f"balanced_asr_{name}" for name in grid.attacks["adversaries"]))
+      f"balanced_asr_{name}" for name in grid.attacks["adversaries"]) + tuple(
+          f"{metric}_{name}" for name in attacks for metric in ("ssim", "psnr")))
   io.write_json(os.path.join(out, "leaderboard.json"),
                 {"grid": grid.to_json(), "rows": rows, "versions": versions()})
   _tradeoff_figure(rows, os.path.join(out, "tradeoff.png"))
@@ -148,10 +165,14 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            f"Protocol: {_settings(protocol)}. Every row is attacked on round "
            f"{attacks['capture_round']}'s uploads of its first {attacks['victims']} "
            f"clients: {', '.join(sorted({a for r in grid.rows() for a in r.inversion}))} "
-           f"({attacks['iterations']} iterations), and attribute inference of "
+           f"({attacks['iterations']} iterations; the adaptive ones only on the "
+           "rows of the defences they know), and attribute inference of "
            f"'{attacks['attribute']}' by {', '.join(attacks['adversaries'])} "
            f"(trained on {attacks['shadow_samples']} clean shadow samples).", "",
-           "Leakage is the worst inversion attack of the row (highest SSIM); ASR "
+           "Leakage is the worst inversion attack of the row (highest SSIM), "
+           "over the attacks unaware of its defence and the adaptive ones that "
+           "know it; 'unaware' is the worst of the unaware attacks alone, what "
+           "the defence looks like to an attacker who ignores it. ASR "
            "is the best adversary's balanced attack success rate (the mean "
            "recall over the attribute's classes, so that a few victims of one "
            "class do not pass for leakage) beside its chance rate; "
@@ -172,6 +193,7 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
         f"the reference's {reference['utility_kind']} "
         f"({grid.utility_target * reference['utility']:.4f})", matched)
   lines += section("Every row (P: on the Pareto front of utility against leakage)", rows)
+  lines += _without_adaptive(rows)
   lines += _listed("Attacks that could not run", rows, "errors")
   lines += _listed("Attacks that failed (the next run of the leaderboard runs "
                    "them again)", rows, "failures")
@@ -189,6 +211,22 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _without_adaptive(rows: Sequence[dict]) -> list[str]:
+  """A section naming the rows' defences that no attack here knows (judged
+  by attacks unaware of them only); none when there are none."""
+  unknown = set(inversion_attacks.without_adaptive_attack())
+  entries = {}
+  for r in rows:
+    if r["defence"] in unknown:
+      entries.setdefault(r["defence"], []).append(r["entry"])
+  items = [f"- {defence}: {', '.join(dict.fromkeys(names))}"
+           for defence, names in entries.items()]
+  return (["## Defences without a known adaptive attack", "",
+           "Their leakage is the unaware attacks' only: a lower bound on what "
+           "an attacker who knows them recovers.", "", *items, ""]
+          if items else [])
+
+
 def _listed(title: str, rows: Sequence[dict], key: str) -> list[str]:
   """A section listing the rows' attacks under `key` and why; none when
   there are none."""
@@ -199,7 +237,8 @@ def _listed(title: str, rows: Sequence[dict], key: str) -> list[str]:
 
 def section(title: str, rows: Sequence[dict]) -> list[str]:
   head = ("| row | utility | loss | leakage SSIM (attack) | PSNR dB | label acc. | "
-          "balanced ASR (chance) | epsilon (delta) | time x | upload |")
+          "unaware SSIM (attack) | balanced ASR (chance) | epsilon (delta) | "
+          "time x | upload |")
   lines = [f"## {title}", "", head, "|" + "---|" * head.count(" | ") + "---|"]
   for r in rows:
     marks = "".join(m for m, on in (("P", r["pareto"]), ("M", r["matched"])) if on)
@@ -209,11 +248,22 @@ def section(title: str, rows: Sequence[dict]) -> list[str]:
         _number(r["loss"], 4),
         "n/a" if r["ssim"] is None else f"{r['ssim']:.3f} ({r['attack']})",
         _number(r["psnr"], 2), _number(r["label_accuracy"], 2),
+        _unaware(r),
         ("n/a" if r["balanced_asr_max"] is None else
          f"{r['balanced_asr_max']:.2f} ({r['balanced_chance']:.2f})"),
         "-" if r["epsilon"] is None else f"{r['epsilon']:.3g} ({r['delta']:g})",
         _number(r["time_ratio"], 2), _bytes(r["upload_bytes"])]) + " |")
   return lines + [""]
+
+
+def _unaware(r: dict) -> str:
+  """The unaware attacks' worst SSIM and attack; '=' for a row without
+  adaptive attacks, whose leakage is the unaware attacks' already."""
+  if r["unaware_ssim"] is None:
+    return "n/a"
+  if not r["adaptive"]:
+    return "="
+  return f"{r['unaware_ssim']:.3f} ({r['unaware_attack']})"
 
 
 def _concurrency(rows: Sequence[dict]) -> str:
