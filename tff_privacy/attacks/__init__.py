@@ -12,6 +12,7 @@ from tff_privacy.attacks.inversion import (DLG, IDLG, GradientInversion,
                                            InvertingGradients, Reconstruction,
                                            Target)
 from tff_privacy.attacks.labels import recover_labels
+from tff_privacy.attacks.perturbation_aware import DenoisedInvertingGradients
 from tff_privacy.attacks.refusal import UploadRefused
 from tff_privacy.attacks.rog import ROG
 from tff_privacy.attacks.shared_part import (ExtractorInversion,
@@ -20,7 +21,8 @@ from tff_privacy.attacks.shared_part import (ExtractorInversion,
 ATTACKS: dict[str, type[GradientInversion]] = {
     cls.name: cls for cls in (DLG, IDLG, InvertingGradients, ROG,
                               ExtractorInversion, HyperFLInversion,
-                              TailoredHyperFL, MaskedInvertingGradients)}
+                              TailoredHyperFL, MaskedInvertingGradients,
+                              DenoisedInvertingGradients)}
 
 
 def attack_class(name: str) -> type[GradientInversion]:
