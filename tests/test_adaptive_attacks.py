@@ -168,12 +168,12 @@ def test_the_cli_refuses_a_run_without_a_defence_the_attack_knows(
 def test_each_defence_is_answered_by_its_adaptive_attacks_or_listed_without():
   assert attacks.adaptive_attacks("sparsification") == ["ig_masked"]
   assert attacks.adaptive_attacks("soteria") == ["ig_masked"]
-  assert attacks.adaptive_attacks("ldp_gaussian") == []
+  assert attacks.adaptive_attacks("ldp_gaussian") == ["ig_noise_aware"]
+  assert attacks.adaptive_attacks("fedre") == ["ig_noise_aware"]
   assert attacks.adaptive_attacks("hyperfl") == ["tailored_hyperfl"]
   assert attacks.adaptive_attacks("fedem") == ["ig_denoised"]
   assert attacks.without_adaptive_attack() == [
-      "dp_clip", "dp_fedavg", "fedre", "ldp_fed", "ldp_gaussian",
-      "ldp_laplace", "recupfl"]
+      "dp_clip", "dp_fedavg", "recupfl"]
   with pytest.raises(ValueError, match="defense='nope' is unknown"):
     attacks.adaptive_attacks("nope")
 

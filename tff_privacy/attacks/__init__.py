@@ -12,6 +12,7 @@ from tff_privacy.attacks.inversion import (DLG, IDLG, GradientInversion,
                                            InvertingGradients, Reconstruction,
                                            Target)
 from tff_privacy.attacks.labels import recover_labels
+from tff_privacy.attacks.noise_aware import NoiseAwareInvertingGradients
 from tff_privacy.attacks.perturbation_aware import DenoisedInvertingGradients
 from tff_privacy.attacks.refusal import UploadRefused
 from tff_privacy.attacks.rog import ROG
@@ -22,6 +23,7 @@ ATTACKS: dict[str, type[GradientInversion]] = {
     cls.name: cls for cls in (DLG, IDLG, InvertingGradients, ROG,
                               ExtractorInversion, HyperFLInversion,
                               TailoredHyperFL, MaskedInvertingGradients,
+                              NoiseAwareInvertingGradients,
                               DenoisedInvertingGradients)}
 
 

@@ -184,12 +184,18 @@ def cosine_distance(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor],
   return 1.0 - dot / (norm(a, records) * nb + 1e-12)
 
 
-def total_variation(x: tf.Tensor, records: bool = False) -> tf.Tensor:
+def total_variation(x: tf.Tensor, records: bool = False,
+                    weights: Optional[tf.Tensor] = None) -> tf.Tensor:
   """Mean absolute difference of neighbouring pixels (Geiping et al.'s TV) of
-  NHWC images; with `records`, one per record of [R, N, H, W, C]."""
-  dx = _reduce(tf.reduce_mean, tf.abs(x[..., 1:, :] - x[..., :-1, :]), records)
-  dy = _reduce(tf.reduce_mean, tf.abs(x[..., 1:, :, :] - x[..., :-1, :, :]), records)
-  return dx + dy
+  NHWC images; with `records`, one per record of [R, N, H, W, C]. `weights`
+  (broadcast to x) weighs each difference by the product of its two pixels'
+  weights: 0/1 weights count only the pairs inside a region."""
+  dx = tf.abs(x[..., 1:, :] - x[..., :-1, :])
+  dy = tf.abs(x[..., 1:, :, :] - x[..., :-1, :, :])
+  if weights is not None:
+    dx *= weights[..., 1:, :] * weights[..., :-1, :]
+    dy *= weights[..., 1:, :, :] * weights[..., :-1, :, :]
+  return _reduce(tf.reduce_mean, dx, records) + _reduce(tf.reduce_mean, dy, records)
 
 
 def check_device(device: Optional[str]) -> None:
@@ -600,7 +606,9 @@ class InvertingGradients(GradientInversion):
 
   A subclass may match only some coordinates of the upload (`upload_mask`):
   both uploads are multiplied by a 0/1 mask before the cosine, so the
-  coordinates the mask drops count in neither.
+  coordinates the mask drops count in neither; other weights weigh each
+  coordinate's squared terms by the square of its weight. It may add a
+  second TV term over part of the image (`region_prior`).
   """
 
   name = "ig"
@@ -628,7 +636,7 @@ class InvertingGradients(GradientInversion):
     lo, hi = target.bounds
     milestones = tf.constant([int(self.iterations * f) for f in (3 / 8, 5 / 8, 7 / 8)])
 
-    def objective(x, y_soft, upload, upload_norm, broadcast, mask):
+    def objective(x, y_soft, upload, upload_norm, broadcast, mask, region):
       with tf.GradientTape() as tape:
         tape.watch(x)
         simulated = target.simulate(broadcast, x, y_soft, grouped)
@@ -636,6 +644,9 @@ class InvertingGradients(GradientInversion):
           simulated = [s * m for s, m in zip(simulated, mask)]
         loss = cosine_distance(simulated, upload, grouped, upload_norm)
         loss += self.tv_weight * total_variation(x, grouped)
+        if region:
+          weight, pixels = region
+          loss += weight * total_variation(x, grouped, pixels)
         # records' objectives are independent: the gradient of their sum is
         # each one's own
         total = tf.reduce_sum(loss)
@@ -648,8 +659,9 @@ class InvertingGradients(GradientInversion):
       return tf.where(pick, x, best_x), tf.where(better, loss, best_loss)
 
     def step(t, x, m, v, best_x, best_loss, y_soft, upload, upload_norm,
-             broadcast, mask):
-      loss, grad = objective(x, y_soft, upload, upload_norm, broadcast, mask)
+             broadcast, mask, region):
+      loss, grad = objective(x, y_soft, upload, upload_norm, broadcast, mask,
+                             region)
       best_x, best_loss = keep_best(x, loss, best_x, best_loss)
       g = tf.sign(grad) if self.signed else grad
       lr = self.lr
@@ -666,9 +678,10 @@ class InvertingGradients(GradientInversion):
       return keep_best(x, loss, best_x, best_loss)
 
     def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload,
-                broadcast, mask):
+                broadcast, mask, region):
       upload = [u * k for u, k in zip(upload, mask)] if mask else upload
-      arguments = (y_soft, upload, norm(upload, grouped), broadcast, mask)
+      arguments = (y_soft, upload, norm(upload, grouped), broadcast, mask,
+                   region)
       for i in tf.range(steps):
         x, m, v, best_x, best_loss = step(done + i, x, m, v, best_x, best_loss,
                                           *arguments)
@@ -679,6 +692,12 @@ class InvertingGradients(GradientInversion):
   def upload_mask(self, target: Target) -> list[tf.Tensor]:
     """0/1 per coordinate of the upload: 1 where the objective matches it;
     empty: every coordinate (Inverting Gradients as published)."""
+    return []
+
+  def region_prior(self, target: Target) -> list[tf.Tensor]:
+    """[weight, pixels]: a second TV term, `weight` times the TV of the
+    neighbouring pairs whose pixels are both 1 in `pixels` ([1, H, W, 1]);
+    empty: none (Inverting Gradients as published)."""
     return []
 
   def _start(self, target, rng):
@@ -693,7 +712,8 @@ class InvertingGradients(GradientInversion):
     keys = ("x", "m", "v", "best_x", "best_loss")
     values = advance(*(state[k] for k in keys), tf.constant(done),
                      tf.constant(steps), state["y_soft"], target.upload,
-                     target.broadcast, self.upload_mask(target))
+                     target.broadcast, self.upload_mask(target),
+                     self.region_prior(target))
     return {**state, **dict(zip(keys, values))}, False
 
   def _advance_group(self, targets, state, done, steps):
@@ -702,7 +722,8 @@ class InvertingGradients(GradientInversion):
     keys = ("x", "m", "v", "best_x", "best_loss")
     stacked = [[tf.stack(ws) for ws in zip(*tensors)] for tensors in (
         [t.upload for t in targets], [t.broadcast for t in targets],
-        [self.upload_mask(t) for t in targets])]
+        [self.upload_mask(t) for t in targets],
+        [self.region_prior(t) for t in targets])]
     values = advance(*(state[k] for k in keys), tf.constant(done),
                      tf.constant(steps), state["y_soft"], *stacked)
     return {**state, **dict(zip(keys, values))}

@@ -1,0 +1,199 @@
+"""Noise-aware Inverting Gradients: the inversion that knows the upload's noise.
+
+A defence that adds Gaussian or Laplace noise to the upload leaves in it the
+client's signal plus independent noise of std s_l on every entry of tensor
+l. Plain IG's cosine counts every entry alike, so where the levels differ
+the noisiest tensors drown the others. `NoiseAwareInvertingGradients`
+('ig_noise_aware') multiplies both uploads' tensor l by 1 / s_l before the
+cosine (`upload_mask`): the squared terms of tensor l get the weight
+1 / s_l^2, the inverse of their noise variance, so every tensor counts by
+its signal-to-noise ratio. For one level over the whole upload the weights
+are constant and the cosine is IG's: the attack equals IG by construction.
+
+Which defences put noise in the captured upload (`DEFENDS`):
+* 'ldp_gaussian' (std z C) and 'ldp_laplace' (scale z C, std sqrt(2) z C):
+  one public level, from the clip C and multiplier z in the metadata;
+* 'ldp_fed': alpha-CLDP's ordinal noise, one level for every entry (a
+  two-sided geometric of ratio q = exp(-alpha / 2) on the grid of step
+  10^-precision, std sqrt(2 q) / (1 - q) steps before truncation);
+* 'fedre' with its gradient noise on the update: tensor l gets Gaussian
+  noise of std eta C_l sigma_l k, sigma_l by eq. 9 (or the accountant) of
+  the tensor's epsilon_l, k = 2 local_epochs / |D_k| ('sample') or 1.
+Not answered: 'dp_clip' and 'sparsification' (no noise), 'soteria' (prunes,
+see 'ig_masked'), 'recupfl' (a deterministic perturbation), 'dp_fedavg' (its
+noise is added to the aggregate, after the server's view that the store
+records), and FedRE's 'pixels' perturbation (noise on the training images,
+not the upload) and noise_on='steps' (noise inside the local steps, of
+levels that depend on the client's Poisson batches).
+
+FedRE's levels: with the even split epsilon_l, and so s_l, is public and is
+computed from the metadata. The PSI split (eq. 6) depends on the client's
+PSI scores, averaged over its own samples inside its region under the
+broadcast model. Recomputing them on public data gives another set of
+scores (the compact protocol averages just 2 samples), and a wrong split
+weights the tensors wrongly with nothing to tell. The upload itself shows
+the level instead: tensor l is its clipped signal (norm at most eta C_l,
+so a mean square at most (eta C_l)^2 / n_l over its n_l entries) plus the
+noise, so s_l^2 ~ mean(u_l^2) - (eta C_l)^2 / n_l, exact in expectation
+when the clip binds, as it does for a local epoch's update. The estimate's
+relative error is about sqrt(2 / n_l); where the noise is below what the
+estimate resolves (the difference under sqrt(2 / n_l) mean(u_l^2)) the
+level is taken at that resolution. On an even-split upload the estimate
+lies within 5% of the public level on tensors of 1,000 entries and more
+(tests/test_noise_aware_attack.py).
+
+FedRE's region (`region_tv_weight`): FedRE's evaluation attacks with DLG
+and scores the similarity of the recovered privacy-sensitive region to the
+client's (Table 2; `tff-privacy attack --region run` scores it here); the
+attack itself has no term of its own for the region. FedRE puts its
+budget where the region's information is, so the tensors that carry the
+region are the noisiest ones and the region's pixels are the ones the
+weighted match pins least. `region_tv_weight` > 0 adds a second TV term
+over the region's pixels (the run's public regions, boxes or the default
+box; the metadata carries them): a stronger prior where the data term is
+weakest. It is a parameter of this attack, not a class of its own: the
+search, the weights and the defences answered are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tff_privacy import psi
+from tff_privacy.attacks.adaptive import check_defence
+from tff_privacy.attacks.inversion import InvertingGradients, Target
+from tff_privacy.attacks.refusal import UploadRefused
+from tff_privacy.dp import layerwise_budget as budget
+from tff_privacy.params import Param, Params
+from tff_privacy.updates import UpdateRecord
+
+
+def fedre_levels(record: UpdateRecord) -> list[float]:
+  """The std of FedRE's noise on each tensor of an even-split upload, from
+  the run's public parameters (eq. 9 or the accountant's calibration)."""
+  # deferred: FedRE imports the defences, and RECUP-FL this package
+  from tff_privacy.algorithms import fedre
+  d = record.metadata["defense"]
+  mechanism = fedre.FedREMechanism(
+      record.model_spec, epsilon=d["epsilon"], delta=d["delta"],
+      rounds=d["rounds"], clip=d["clip"], budget_split="even",
+      budget_unit=d["budget_unit"], noise_calibration=d["noise_calibration"],
+      psi_samples=d["psi_samples"], psi_pixels=d["psi_pixels"],
+      sensitivity=d["sensitivity"], eta_placement=d["eta_placement"],
+      learning_rate=d["learning_rate"], local_epochs=d["local_epochs"])
+  sigmas = mechanism.noise_multipliers(mechanism.even_epsilons()).numpy()
+  per_clip = (2.0 * d["local_epochs"] / record.num_examples
+              if d["sensitivity"] == "sample" else 1.0)
+  return list(mechanism.eta * d["clip"] * sigmas * per_clip)
+
+
+def estimated_levels(upload: Sequence[np.ndarray], bound: float) -> list[float]:
+  """Each tensor's noise std estimated from the upload: mean square less
+  the clipped signal's at most bound^2 / n_l, and at least the estimate's
+  resolution sqrt(2 / n_l) times the mean square (see the module)."""
+  levels = []
+  for u in upload:
+    n = u.size
+    square = float(np.mean(np.square(u, dtype=np.float64)))
+    levels.append(math.sqrt(max(square - bound**2 / n, math.sqrt(2 / n) * square)))
+  return levels
+
+
+def ldp_fed_level(defense: dict) -> float:
+  """alpha-CLDP's noise std (before truncation to the clip's range)."""
+  q = math.exp(-defense["alpha"] / 2)
+  return math.sqrt(2 * q) / (1 - q) * 10.0 ** -defense["precision"]
+
+
+def noise_levels(record: UpdateRecord) -> list[float]:
+  """The std of the noise on each tensor of `record`'s upload: public
+  where the run's parameters fix it, estimated from the upload for FedRE's
+  PSI split (see the module)."""
+  d = record.metadata["defense"]
+  count = len(record.upload)
+  if d["name"] == "ldp_gaussian":
+    return [d["clip"] * d["noise_multiplier"]] * count
+  if d["name"] == "ldp_laplace":
+    return [math.sqrt(2) * d["clip"] * d["noise_multiplier"]] * count
+  if d["name"] == "ldp_fed":
+    return [ldp_fed_level(d)] * count
+  if d["budget_split"] == "even":
+    return fedre_levels(record)
+  eta = d["learning_rate"] if d["eta_placement"] == "server" else 1.0
+  return estimated_levels(record.upload, eta * d["clip"])
+
+
+def region_pixels(record: UpdateRecord) -> np.ndarray:
+  """The run's FedRE region as [1, H, W, 1] 0/1 pixels: its boxes or the
+  default box. `UploadRefused` for regions the metadata alone cannot
+  rebuild (element classes, a file of regions per client)."""
+  from tff_privacy.algorithms import fedre  # deferred, see `fedre_levels`
+  defense = record.metadata["defense"]
+  regions = defense.get("regions")
+  height, width = record.model_spec.input_shape[:2]
+  # element classes or a file name, or a run that did not publish them
+  if "regions" not in defense or regions and any(c.isalpha() for c in regions):
+    raise UploadRefused(f"region_tv_weight needs the run's regions as boxes; "
+                        f"round {record.round_num} client {record.client_index} "
+                        f"was uploaded with regions={regions!r}")
+  boxes = (psi.parse_boxes(regions, name="regions") if regions else
+           [fedre.default_box(height, width)])
+  return psi.box_mask(boxes, height, width).astype(np.float32)[None, :, :, None]
+
+
+def _noise_place(defense: dict) -> str:
+  """Where a FedRE run puts its noise: 'update', 'pixels' or 'steps'."""
+  if defense.get("perturbation") == "pixels":
+    return "pixels"
+  return defense["noise_on"]
+
+
+class NoiseAwareInvertingGradients(InvertingGradients):
+  """Inverting Gradients with each tensor weighted by the inverse of its
+  noise level, and optionally a TV prior on FedRE's region (see the module
+  docstring); the search is IG's."""
+
+  name = "ig_noise_aware"
+  DEFENDS = ("fedre", "ldp_fed", "ldp_gaussian", "ldp_laplace")
+  PARAMETERS = Params(
+      *InvertingGradients.PARAMETERS,
+      Param("region_tv_weight", float, 0.0, "TV weight over the FedRE run's "
+            "privacy-sensitive region (its boxes in the metadata), beside "
+            "tv_weight over the whole image; 0: none", minimum=0))
+
+  def check_records(self, records: Sequence[UpdateRecord]) -> None:
+    super().check_records(records)
+    check_defence(self.name, self.DEFENDS, records)
+    for record in records:
+      defense = record.metadata["defense"]
+      if defense["name"] == "fedre" and _noise_place(defense) != "update":
+        raise UploadRefused(
+            f"attack {self.name!r} answers FedRE's noise on the update; round "
+            f"{record.round_num} client {record.client_index} was uploaded "
+            f"with its noise on the {_noise_place(defense)}: use 'ig'")
+      if self.region_tv_weight > 0 and defense["name"] != "fedre":
+        raise UploadRefused(f"region_tv_weight applies to FedRE runs; round "
+                            f"{record.round_num} client {record.client_index} "
+                            f"was uploaded under {defense['name']}")
+      if self.region_tv_weight > 0:
+        region_pixels(record)
+
+  def upload_mask(self, target: Target) -> list[tf.Tensor]:
+    """1 / s_l on tensor l, scaled so that the least noisy tensor weighs 1;
+    ones where the upload carries no noise."""
+    levels = np.asarray(noise_levels(target.record), np.float64)
+    if not np.all(levels > 0):
+      return [tf.ones_like(u) for u in target.upload]
+    weights = levels.min() / levels
+    return [tf.fill(tf.shape(u), tf.cast(w, u.dtype))
+            for u, w in zip(target.upload, weights)]
+
+  def region_prior(self, target: Target) -> list[tf.Tensor]:
+    if self.region_tv_weight == 0:
+      return []
+    return [tf.constant(self.region_tv_weight, tf.float32),
+            tf.constant(region_pixels(target.record))]
