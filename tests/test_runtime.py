@@ -258,3 +258,17 @@ def test_renewing_workers_prints_nothing():
   result = subprocess.run([sys.executable, "-c", script], capture_output=True,
                           text=True, timeout=300)
   assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+
+
+def test_the_worker_limits_mallocs_arenas_unless_the_user_chose(monkeypatch):
+  # read from the running worker_binary's own environment (the OS's view)
+  for given, expected in ((None, "2"), ("4", "4")):
+    runtime.stop()
+    if given is None:
+      monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    else:
+      monkeypatch.setenv("MALLOC_ARENA_MAX", given)
+    runtime.start()
+    [worker] = worker_children()
+    assert worker.environ().get("MALLOC_ARENA_MAX") == expected
+  runtime.stop()

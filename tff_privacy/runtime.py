@@ -154,6 +154,14 @@ def private_worker_command(listen: str, max_concurrent_computation_calls: int = 
           f"--max-concurrent-computation-calls={max_concurrent_computation_calls}"]
 
 
+def worker_environment() -> dict[str, str]:
+  """This process's environment with glibc's malloc limited to 2 arenas
+  unless MALLOC_ARENA_MAX is set: the worker's many threads otherwise each
+  keep an arena of freed blocks, which HyperFL's 60 MB uploads fragment
+  (its peak resident memory fell by about a tenth)."""
+  return {"MALLOC_ARENA_MAX": "2", **os.environ}
+
+
 class LocalWorker:
   """A ``worker_binary`` started by `private_worker` in a network namespace of
   its own, reached through a Unix socket in a directory only this user can
@@ -179,7 +187,7 @@ class LocalWorker:
       # would run (and complain about) in this multi-threaded process.
       self.process = subprocess.Popen(
           args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-          stderr=self._stderr, pass_fds=(read_end,))
+          stderr=self._stderr, pass_fds=(read_end,), env=worker_environment())
     except BaseException:
       self._release()
       raise
