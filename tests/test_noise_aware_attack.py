@@ -3,6 +3,7 @@ noise level, from the run's public parameters or the upload itself."""
 
 import dataclasses
 import os
+import types
 
 import numpy as np
 import pytest
@@ -85,19 +86,21 @@ def test_the_psi_splits_levels_are_estimated_from_the_upload(digits):
 SPEC = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": [32]})
 
 
-def _even_split_upload(epsilon, clip=0.5, samples=4, seed=0):
+def _even_split_upload(epsilon, epochs=1, clip=0.5, samples=4, seed=0):
   """A FedRE client's upload under the even split (eq. 9, 'sample'
-  sensitivity): the record and the tensors' noise std by hand."""
+  sensitivity), its data passed `epochs` times as a run passes it: the
+  record and the tensors' noise std by hand."""
   mechanism = fedre.FedREMechanism(
       SPEC, epsilon=epsilon, delta=1e-5, rounds=5, clip=clip,
       budget_split="even", noise_calibration="paper", psi_samples=2,
-      psi_pixels=None)
+      psi_pixels=None, local_epochs=epochs)
   weights = SPEC.initial_weights(0)
   rng = np.random.default_rng(seed)
   x = rng.random((samples, 8, 8, 1)).astype(np.float32)
   view = ClientView([tf.constant(w) for w in weights],
                     tf.data.Dataset.from_tensor_slices(
-                        {"x": x, "y": np.arange(samples) % 10}).batch(2),
+                        {"x": x, "y": np.arange(samples) % 10}).batch(2)
+                    .repeat(epochs),
                     {fedre.MASK_KEY: tf.ones([8, 8])})
   update = [rng.normal(size=w.shape).astype(np.float32) for w in weights]
   upload = mechanism.apply(update, tf.constant([seed, 1], tf.int64), view)
@@ -113,14 +116,15 @@ def _even_split_upload(epsilon, clip=0.5, samples=4, seed=0):
   return record, [std] * len(weights)
 
 
-@pytest.mark.parametrize("epsilon, within", [(20.0, 0.05), (2000.0, 0.15)])
+@pytest.mark.parametrize("epsilon, epochs, within", [
+    (20.0, 1, 0.05), (20.0, 2, 0.05), (2000.0, 1, 0.15)])
 def test_the_even_splits_levels_are_public_and_the_estimate_finds_them(
-    epsilon, within):
+    epsilon, epochs, within):
   # at epsilon 20 the noise dominates every tensor; at 2000 the clipped
   # signal (norm 0.5) is of the noise's size on the first kernel (2,048
   # entries, noise std 0.006 against the signal's rms 0.011), and the
   # smaller tensors' noise hides under their signal
-  record, stds = _even_split_upload(epsilon)
+  record, stds = _even_split_upload(epsilon, epochs)
   np.testing.assert_allclose(noise_aware.noise_levels(record), stds, rtol=1e-5)
   estimated = noise_aware.estimated_levels(record.upload, 0.5)
   assert estimated[0] == pytest.approx(stds[0], rel=within)
@@ -253,3 +257,21 @@ def test_the_search_never_reads_the_ground_truth(digits, tmp_path, monkeypatch,
     reconstructed = f["reconstructed"]
   assert reads  # the scoring, after the search
   assert _ssim(x, reconstructed) > 0.9
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("ldp_gaussian", {"clip": 1.0, "noise_multiplier": 0.3}),
+    ("ldp_laplace", {"clip": 1.0, "noise_multiplier": 0.3}),
+    ("ldp_fed", {"alpha": 1.0, "clip": 0.05, "precision": 3, "fraction": 1.0})])
+def test_the_local_defences_level_is_the_std_their_noise_has(name, kwargs):
+  # the defence's own draws on a zero update, whose clipping leaves it zero
+  from tff_privacy import defenses
+  defence = defenses.build(name, **kwargs)
+  zero = [tf.zeros([100, 100])]
+  noise = np.concatenate([defence.apply(zero, tf.constant([s, 0], tf.int64))[0]
+                          .numpy().ravel() for s in range(4)])
+  record = types.SimpleNamespace(
+      upload=[np.zeros(3), np.zeros(5)],
+      metadata={"defense": {"name": name, **kwargs}})
+  levels = noise_aware.noise_levels(record)
+  assert levels[0] == levels[1] == pytest.approx(noise.std(), rel=0.03)
