@@ -275,3 +275,20 @@ def test_the_local_defences_level_is_the_std_their_noise_has(name, kwargs):
       metadata={"defense": {"name": name, **kwargs}})
   levels = noise_aware.noise_levels(record)
   assert levels[0] == levels[1] == pytest.approx(noise.std(), rel=0.03)
+
+
+def test_the_cli_refuses_an_upload_without_noise_in_one_line(digits, tmp_path,
+                                                             capsys):
+  from tff_privacy import cli
+  x, y = digits[0][:1], digits[1][:1]
+  record = record_of(x, y)
+  UpdateStore(str(tmp_path / "updates")).write_round(
+      1, record.broadcast, [(0, "client_0000", record.upload, 1.0, 1)],
+      record.metadata)
+  code = cli.main(["attack", "--updates", str(tmp_path / "updates"), "--round",
+                   "1", "--quiet", "--out", str(tmp_path / "out"), "--attack",
+                   "ig_noise_aware", "--iterations", "1"])
+  err = capsys.readouterr().err
+  assert code != 0
+  assert len(err.strip().splitlines()) == 1
+  assert "ig_noise_aware" in err and "no defence" in err and "'ig'" in err
