@@ -169,3 +169,50 @@ def load_script(path: str):
   sys.modules[name] = module  # dataclasses of the script look it up
   spec.loader.exec_module(module)
   return module
+
+
+def attack_store(tmp_path, record, x, y, dataset: str = "digits") -> str:
+  """An update store of `record` (round 1, client 0) with its ground truth
+  `x`, `y` beside it, as a run writes them; returns the update store's path."""
+  from tff_privacy.updates import GroundTruthStore, UpdateStore
+  UpdateStore(str(tmp_path / "updates")).write_round(
+      1, record.broadcast, [(0, "client_0000", record.upload, 1.0, len(y))],
+      record.metadata)
+  GroundTruthStore(str(tmp_path / "ground_truth")).write_round(
+      1, [(0, x, y)], {"dataset": dataset})
+  return str(tmp_path / "updates")
+
+
+def attack_cli(capsys, updates: str, out: str, *flags) -> tuple[int, str]:
+  """`tff-privacy attack` on round 1 of `updates`, in this process: (exit
+  code, stderr)."""
+  from tff_privacy import cli
+  code = cli.main(["attack", "--updates", updates, "--round", "1", "--quiet",
+                   "--out", out, *flags])
+  return code, capsys.readouterr().err
+
+
+def forbid_ground_truth_in_search(monkeypatch, attack_class) -> list:
+  """Makes every read of the ground-truth store raise while a search of
+  `attack_class` runs; returns the list of the reads made outside it (the
+  scoring's)."""
+  from tff_privacy.updates import GroundTruthStore
+  searching, reads = [False], []
+  read, search = GroundTruthStore._arrays, attack_class.__call__
+
+  def guarded(self, *args):
+    if searching[0]:
+      raise AssertionError("the attack read the ground truth")
+    reads.append(args)
+    return read(self, *args)
+
+  def watched(self, *args, **kwargs):
+    searching[0] = True
+    try:
+      return search(self, *args, **kwargs)
+    finally:
+      searching[0] = False
+
+  monkeypatch.setattr(GroundTruthStore, "_arrays", guarded)
+  monkeypatch.setattr(attack_class, "__call__", watched)
+  return reads

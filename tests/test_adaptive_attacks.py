@@ -9,13 +9,13 @@ import types
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import record_of
+from conftest import (attack_cli, attack_store, forbid_ground_truth_in_search,
+                      record_of)
 from skimage.metrics import structural_similarity
 
 from tff_privacy import attacks, models
 from tff_privacy.attacks.inversion import Target
 from tff_privacy.defenses import ClientView, Soteria, Sparsification
-from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 SPEC = models.ModelSpec("lenet", (8, 8, 1), 10)
 
@@ -99,51 +99,13 @@ def test_masked_ig_recovers_what_soteria_hides_from_ig(digits):
       [record])[0].x) > 0.9
 
 
-def _store(tmp_path, record, x, y):
-  """An update store of `record` (round 1, client 0) with its ground truth
-  beside it, as a run writes them; returns the update store's path."""
-  UpdateStore(str(tmp_path / "updates")).write_round(
-      1, record.broadcast, [(0, "client_0000", record.upload, 1.0, len(y))],
-      record.metadata)
-  GroundTruthStore(str(tmp_path / "ground_truth")).write_round(
-      1, [(0, x, y)], {"dataset": "digits"})
-  return str(tmp_path / "updates")
-
-
-def _attack(capsys, updates, out, *flags):
-  """`tff-privacy attack` in this process: (exit code, stderr)."""
-  from tff_privacy import cli
-  code = cli.main(["attack", "--updates", updates, "--round", "1", "--quiet",
-                   "--out", out, *flags])
-  return code, capsys.readouterr().err
-
-
 def test_the_search_never_reads_the_ground_truth(digits, tmp_path, monkeypatch,
                                                  capsys):
   x, y = digits[0][3:4], digits[1][3:4]
-  updates = _store(tmp_path, _sparsified(digits, 3, 0.9), x, y)
-  searching, reads = [False], []
-  read = GroundTruthStore._arrays
-
-  def guarded(self, *args):
-    if searching[0]:
-      raise AssertionError("the attack read the ground truth")
-    reads.append(args)
-    return read(self, *args)
-
-  search = attacks.MaskedInvertingGradients.__call__
-
-  def watched(self, *args, **kwargs):
-    searching[0] = True
-    try:
-      return search(self, *args, **kwargs)
-    finally:
-      searching[0] = False
-
-  monkeypatch.setattr(GroundTruthStore, "_arrays", guarded)
-  monkeypatch.setattr(attacks.MaskedInvertingGradients, "__call__", watched)
+  updates = attack_store(tmp_path, _sparsified(digits, 3, 0.9), x, y)
+  reads = forbid_ground_truth_in_search(monkeypatch, attacks.MaskedInvertingGradients)
   out = str(tmp_path / "out")
-  code, err = _attack(capsys, updates, out, "--attack", "ig_masked",
+  code, err = attack_cli(capsys, updates, out, "--attack", "ig_masked",
                       "--iterations", "400")
   assert code == 0, err
   with open(os.path.join(out, "attack.json")) as f:
@@ -157,8 +119,8 @@ def test_the_search_never_reads_the_ground_truth(digits, tmp_path, monkeypatch,
 def test_the_cli_refuses_a_run_without_a_defence_the_attack_knows(
     digits, tmp_path, capsys):
   x, y = digits[0][:1], digits[1][:1]
-  updates = _store(tmp_path, record_of(x, y), x, y)
-  code, err = _attack(capsys, updates, str(tmp_path / "out"), "--attack",
+  updates = attack_store(tmp_path, record_of(x, y), x, y)
+  code, err = attack_cli(capsys, updates, str(tmp_path / "out"), "--attack",
                       "ig_masked", "--iterations", "1")
   assert code != 0
   assert len(err.strip().splitlines()) == 1

@@ -8,7 +8,8 @@ import types
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import record_of
+from conftest import (attack_cli, attack_store, forbid_ground_truth_in_search,
+                      record_of)
 from skimage.metrics import structural_similarity
 
 from tff_privacy import attacks, models
@@ -16,7 +17,7 @@ from tff_privacy.algorithms import fedre
 from tff_privacy.attacks import noise_aware
 from tff_privacy.attacks.inversion import Target, total_variation
 from tff_privacy.defenses import ClientView
-from tff_privacy.updates import GroundTruthStore, UpdateRecord, UpdateStore
+from tff_privacy.updates import UpdateRecord
 
 # every tensor's noise over its clipped signal's root mean square, C / sqrt(n):
 # little on the first convolution and the classifier (labels stay
@@ -219,40 +220,14 @@ def test_region_prior_refuses_regions_it_cannot_rebuild(digits):
 
 def test_the_search_never_reads_the_ground_truth(digits, tmp_path, monkeypatch,
                                                  capsys):
-  from tff_privacy import cli
   record, _ = _layer_noised(digits, 1)
   x, y = digits[0][1:2], digits[1][1:2]
-  UpdateStore(str(tmp_path / "updates")).write_round(
-      1, record.broadcast, [(0, "client_0000", record.upload, 1.0, 1)],
-      record.metadata)
-  GroundTruthStore(str(tmp_path / "ground_truth")).write_round(
-      1, [(0, x, y)], {"dataset": "digits"})
-  searching, reads = [False], []
-  read = GroundTruthStore._arrays
-
-  def guarded(self, *args):
-    if searching[0]:
-      raise AssertionError("the attack read the ground truth")
-    reads.append(args)
-    return read(self, *args)
-
-  search = noise_aware.NoiseAwareInvertingGradients.__call__
-
-  def watched(self, *args, **kwargs):
-    searching[0] = True
-    try:
-      return search(self, *args, **kwargs)
-    finally:
-      searching[0] = False
-
-  monkeypatch.setattr(GroundTruthStore, "_arrays", guarded)
-  monkeypatch.setattr(noise_aware.NoiseAwareInvertingGradients, "__call__",
-                      watched)
+  updates = attack_store(tmp_path, record, x, y)
+  reads = forbid_ground_truth_in_search(monkeypatch, noise_aware.NoiseAwareInvertingGradients)
   out = str(tmp_path / "out")
-  code = cli.main(["attack", "--updates", str(tmp_path / "updates"), "--round",
-                   "1", "--quiet", "--out", out, "--attack", "ig_noise_aware",
-                   "--iterations", "300"])
-  assert code == 0, capsys.readouterr().err
+  code, err = attack_cli(capsys, updates, out, "--attack", "ig_noise_aware",
+                         "--iterations", "300")
+  assert code == 0, err
   with np.load(os.path.join(out, "reconstructions.npz")) as f:
     reconstructed = f["reconstructed"]
   assert reads  # the scoring, after the search
@@ -279,16 +254,10 @@ def test_the_local_defences_level_is_the_std_their_noise_has(name, kwargs):
 
 def test_the_cli_refuses_an_upload_without_noise_in_one_line(digits, tmp_path,
                                                              capsys):
-  from tff_privacy import cli
   x, y = digits[0][:1], digits[1][:1]
-  record = record_of(x, y)
-  UpdateStore(str(tmp_path / "updates")).write_round(
-      1, record.broadcast, [(0, "client_0000", record.upload, 1.0, 1)],
-      record.metadata)
-  code = cli.main(["attack", "--updates", str(tmp_path / "updates"), "--round",
-                   "1", "--quiet", "--out", str(tmp_path / "out"), "--attack",
-                   "ig_noise_aware", "--iterations", "1"])
-  err = capsys.readouterr().err
+  updates = attack_store(tmp_path, record_of(x, y), x, y)
+  code, err = attack_cli(capsys, updates, str(tmp_path / "out"), "--attack",
+                         "ig_noise_aware", "--iterations", "1")
   assert code != 0
   assert len(err.strip().splitlines()) == 1
   assert "ig_noise_aware" in err and "no defence" in err and "'ig'" in err

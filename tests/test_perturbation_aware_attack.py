@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import record_of
+from conftest import (attack_cli, attack_store, forbid_ground_truth_in_search,
+                      record_of)
 from skimage import filters
 from skimage.metrics import structural_similarity
 from test_fedem import fedem_reference
@@ -16,7 +17,6 @@ from test_fedem import fedem_reference
 from tff_privacy import attacks, models
 from tff_privacy.attacks.perturbation_aware import (DenoisedInvertingGradients,
                                                     project_to_ball)
-from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 # the compact leaderboard's model and FedEM's perturbation (paper defaults)
 SPEC = models.ModelSpec("mlp", (28, 28, 1), 2, {"hidden": [64]})
@@ -100,51 +100,13 @@ def test_an_l2_perturbation_moves_the_reconstruction_at_most_rho_in_l2(digits):
   assert 0.4 < moved <= 0.5 + 1e-5
 
 
-def _store(tmp_path, record, x, y):
-  """An update store of `record` (round 1, client 0) with its ground truth
-  beside it, as a run writes them; returns the update store's path."""
-  UpdateStore(str(tmp_path / "updates")).write_round(
-      1, record.broadcast, [(0, "client_0000", record.upload, 1.0, len(y))],
-      record.metadata)
-  GroundTruthStore(str(tmp_path / "ground_truth")).write_round(
-      1, [(0, x, y)], {"dataset": "mnist5k_parity"})
-  return str(tmp_path / "updates")
-
-
-def _attack(capsys, updates, out, *flags):
-  """`tff-privacy attack` in this process: (exit code, stderr)."""
-  from tff_privacy import cli
-  code = cli.main(["attack", "--updates", updates, "--round", "1", "--quiet",
-                   "--out", out, *flags])
-  return code, capsys.readouterr().err
-
-
 def test_the_search_never_reads_the_ground_truth_and_is_scored_on_the_clean_x(
     digits, tmp_path, monkeypatch, capsys):
   x, y = digits[0][2:3], digits[1][2:3]
-  updates = _store(tmp_path, _fedem(digits, 2)[0], x, y)
-  searching, reads = [False], []
-  read = GroundTruthStore._arrays
-
-  def guarded(self, *args):
-    if searching[0]:
-      raise AssertionError("the attack read the ground truth")
-    reads.append(args)
-    return read(self, *args)
-
-  search = DenoisedInvertingGradients.__call__
-
-  def watched(self, *args, **kwargs):
-    searching[0] = True
-    try:
-      return search(self, *args, **kwargs)
-    finally:
-      searching[0] = False
-
-  monkeypatch.setattr(GroundTruthStore, "_arrays", guarded)
-  monkeypatch.setattr(DenoisedInvertingGradients, "__call__", watched)
+  updates = attack_store(tmp_path, _fedem(digits, 2)[0], x, y, "mnist5k_parity")
+  reads = forbid_ground_truth_in_search(monkeypatch, DenoisedInvertingGradients)
   out = str(tmp_path / "out")
-  code, err = _attack(capsys, updates, out, "--attack", "ig_denoised",
+  code, err = attack_cli(capsys, updates, out, "--attack", "ig_denoised",
                       "--iterations", "300", "--median-size", "5")
   assert code == 0, err
   with open(os.path.join(out, "attack.json")) as f:
@@ -175,8 +137,8 @@ def test_uploads_of_other_defences_are_refused(digits, defense, named):
 def test_the_cli_refuses_a_run_without_fedem_in_one_line(digits, tmp_path,
                                                           capsys):
   x, y = digits[0][:1], digits[1][:1]
-  updates = _store(tmp_path, record_of(x, y, spec=SPEC), x, y)
-  code, err = _attack(capsys, updates, str(tmp_path / "out"), "--attack",
+  updates = attack_store(tmp_path, record_of(x, y, spec=SPEC), x, y, "mnist5k_parity")
+  code, err = attack_cli(capsys, updates, str(tmp_path / "out"), "--attack",
                       "ig_denoised", "--iterations", "1")
   assert code != 0
   assert len(err.strip().splitlines()) == 1
