@@ -235,3 +235,33 @@ def test_a_lone_clients_model_after_training_is_its_own_model(tmp_path, method,
   for name in ("accuracy_mean", "loss_mean", "accuracy_min"):
     assert entry[f"local_after_training_{name}"] == pytest.approx(
         entry[f"personal_{name}"], abs=1e-5)
+
+
+def test_uploads_returned_by_the_clients_equal_the_aggregated_capture(tmp_path,
+                                                                      monkeypatch):
+  """A personalised process returns the captured uploads CLIENTS-placed
+  instead of stacking them in a `federated_aggregate`: the stored uploads
+  and the local-after-training scores equal the aggregate's."""
+  def run(out):
+    history = runner.run(_config(out, rounds=1, capture_rounds=(1,),
+                                 evaluate="local-after-training"), progress=False)
+    store = UpdateStore(str(out / "updates"))
+    return history[0], [store.read(1, c) for c in store.clients(1)]
+
+  stacked, stack = [], runner.stacked_capture
+  monkeypatch.setattr(runner, "stacked_capture",
+                      lambda *a: stacked.append(1) or stack(*a))
+  returned, records = run(tmp_path / "returned")
+  assert stacked == [1]  # the uploads came back CLIENTS-placed
+  # the builder that knows no `ClientPlacedCapture` gets a `CaptureFactory`
+  monkeypatch.setattr(personalized, "ClientPlacedCapture", type("Nothing", (), {}))
+  aggregated, expected = run(tmp_path / "aggregated")
+  assert stacked == [1]
+  assert len(records) == len(expected) == 4
+  for got, want in zip(records, expected):
+    assert got.num_examples == want.num_examples
+    for u, v in zip(got.upload, want.upload):
+      np.testing.assert_array_equal(u, v)
+  drop = ("seconds",)
+  assert {k: v for k, v in returned.items() if k not in drop} == {
+      k: v for k, v in aggregated.items() if k not in drop}

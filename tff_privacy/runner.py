@@ -72,7 +72,7 @@ from tff_privacy.dp import accounting
 from tff_privacy.metrics.updates import UndefinedFidelity, aggregate_fidelity
 from tff_privacy.models.lpm import LPM_MODELS
 from tff_privacy.protocol import local_batch_sizes
-from tff_privacy.updates import CaptureFactory, GroundTruthStore, UpdateStore
+from tff_privacy.updates import ClientPlacedCapture, GroundTruthStore, UpdateStore
 
 _EVAL_BATCH = 1000
 EVALUATIONS = ("global", "local-after-training")
@@ -526,6 +526,17 @@ class Evaluator:
     return scores[self.task.primary_metric], scores["loss"]
 
 
+def stacked_capture(uploads, weights) -> collections.OrderedDict:
+  """The `captured` measurements a `CaptureFactory` reports, from uploads and
+  weights returned CLIENTS-placed (one list of tensors and one weight per
+  client, in client order)."""
+  return collections.OrderedDict(
+      num_uploads=np.int32(len(uploads)),
+      uploads=[np.stack([np.asarray(u[k]) for u in uploads])
+               for k in range(len(uploads[0]))],
+      upload_weights=np.asarray(weights, np.float32))
+
+
 def _spread(prefix: str, primary: str,
             per_client: list[dict[str, float]]) -> dict[str, float]:
   """'<prefix>_<metric>_mean' of every metric over clients' scores, and
@@ -648,7 +659,7 @@ class Run:
       inner = (self.central.aggregator(n, self.config.seed) if self.central
                else wide_sum.wide_mean_factory())
       view = self.central.server_view if self.central else None
-      aggregator = CaptureFactory(inner, n, view) if capture else inner
+      aggregator = ClientPlacedCapture(inner, n, view) if capture else inner
       self._processes[capture] = self.algorithm.build_process(aggregator)
     return self._processes[capture]
 
@@ -703,8 +714,12 @@ class Run:
         state["server"], datasets, [table[c.index] for c in clients])
     for c, new in zip(clients, output["client_states"]):
       table[c.index] = new
-    return (collections.OrderedDict(server=output["state"], clients=table),
-            output["metrics"])
+    metrics = output["metrics"]
+    if "uploads" in output:  # `ClientPlacedCapture`: returned, not aggregated
+      metrics = collections.OrderedDict(metrics, aggregator=collections.OrderedDict(
+          inner=metrics["aggregator"],
+          captured=stacked_capture(output["uploads"], output["upload_weights"])))
+    return collections.OrderedDict(server=output["state"], clients=table), metrics
 
   def sent_models(self, state, clients) -> Optional[dict[int, list[np.ndarray]]]:
     """What each of `clients` (from `round_data`) is sent this round, for

@@ -21,7 +21,10 @@ The metrics M follow the `LearningProcess` layout the runner reads:
 `client_work/train/{loss, sparse_categorical_accuracy}` (example-weighted
 over every local step of every client) and `aggregator` (the aggregation
 process's measurements, where an upload-capturing aggregator reports the
-uploads).
+uploads). Given a `ClientPlacedCapture` as its model aggregator,
+`build_personalized_process` instead returns every client's upload and
+weight CLIENTS-placed (`uploads`, `upload_weights`), in client order, and
+aggregates with the capture's inner aggregator.
 
 Also here: the local optimiser the personalised papers use (PyTorch's SGD
 with momentum and coupled weight decay, `sgd_step`), and the training-metric
@@ -40,6 +43,7 @@ import tensorflow_federated as tff
 from tff_privacy import tasks
 from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
 from tff_privacy.models.functional import forward
+from tff_privacy.updates.capture import ClientPlacedCapture
 
 CLASSIFICATION = tasks.get("classification")
 
@@ -187,7 +191,9 @@ def build_personalized_process(
     data_type: the TFF type of one client's data set.
     local_training: one client's round, see above.
     model_aggregator: aggregates the uploads, weighted (default
-      `aggregation.wide_sum.wide_mean_factory`).
+      `aggregation.wide_sum.wide_mean_factory`); a `ClientPlacedCapture`:
+      its inner aggregator does, and `next` also returns the uploads and
+      their weights CLIENTS-placed.
 
   Returns:
     A `PersonalizedProcess` whose server state is
@@ -197,6 +203,9 @@ def build_personalized_process(
   shared_type = [tff.TensorType(np.float32, np.shape(w)) for w in initial_shared]
   if not shared_type:
     return _unshared_process(client_state_type, data_type, local_training)
+  to_driver = isinstance(model_aggregator, ClientPlacedCapture)
+  if to_driver:
+    model_aggregator = model_aggregator.inner
   aggregator = (model_aggregator or wide_mean_factory()).create(
       tff.to_type(shared_type), tff.TensorType(np.float32))
 
@@ -229,8 +238,11 @@ def build_personalized_process(
     metrics = tff.federated_zip(collections.OrderedDict(
         client_work=tff.federated_map(train_metrics, federated_wide_sum(sums)),
         aggregator=aggregated.measurements))
-    return collections.OrderedDict(state=new_state, client_states=new_states,
-                                   metrics=metrics)
+    result = collections.OrderedDict(state=new_state, client_states=new_states,
+                                     metrics=metrics)
+    if to_driver:
+      result.update(uploads=uploads, upload_weights=weights)
+    return result
 
   @tff.tensorflow.computation(state_type.member)
   def get_model_weights(state):

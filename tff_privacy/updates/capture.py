@@ -64,6 +64,24 @@ class CaptureFactory(tff.aggregators.WeightedAggregationFactory):
     return tff.templates.AggregationProcess(init_fn, next_fn)
 
 
+class ClientPlacedCapture(CaptureFactory):
+  """A `CaptureFactory` that a personalised process may replace by returning
+  the uploads and their weights CLIENTS-placed to the simulation's driver
+  (`algorithms.personalized.build_personalized_process`: `next`'s `uploads`
+  and `upload_weights`), aggregating with `inner` alone; any other builder
+  gets the `CaptureFactory`. The runner turns the returned uploads into the
+  same `captured` measurements.
+
+  Why: TFF's C++ runtime keeps every intermediate accumulator of a
+  `federated_aggregate` until the call ends, so stacking N uploads of B bytes
+  holds about N^2 B / 2: 20 of HyperFL's 60 MB hypernetworks needed over
+  23 GB and were killed. CLIENTS-placed values come back one per client."""
+
+  @property
+  def inner(self) -> tff.aggregators.WeightedAggregationFactory:
+    return self._inner
+
+
 def stacking_computations(value_type, weight_type, capacity: int):
   """The (zero, accumulate, merge, report) of a `federated_aggregate` that
   stacks (value, weight) pairs, in arrival order, into fixed-size buffers."""
