@@ -53,7 +53,7 @@ def _ssim(truth, reconstruction):
                                win_size=7, data_range=1.0)
 
 
-@pytest.mark.parametrize("i", [0, 2])
+@pytest.mark.parametrize("i", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_denoising_recovers_what_fedem_hides_from_ig(digits, i):
   # Measured at rho_max 32/255 (300 iterations, samples 0-5): IG 0.81-0.92
   # (it recovers t(x + delta) exactly), ig_denoised 0.90-0.95; samples 0
