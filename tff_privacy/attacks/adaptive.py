@@ -43,9 +43,17 @@ def defence_of(record: UpdateRecord) -> Optional[str]:
   """The defence `record`'s upload went through, from the run's public
   metadata: its client-side defence's name, else its method's where the
   method is a defence (`DEFENDED_METHODS`), else None."""
-  defense = (record.metadata.get("defense") or {}).get("name")
-  method = record.metadata.get("method")
-  return defense or (method if method in DEFENDED_METHODS else None)
+  return defence_name(record.metadata.get("method"),
+                      (record.metadata.get("defense") or {}).get("name"))
+
+
+def defence_name(method: Optional[str], defense: Optional[str]) -> Optional[str]:
+  """The defence uploads of `method` under client-side defence `defense`
+  go through: `defense`, else the method where it is a defence itself
+  (`DEFENDED_METHODS`), else None."""
+  if defense is not None:
+    return defense
+  return method if method in DEFENDED_METHODS else None
 
 
 def check_defence(attack: str, defends: Sequence[str],

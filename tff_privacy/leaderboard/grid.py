@@ -42,6 +42,7 @@ from tff_privacy import algorithms, defenses, io
 from tff_privacy import attacks as inversion_attacks
 from tff_privacy.attacks import ATTACKS
 from tff_privacy.attacks import attribute as attribute_inference
+from tff_privacy.attacks.adaptive import defence_name
 
 PROTOCOL_KEYS = ("dataset", "model", "model_kwargs", "clients", "clients_per_round",
                  "rounds", "batch_size", "partition", "alpha", "samples_per_client",
@@ -77,11 +78,9 @@ class Row:
 
   @property
   def defence(self) -> Optional[str]:
-    """The defence the row's uploads go through: its client-side defence,
-    else its method where the method is a defence, else None."""
-    if self.defense is not None:
-      return self.defense
-    return self.method if self.method in inversion_attacks.DEFENDED_METHODS else None
+    """The defence the row's uploads go through
+    (`tff_privacy.attacks.adaptive.defence_name`)."""
+    return defence_name(self.method, self.defense)
 
   @property
   def adaptive(self) -> tuple:
@@ -301,8 +300,7 @@ def _with_adaptive(entry: dict, grid: Grid) -> tuple:
   """The entry's inversion attacks (its own, else the grid's), then the
   adaptive attacks of its defence that are not among them."""
   named = list(entry["attacks"] or grid.attacks["inversion"])
-  defence = entry["defense"] or (
-      entry["method"] if entry["method"] in inversion_attacks.DEFENDED_METHODS else None)
+  defence = defence_name(entry["method"], entry["defense"])
   adaptive = inversion_attacks.adaptive_attacks(defence) if defence else []
   return tuple(named + [a for a in adaptive if a not in named])
 
