@@ -406,6 +406,20 @@ def test_client_inputs_join_every_batch():
   assert all(float(b["budget"]) == 0.5 for b in batches)
 
 
+@pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1],
+                                   [2, 2, 2, 2], [5, 2, 2]])
+def test_client_batches_are_consecutive_slices_of_the_given_sizes(sizes):
+  x = np.arange(sum(sizes) * 2, dtype=np.float32).reshape(-1, 2)
+  y = np.arange(sum(sizes), dtype=np.int32)
+  ds = runner.client_dataset(x, y, sizes)
+  ends = np.cumsum(sizes)
+  expected = [y[end - size:end] for size, end in zip(sizes, ends)]
+  batches = list(ds)
+  assert [b["y"].numpy().tolist() for b in batches] == [e.tolist() for e in expected]
+  assert all(np.array_equal(b["x"].numpy(), x[b["y"].numpy()]) for b in batches)
+  assert ds.element_spec["x"].shape.as_list() == [None, 2]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(rounds=0), "rounds must be >= 1"),
     (dict(clients_per_round=11, clients=10), "clients_per_round must be in"),

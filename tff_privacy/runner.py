@@ -427,18 +427,33 @@ def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
                    extra: Optional[dict[str, np.ndarray]] = None) -> tf.data.Dataset:
   """(x, y) in order, cut into consecutive batches of `batch_sizes`; `extra`
   per-client inputs join every batch."""
-  elements = collections.OrderedDict(
-      x=tf.RaggedTensor.from_row_lengths(x, batch_sizes),
-      y=tf.RaggedTensor.from_row_lengths(y, batch_sizes))
-  # slices of a ragged tensor are dense; identity gives them a dense spec
-  ds = tf.data.Dataset.from_tensor_slices(elements).map(
-      lambda batch: collections.OrderedDict(
-          (k, tf.identity(v)) for k, v in batch.items()))
+  # Dataset.batch cuts each run of equal batches ending in a smaller one (a
+  # local epoch); Dataset.map would trace a function for every client.
+  ds, start = None, 0
+  for size, count in _batch_runs(batch_sizes):
+    run = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+        x=x[start:start + count], y=y[start:start + count])).batch(size)
+    ds = run if ds is None else ds.concatenate(run)
+    start += count
   if extra:
     consts = tf.data.Dataset.from_tensors(collections.OrderedDict(extra)).repeat()
     ds = tf.data.Dataset.zip((ds, consts)).map(
         lambda batch, c: collections.OrderedDict(**batch, **c))
   return ds
+
+
+def _batch_runs(batch_sizes: Sequence[int]) -> list[tuple[int, int]]:
+  """(batch size, samples) of each run of equal batches that Dataset.batch
+  cuts alike: a run ends after a smaller batch, e.g. [4, 4, 2, 4, 4, 2] ->
+  [(4, 10), (4, 10)]."""
+  runs: list[list] = []  # [size, samples, ended]
+  for b in batch_sizes:
+    if runs and not runs[-1][2] and b <= runs[-1][0]:
+      runs[-1][1] += b
+      runs[-1][2] = b < runs[-1][0]
+    else:
+      runs.append([b, b, False])
+  return [(size, count) for size, count, _ in runs]
 
 
 class _NotRetracing(logging.Filter):
