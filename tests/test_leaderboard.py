@@ -3,8 +3,10 @@ defence or the method, the Pareto front and the utility-matched rows by
 hand, a tiny leaderboard run end to end, resumed, and reported, and an attack's
 failure run again while a refusal is kept."""
 
+import collections
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -14,10 +16,12 @@ import numpy as np
 import psutil
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 from conftest import worker_children
 
 from tff_privacy import cli, evaluate, leaderboard, models, runner
 from tff_privacy.leaderboard import board, grid, report
+from tff_privacy.updates import GroundTruthStore
 
 TINY = {
     "protocol": {"dataset": "mnist5k_parity", "model": "mlp",
@@ -387,3 +391,85 @@ def test_leakage_is_the_worst_attack_with_the_unaware_ones_beside_it(tmp_path,
     header = f.readline().strip().split(",")
   assert {"ssim_ig", "ssim_ig_masked", "psnr_ig_masked", "unaware_ssim",
           "ssim_tailored_hyperfl"} <= set(header)
+
+
+def _digits_client_data(indices: dict[str, list[int]], test: dict[str, list[int]]):
+  """ClientData of the bundled 8x8 digits, as a TFF user builds it."""
+  from tff_privacy.data import sources
+  src = sources.load_digits()
+  def build(x, y, chosen):
+    return tff.simulation.datasets.TestClientData({
+        c: collections.OrderedDict(x=x[i], y=y[i]) for c, i in chosen.items()})
+  return build(src.x_train, src.y_train, indices), build(src.x_test, src.y_test, test)
+
+
+CLIENT_DATA_GRID = {
+    "protocol": {"dataset": "digits", "model": "mlp", "model_kwargs": {"hidden": [8]},
+                 "clients_per_round": 3, "rounds": 1, "batch_size": 2},
+    "attacks": {"inversion": ["ig"], "iterations": 2, "victims": 3, "attribute": None},
+    "entries": [{"name": "FedSGD", "method": "fedsgd"}],
+}
+
+
+def test_a_leaderboard_trains_on_the_clients_of_client_data(tmp_path):
+  from tff_privacy.data import sources
+  src = sources.load_digits()
+  train = {"a": [0, 1, 2], "b": [3, 4], "c": [5, 6, 7, 8]}
+  test = {"a": [0], "b": [1, 2]}
+  train_data, test_data = _digits_client_data(train, test)
+  out = str(tmp_path / "board")
+  tiny = grid.parse(CLIENT_DATA_GRID)
+  result, = board.run(tiny, out, progress=False, log=lambda _: None,
+                      train_data=train_data, test_data=test_data)
+  protocol = json.load(open(os.path.join(out, "grid.json")))["protocol"]
+  assert protocol["partition"] == "client_data" and protocol["clients"] == 3
+  run_dir = os.path.join(out, "rows", result["key"], "train")
+  assert json.load(open(os.path.join(run_dir, "config.json")))["split_sha256"] == \
+      protocol["split_sha256"]
+  # FedSGD's one batch of each client: two of its own samples (the store
+  # keeps them in the order used)
+  truth = GroundTruthStore(os.path.join(run_dir, "ground_truth"))
+  for k, name in enumerate("abc"):
+    x, _ = truth.read(1, k)
+    own = src.x_train[train[name]].reshape(len(train[name]), -1)
+    assert len(x) == 2
+    assert all(any(np.array_equal(s.ravel(), o) for o in own) for s in x)
+  assert result["inversion"]["ig"]["label_accuracy"] >= 0
+
+  logged = []
+  again = board.run(grid.load(os.path.join(out, "grid.json")), out, progress=False,
+                    log=logged.append, train_data=train_data, test_data=test_data)
+  assert again == [result] and "cached" in logged[0]
+  with pytest.raises(ValueError, match="give the clients' ClientData"):
+    board.run(grid.load(os.path.join(out, "grid.json")), out, progress=False)
+  other_train, _ = _digits_client_data({**train, "c": [5, 6, 7, 9]}, test)
+  with pytest.raises(ValueError, match="holds a leaderboard with other protocol"):
+    board.run(tiny, out, progress=False, train_data=other_train, test_data=test_data)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attacks": {**CLIENT_DATA_GRID["attacks"], "attribute": "parity"}},
+     "attacks attribute: 'parity' is not in ClientData"),
+    ({"entries": [{"name": "A", "method": "fedsgd", "protocol": {"clients": 3}}]},
+     "entry 'A' protocol: clients come from the ClientData"),
+    ({"protocol": {**CLIENT_DATA_GRID["protocol"], "clients_per_round": 5}},
+     "clients_per_round must be in [1, clients=3]"),
+])
+def test_a_grid_the_client_data_cannot_serve_is_refused_in_one_line(change, message):
+  train_data, test_data = _digits_client_data({"a": [0, 1], "b": [2], "c": [3]},
+                                              {"a": [0]})
+  with pytest.raises(ValueError) as error:
+    grid.with_client_data(grid.parse({**CLIENT_DATA_GRID, **change}),
+                          train_data, test_data)
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_clients_of_client_data_reach_a_rows_process_unchanged():
+  """Rows in processes receive the clients pickled."""
+  train_data, test_data = _digits_client_data({"a": [0, 1], "b": [2]}, {"a": [0]})
+  _, federation = grid.with_client_data(grid.parse(CLIENT_DATA_GRID | {
+      "protocol": {**CLIENT_DATA_GRID["protocol"], "clients_per_round": 2}}),
+      train_data, test_data)
+  copy = pickle.loads(pickle.dumps(federation))
+  assert copy.sha256() == federation.sha256()
+  np.testing.assert_array_equal(copy.client_arrays(1)[0], federation.client_arrays(1)[0])

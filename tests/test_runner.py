@@ -408,16 +408,21 @@ def test_client_inputs_join_every_batch():
 
 @pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1],
                                    [2, 2, 2, 2], [5, 2, 2]])
-def test_client_batches_are_consecutive_slices_of_the_given_sizes(sizes):
+@pytest.mark.parametrize("extra", [None, {"budget": np.float32(0.5),
+                                          "mask": np.array([1, 0, 1], np.int32)}])
+def test_client_batches_are_consecutive_slices_of_the_given_sizes(sizes, extra):
   x = np.arange(sum(sizes) * 2, dtype=np.float32).reshape(-1, 2)
   y = np.arange(sum(sizes), dtype=np.int32)
-  ds = runner.client_dataset(x, y, sizes)
+  ds = runner.client_dataset(x, y, sizes, extra)
   ends = np.cumsum(sizes)
   expected = [y[end - size:end] for size, end in zip(sizes, ends)]
   batches = list(ds)
   assert [b["y"].numpy().tolist() for b in batches] == [e.tolist() for e in expected]
   assert all(np.array_equal(b["x"].numpy(), x[b["y"].numpy()]) for b in batches)
   assert ds.element_spec["x"].shape.as_list() == [None, 2]
+  for name, value in (extra or {}).items():
+    assert ds.element_spec[name].shape == np.shape(value)
+    assert all(np.array_equal(b[name].numpy(), value) for b in batches)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -56,7 +56,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -428,18 +428,45 @@ def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
   """(x, y) in order, cut into consecutive batches of `batch_sizes`; `extra`
   per-client inputs join every batch."""
   # Dataset.batch cuts each run of equal batches ending in a smaller one (a
-  # local epoch); Dataset.map would trace a function for every client.
+  # local epoch). Joining `extra` needs Dataset.map, whose function would be
+  # traced for every client: `_batches_with` traces it once per signature.
+  if extra:
+    extra = collections.OrderedDict((k, np.asarray(v)) for k, v in extra.items())
+    join = _batches_with(_spec_of(x), _spec_of(y), tuple(
+        (k, tf.TensorSpec(v.shape, tf.as_dtype(v.dtype))) for k, v in extra.items()))
   ds, start = None, 0
   for size, count in _batch_runs(batch_sizes):
-    run = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-        x=x[start:start + count], y=y[start:start + count])).batch(size)
+    xs, ys = x[start:start + count], y[start:start + count]
+    if extra:
+      run = join(xs, ys, size, extra)
+    else:
+      run = tf.data.Dataset.from_tensor_slices(
+          collections.OrderedDict(x=xs, y=ys)).batch(size)
     ds = run if ds is None else ds.concatenate(run)
     start += count
-  if extra:
-    consts = tf.data.Dataset.from_tensors(collections.OrderedDict(extra)).repeat()
-    ds = tf.data.Dataset.zip((ds, consts)).map(
-        lambda batch, c: collections.OrderedDict(**batch, **c))
   return ds
+
+
+def _spec_of(samples: np.ndarray) -> tf.TensorSpec:
+  """The spec of `samples`, their number left open."""
+  return tf.TensorSpec((None, *samples.shape[1:]), tf.as_dtype(samples.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _batches_with(x_spec, y_spec, extra_specs: tuple) -> Callable:
+  """A tf.function (x, y, batch size, extra) -> batches of (x, y) joined by
+  `extra`, traced once for these specs."""
+  extra_spec = collections.OrderedDict(extra_specs)
+
+  @tf.function(input_signature=(x_spec, y_spec, tf.TensorSpec([], tf.int64),
+                                extra_spec))
+  def batches(x, y, size, extra):
+    ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
+    consts = tf.data.Dataset.from_tensors(extra).repeat()
+    return tf.data.Dataset.zip((ds.batch(size), consts)).map(
+        lambda batch, c: collections.OrderedDict(**batch, **c))
+
+  return batches
 
 
 def _batch_runs(batch_sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -1029,21 +1056,29 @@ def with_client_data(
 
 def run(config: RunConfig, progress: bool = True,
         train_data: Optional[tff.simulation.datasets.ClientData] = None,
-        test_data: Optional[tff.simulation.datasets.ClientData] = None
-        ) -> list[dict[str, Any]]:
+        test_data: Optional[tff.simulation.datasets.ClientData] = None,
+        federation: Optional[data.FederatedData] = None) -> list[dict[str, Any]]:
   """Trains (or resumes) the run described by `config`; returns its metrics.
 
   The clients are `config`'s partition of its data set, or given as TFF
   ClientData, `train_data` and `test_data` together (`with_client_data`:
   config.json then records partition 'client_data' and their SHA-256, and
-  a resume needs the same ClientData). Nothing is written under
-  `config.out` until the data, model, defence and method's processes have
-  been built from the config without error."""
-  fed = None
+  a resume needs the same ClientData). `federation` is such clients already
+  read, with the config that `with_client_data` returned beside them (how
+  the leaderboard hands them to the processes that train its rows).
+  Nothing is written under `config.out` until the data, model, defence and
+  method's processes have been built from the config without error."""
+  fed = federation
   if train_data is not None or test_data is not None:
     if train_data is None or test_data is None:
       raise ValueError("train_data and test_data: give both ClientData")
+    if federation is not None:
+      raise ValueError("federation: give it or train_data and test_data, not both")
     config, fed = with_client_data(config, train_data, test_data)
+  elif federation is not None and (config.partition != data.CLIENT_DATA or
+                                   config.split_sha256 != federation.sha256()):
+    raise ValueError("federation: its config is the one with_client_data "
+                     "returned with it (partition 'client_data', its SHA-256)")
   config = _pinned_as_saved(config)
   check_workers(config, runtime.serves_remotely())
   check_config(config)

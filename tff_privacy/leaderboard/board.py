@@ -27,8 +27,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from tff_privacy import evaluate, io, runner
+from tff_privacy import data, evaluate, io, runner
 from tff_privacy.attacks import UploadRefused
+from tff_privacy.leaderboard import grid as grids
 from tff_privacy.leaderboard.grid import Grid, Row
 from tff_privacy.updates import UpdateStore
 
@@ -38,20 +39,30 @@ GLOBAL_UTILITY = "test accuracy"
 
 
 def run(grid: Grid, out: str, progress: bool = True,
-        log: Callable[[str], None] = print, jobs: int = 1) -> list[dict[str, Any]]:
+        log: Callable[[str], None] = print, jobs: int = 1,
+        train_data=None, test_data=None) -> list[dict[str, Any]]:
   """Every row of `grid` under `out`, finished rows reused; returns the
   rows' results in grid order.
 
   With `jobs` > 1 the unfinished rows run in that many processes (spawned,
   each with its own TFF worker) and show no progress bars; their times per
-  round are then measured while they share the machine.
+  round are then measured while they share the machine. Given TFF
+  ClientData `train_data` and `test_data`, every row trains on their
+  clients (`grid.with_client_data`; grid.json records their SHA-256).
 
   Raises:
-    ValueError: `out` holds a leaderboard of another protocol or attacks,
-      or jobs < 1.
+    ValueError: `out` holds a leaderboard of another protocol (other
+      clients too) or attacks, jobs < 1, or a grid of partition
+      'client_data' without its ClientData.
   """
   if not isinstance(jobs, int) or jobs < 1:
     raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+  federation = None
+  if train_data is not None or test_data is not None:
+    grid, federation = grids.with_client_data(grid, train_data, test_data)
+  elif grid.protocol.get("partition") == data.CLIENT_DATA:
+    raise ValueError(f"grid protocol partition {data.CLIENT_DATA!r}: give the "
+                     "clients' ClientData as train_data and test_data")
   _claim(grid, out)
   rows = grid.rows()
   results, pending = {}, []
@@ -65,31 +76,35 @@ def run(grid: Grid, out: str, progress: bool = True,
   if jobs == 1 or len(pending) < 2:
     for i, row in pending:
       log(f"[{i}/{len(rows)}] {row.label}: running")
-      results[row.key], seconds = _timed_row(row, grid, out, progress, jobs=1)
+      results[row.key], seconds = _timed_row(row, grid, out, progress, 1, federation)
       log(f"[{i}/{len(rows)}] {row.label}: done in {seconds:.0f} s")
   else:
     log(f"running {len(pending)} rows in {min(jobs, len(pending))} processes")
-    for (i, row), (result, seconds) in _in_processes(pending, grid, out, jobs):
+    for (i, row), (result, seconds) in _in_processes(pending, grid, out, jobs,
+                                                     federation):
       results[row.key] = result
       log(f"[{i}/{len(rows)}] {row.label}: done in {seconds:.0f} s")
   return [results[row.key] for row in rows]
 
 
-def _timed_row(row: Row, grid: Grid, out: str, progress: bool = False, jobs: int = 1):
+def _timed_row(row: Row, grid: Grid, out: str, progress: bool = False, jobs: int = 1,
+               federation: Optional[data.FederatedData] = None):
   from tff_privacy import runtime
   start = time.perf_counter()
-  result = run_row(row, grid, out, progress, jobs), time.perf_counter() - start
+  result = (run_row(row, grid, out, progress, jobs, federation),
+            time.perf_counter() - start)
   runtime.renew()  # a worker's memory grows with every run it serves
   return result
 
 
-def _in_processes(pending, grid: Grid, out: str, jobs: int):
+def _in_processes(pending, grid: Grid, out: str, jobs: int,
+                  federation: Optional[data.FederatedData]):
   """Yields ((index, row), (result, seconds)) as rows finish in `jobs`
   spawned processes; the first failure cancels the rows not started."""
   context = multiprocessing.get_context("spawn")  # TensorFlow is not fork-safe
   with futures.ProcessPoolExecutor(min(jobs, len(pending)), mp_context=context,
                                    initializer=_start_process) as pool:
-    submitted = {pool.submit(_timed_row, row, grid, out, False, jobs): (i, row)
+    submitted = {pool.submit(_timed_row, row, grid, out, False, jobs, federation): (i, row)
                  for i, row in pending}
     try:
       for done in futures.as_completed(submitted):
@@ -110,7 +125,6 @@ def _start_process() -> None:
 def read(out: str) -> tuple[Grid, list[dict[str, Any]]]:
   """The grid of the leaderboard in `out` and its rows that have a
   row.json (with the attacks that failed, if any)."""
-  from tff_privacy.leaderboard import grid as grids
   path = os.path.join(out, "grid.json")
   if not os.path.exists(path):
     raise ValueError(f"{out}: no leaderboard here (grid.json is missing); run "
@@ -166,15 +180,17 @@ def _cached(row: Row, out: str) -> Optional[dict[str, Any]]:
 
 
 def run_row(row: Row, grid: Grid, out: str, progress: bool = True,
-            jobs: int = 1) -> dict[str, Any]:
-  """Trains `row`, attacks its captured round, writes and returns row.json;
-  `jobs` is how many rows train at once (recorded beside the timings)."""
+            jobs: int = 1, federation: Optional[data.FederatedData] = None
+            ) -> dict[str, Any]:
+  """Trains `row` (on `federation`, the clients of a 'client_data' grid),
+  attacks its captured round, writes and returns row.json; `jobs` is how
+  many rows train at once (recorded beside the timings)."""
   folder = os.path.join(out, "rows", row.key)
   _claim_row(row, folder)
   attacks = grid.attacks
   capture = attacks["capture_round"]
   config = row.run_config(os.path.join(folder, "train"), capture)
-  history = runner.run(config, progress=progress)
+  history = runner.run(config, progress=progress, federation=federation)
   updates = os.path.join(config.out, "updates")
   victims = UpdateStore(updates).clients(capture)[:attacks["victims"]]
   inversion = {name: _inversion(updates, capture, victims, name, attacks,

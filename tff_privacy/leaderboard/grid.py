@@ -46,7 +46,9 @@ from tff_privacy.attacks.adaptive import defence_name
 
 PROTOCOL_KEYS = ("dataset", "model", "model_kwargs", "clients", "clients_per_round",
                  "rounds", "batch_size", "partition", "alpha", "samples_per_client",
-                 "seed", "data_kwargs", "data_dir", "evaluate_every")
+                 "seed", "data_kwargs", "data_dir", "evaluate_every", "split_sha256")
+# what the clients of TFF ClientData fix for every row (`with_client_data`)
+CLIENT_DATA_KEYS = ("partition", "clients", "split_sha256")
 ATTACK_DEFAULTS = {"inversion": ["ig"], "iterations": 200, "victims": 4,
                    "attribute": "parity", "adversaries": list(attribute_inference.ADVERSARIES),
                    "shadow_samples": 200, "capture_round": 1}
@@ -160,6 +162,33 @@ def parse(data: Any, where: str = "grid") -> Grid:
                      f"({sorted(k for k in keys if keys.count(k) > 1)[0]}); "
                      "rename an entry")
   return grid
+
+
+def with_client_data(grid: Grid, train_data, test_data):
+  """`grid` on the clients of TFF ClientData `train_data` and `test_data`
+  (`runner.with_client_data`, samples of the protocol's data set), and
+  those clients: the protocol records partition 'client_data', their
+  number and SHA-256, so a leaderboard folder holds one federation.
+
+  Raises:
+    ValueError: in one line, for an entry that sets its own clients, a
+      grid attacking a sensitive attribute (ClientData carries none), or
+      a row the clients do not fit (e.g. more clients per round).
+  """
+  from tff_privacy import runner
+  for entry in grid.entries:
+    fixed = sorted(set(entry["protocol"]) & {"dataset", *CLIENT_DATA_KEYS})
+    if fixed:
+      raise ValueError(f"entry {entry['name']!r} protocol: {', '.join(fixed)} "
+                       "come from the ClientData for every entry; remove them")
+  if grid.attacks["attribute"] is not None:
+    raise ValueError(f"attacks attribute: {grid.attacks['attribute']!r} is not in "
+                     "ClientData, which carries no sensitive attributes; set it to null")
+  first = grid.rows()[0].run_config("unused", grid.attacks["capture_round"])
+  config, federation = runner.with_client_data(first, train_data, test_data)
+  protocol = {**grid.protocol, **{k: getattr(config, k) for k in CLIENT_DATA_KEYS}}
+  return parse(dataclasses.replace(grid, protocol=protocol).to_json(),
+               "grid on the ClientData"), federation
 
 
 def load(path: str) -> Grid:
