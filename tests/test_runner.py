@@ -175,6 +175,23 @@ def test_resumed_run_ends_with_identical_metrics(fedsgd_run, tmp_path):
   assert again == resumed
 
 
+def test_a_run_resumes_from_its_last_checkpoint_every_few_rounds(fedsgd_run, tmp_path):
+  """checkpoint_every=2 over 3 rounds keeps rounds 2 and 3; a run stopped
+  after round 3's metrics but before its checkpoint goes on from round 2
+  and ends as the uninterrupted run did."""
+  config, history = fedsgd_run
+  sparse = runner.RunConfig(**{**vars(config), "out": str(tmp_path / "sparse"),
+                               "checkpoint_every": 2})
+  assert sparse.to_json() == config.to_json()  # it computes the same run
+  assert _without_timing(runner.run(sparse, progress=False)) == _without_timing(history)
+  saved = sorted(os.listdir(os.path.join(sparse.out, "checkpoints")))
+  assert saved == ["program_state_2", "program_state_3"]
+  shutil.rmtree(os.path.join(sparse.out, "checkpoints", "program_state_3"))
+  resumed = runner.run(sparse, progress=False)
+  assert _without_timing(resumed) == _without_timing(history)
+  assert [m["round"] for m in resumed] == [1, 2, 3]
+
+
 def test_other_config_in_same_folder_is_refused(fedsgd_run):
   config, _ = fedsgd_run
   with pytest.raises(ValueError, match="differs in seed"):

@@ -31,10 +31,11 @@
   with `infer_attributes` the attack success rates with their 95%
   intervals), rewritten atomically each round;
 * `tensorboard/`: the numeric metrics as TensorBoard scalars;
-* `checkpoints/`: the algorithm state after each round, with every client's
+* `checkpoints/`: the algorithm state after every `checkpoint_every` rounds
+  and the last, with every client's
   private state for personalised methods
   (`tff.program.FileProgramStateManager`); re-running the same command resumes
-  after the last finished round and ends with the same numbers as an
+  after the last checkpointed round and ends with the same numbers as an
   uninterrupted run, because every random choice (client sampling, local
   shuffling, initial weights) is a function of (seed, round, client);
 * `updates/` and `ground_truth/` for the rounds in `capture_rounds`;
@@ -144,6 +145,10 @@ RUN_PARAMETERS = params.Params(
     params.Param("evaluate_every", int, 1, "rounds between evaluations of the "
                  "model(s) (test and per-client metrics); the last round is "
                  "always evaluated", minimum=1),
+    params.Param("checkpoint_every", int, 1, "rounds between checkpoints of "
+                 "the state (a resumed run goes on from the last one; the last "
+                 "round is always checkpointed); no effect on results",
+                 minimum=1),
     params.Param("evaluate", str, "global", "what is evaluated: 'global', the "
                  "global model on the test set and on each client's test split "
                  "(personalised methods: each client's own model after the "
@@ -268,6 +273,7 @@ class RunConfig:
   # (partitions 'file:...' and 'client_data'); a split file's is read from it
   split_sha256: Optional[str] = None
   evaluate: str = _run_default("evaluate")
+  checkpoint_every: int = _run_default("checkpoint_every")
 
   def __post_init__(self):
     self._resolve_federation()
@@ -375,6 +381,7 @@ class RunConfig:
     so that equivalent configs compare equal."""
     d = dataclasses.asdict(self)
     d.pop("out")
+    d.pop("checkpoint_every")  # where it stops, not what it computes
     d["method_kwargs"] = algorithms.method(self.method).resolve(self.method_kwargs)
     # the options that differ from their defaults, none written when all do
     # not (so that runs from before the field existed resume)
@@ -1151,7 +1158,8 @@ def run(config: RunConfig, progress: bool = True,
         if k != "round" and isinstance(v, (int, float, np.number)):
           tf.summary.scalar(k, v)
     writer.flush()
-    asyncio.run(manager.save(r.checkpoint_form(state), round_num))
+    if round_num % config.checkpoint_every == 0 or round_num == config.rounds:
+      asyncio.run(manager.save(r.checkpoint_form(state), round_num))
     bar.set_postfix({**shown, "loss": f"{entry['train_loss']:.4f}"})
   _write_final_models(r, state)
   return history

@@ -64,7 +64,8 @@ COMPACT = {
     "protocol": {"dataset": "mnist5k_parity", "model": "mlp",
                  "model_kwargs": {"hidden": [64]}, "clients": 200,
                  "clients_per_round": 20, "rounds": 20, "batch_size": 1, "seed": 0,
-                 "evaluate_every": 20},
+                 # a killed row trains again from its start (about a minute)
+                 "evaluate_every": 20, "checkpoint_every": 20},
     "attacks": {"inversion": ["ig"], "iterations": 300, "victims": 4,
                 "attribute": "parity", "shadow_samples": 100},
     "reference": "FedSGD",
@@ -88,7 +89,8 @@ _FULL_SWEEPS = {
 
 def _full() -> dict:
   grid = copy.deepcopy(COMPACT)
-  grid["protocol"].update(rounds=50, clients=500, clients_per_round=50)
+  grid["protocol"].update(rounds=50, clients=500, clients_per_round=50,
+                          checkpoint_every=5)
   grid["attacks"].update(inversion=["idlg", "ig"], iterations=1000, victims=8,
                          shadow_samples=1000)
   for entry in grid["entries"]:

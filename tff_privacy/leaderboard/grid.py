@@ -46,7 +46,8 @@ from tff_privacy.attacks.adaptive import defence_name
 
 PROTOCOL_KEYS = ("dataset", "model", "model_kwargs", "clients", "clients_per_round",
                  "rounds", "batch_size", "partition", "alpha", "samples_per_client",
-                 "seed", "data_kwargs", "data_dir", "evaluate_every", "split_sha256")
+                 "seed", "data_kwargs", "data_dir", "evaluate_every", "checkpoint_every",
+                 "split_sha256")
 # what the clients of TFF ClientData fix for every row (`with_client_data`)
 CLIENT_DATA_KEYS = ("partition", "clients", "split_sha256")
 ATTACK_DEFAULTS = {"inversion": ["ig"], "iterations": 200, "victims": 4,
