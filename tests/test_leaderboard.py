@@ -393,6 +393,23 @@ def test_leakage_is_the_worst_attack_with_the_unaware_ones_beside_it(tmp_path,
           "ssim_tailored_hyperfl"} <= set(header)
 
 
+def test_a_grid_of_one_strength_per_entry_reports_one_table():
+  single = grid.parse(_with(entries=[
+      TINY["entries"][0], {**TINY["entries"][1], "sweep": {"noise_multiplier": [1.0]}}]))
+  results = [_result(r, {"ig": s}, u) for r, s, u in zip(single.rows(), (0.9, 0.2),
+                                                          (0.9, 0.6))]
+  text = report.markdown(single, report.table_rows(single, results))
+  titles = [line for line in text.splitlines() if line.startswith("## Every row")
+            or line.startswith("## At each") or line.startswith("## Utility")]
+  assert titles == ["## Every row, each entry at its default strength (P: on the "
+                    "Pareto front of utility against leakage)"]
+  assert "| LDP Gaussian (noise_multiplier=1) [P] |" in text  # no M: nothing matched
+  swept = grid.parse(TINY)
+  results = [_result(r, {"ig": 0.5}) for r in swept.rows()]
+  text = report.markdown(swept, report.table_rows(swept, results))
+  assert "## At each entry's default strength" in text and "## Utility-matched" in text
+
+
 def _digits_client_data(indices: dict[str, list[int]], test: dict[str, list[int]]):
   """ClientData of the bundled 8x8 digits, as a TFF user builds it."""
   from tff_privacy.data import sources

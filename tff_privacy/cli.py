@@ -565,8 +565,10 @@ def _print_report(grid, results, out, command) -> int:
   from tff_privacy import leaderboard
   path = leaderboard.report.write(grid, results, out, command)
   rows = leaderboard.report.table_rows(grid, results)
+  swept = not all(r["default"] for r in rows)
   print("\n".join(leaderboard.report.section(
-      "At each entry's default strength", [r for r in rows if r["default"]])))
+      "At each entry's default strength", [r for r in rows if r["default"]],
+      matched=swept)))
   print(f"report: {path} (figures: "
         f"{', '.join(leaderboard.report.FIGURES)}; leaderboard.csv, leaderboard.json)")
   return 0

@@ -182,17 +182,11 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            "accuracy, or, marked *, the mean accuracy of the clients' own "
            "models on their own test splits (personalised methods): the two "
            "are different measurements.", ""]
-  lines += section("At each entry's default strength",
-                    [r for r in rows if r["default"]])
-  matched = [r for r in rows if r["matched"]]
-  reference = next((r for r in rows if r["entry"] == grid.reference and r["default"]),
-                   None)
-  if reference and _finite(reference["utility"]):
-    lines += section(
-        f"Utility-matched: the strength closest to {grid.utility_target:g} x "
-        f"the reference's {reference['utility_kind']} "
-        f"({grid.utility_target * reference['utility']:.4f})", matched)
-  lines += section("Every row (P: on the Pareto front of utility against leakage)", rows)
+  if all(r["default"] for r in rows):  # one strength per entry: one table
+    lines += section("Every row, each entry at its default strength (P: on the "
+                     "Pareto front of utility against leakage)", rows, matched=False)
+  else:
+    lines += _strength_sections(grid, rows)
   lines += _without_adaptive(rows)
   lines += _listed("Attacks that could not run", rows, "errors")
   lines += _listed("Attacks that failed (the next run of the leaderboard runs "
@@ -209,6 +203,22 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
     lines += ["```", " ".join(command), "```", ""]
   lines += [f"- {name}: {version}" for name, version in versions().items()]
   return "\n".join(lines) + "\n"
+
+
+def _strength_sections(grid: Grid, rows: Sequence[dict]) -> list[str]:
+  """The tables of a grid that sweeps strengths: at the defaults, matched
+  in utility to the reference, and every row."""
+  lines = section("At each entry's default strength", [r for r in rows if r["default"]])
+  reference = next((r for r in rows if r["entry"] == grid.reference and r["default"]),
+                   None)
+  if reference and _finite(reference["utility"]):
+    lines += section(
+        f"Utility-matched: the strength closest to {grid.utility_target:g} x "
+        f"the reference's {reference['utility_kind']} "
+        f"({grid.utility_target * reference['utility']:.4f})",
+        [r for r in rows if r["matched"]])
+  return lines + section("Every row (P: on the Pareto front of utility against "
+                         "leakage)", rows)
 
 
 def _without_adaptive(rows: Sequence[dict]) -> list[str]:
@@ -235,13 +245,14 @@ def _listed(title: str, rows: Sequence[dict], key: str) -> list[str]:
   return [f"## {title}", "", *items, ""] if items else []
 
 
-def section(title: str, rows: Sequence[dict]) -> list[str]:
+def section(title: str, rows: Sequence[dict], matched: bool = True) -> list[str]:
   head = ("| row | utility | loss | leakage SSIM (attack) | PSNR dB | label acc. | "
           "unaware SSIM (attack) | balanced ASR (chance) | epsilon (delta) | "
           "time x | upload |")
   lines = [f"## {title}", "", head, "|" + "---|" * head.count(" | ") + "---|"]
   for r in rows:
-    marks = "".join(m for m, on in (("P", r["pareto"]), ("M", r["matched"])) if on)
+    marks = "".join(m for m, on in (("P", r["pareto"]), ("M", matched and r["matched"]))
+                    if on)
     lines.append("| " + " | ".join([
         r["label"] + (f" [{marks}]" if marks else ""),
         _number(r["utility"], 4) + ("*" if r["utility_kind"] != GLOBAL_UTILITY else ""),
