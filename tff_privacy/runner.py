@@ -53,6 +53,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
@@ -1160,6 +1161,11 @@ def run(config: RunConfig, progress: bool = True,
     writer.flush()
     if round_num % config.checkpoint_every == 0 or round_num == config.rounds:
       asyncio.run(manager.save(r.checkpoint_form(state), round_num))
+      # TF's SavedModel writer leaves the saved copy of the state in reference
+      # cycles, alive until the cyclic collector runs: up to several states
+      # at once (HyperFL's is 60 MB). They are young: collecting the younger
+      # generations frees them in milliseconds (a full collection: 0.5 s).
+      gc.collect(1)
     bar.set_postfix({**shown, "loss": f"{entry['train_loss']:.4f}"})
   _write_final_models(r, state)
   return history
