@@ -235,7 +235,7 @@ def test_a_failed_attack_runs_again_and_a_refusal_is_kept(tmp_path, monkeypatch,
   # trace its computations again
   history = json.load(open(os.path.join(out, "rows", first["key"], "train",
                                         "metrics.json")))
-  monkeypatch.setattr(runner, "run", lambda config, progress: history)
+  monkeypatch.setattr(runner, "run", lambda config, progress, **_: history)
   calls.clear()
   logged = []
   [second] = board.run(one, out, progress=False, log=logged.append)
