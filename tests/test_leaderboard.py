@@ -490,3 +490,22 @@ def test_the_clients_of_client_data_reach_a_rows_process_unchanged():
   copy = pickle.loads(pickle.dumps(federation))
   assert copy.sha256() == federation.sha256()
   np.testing.assert_array_equal(copy.client_arrays(1)[0], federation.client_arrays(1)[0])
+
+
+def test_a_run_refuses_clients_that_its_config_does_not_name(tmp_path):
+  train_data, test_data = _digits_client_data({"a": [0, 1], "b": [2]}, {"a": [0]})
+  config, federation = runner.with_client_data(
+      runner.RunConfig(out=str(tmp_path / "r"), dataset="digits", model="mlp"),
+      train_data, test_data)
+  other, _ = _digits_client_data({"a": [0, 1], "b": [3]}, {"a": [0]})
+  _, elsewhere = runner.with_client_data(config, other, test_data)
+  for kwargs, message in [
+      (dict(config=runner.RunConfig(out=config.out, dataset="digits", model="mlp"),
+            federation=federation), "federation: its config is the one"),
+      (dict(config=config, federation=elsewhere), "federation: its config is the one"),
+      (dict(config=config, federation=federation, train_data=train_data,
+            test_data=test_data), "federation: give it or train_data"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      runner.run(progress=False, **kwargs)
+  assert not os.path.exists(config.out)
