@@ -172,6 +172,40 @@ def test_no_worker_listens_where_another_machine_can_reach_it(count):
           namespace != here and interfaces[pid] == ["lo"]), (pid, address, port)
 
 
+def _wildcard_listeners() -> list[tuple[int, str, int]]:
+  """(pid, address, port) of every socket that this process or one of its
+  descendants listens on at a wildcard address of this machine's network."""
+  here = os.readlink("/proc/self/ns/net")
+  found = []
+  for process in [psutil.Process()] + psutil.Process().children(recursive=True):
+    try:
+      found += [(process.pid, a, port) for a, port, ns in listening_sockets(process.pid)
+                if a in ("0.0.0.0", "::") and ns == here]
+    except (FileNotFoundError, ProcessLookupError):
+      pass
+  return found
+
+
+def test_a_run_without_the_runtime_started_trains_on_a_private_worker(tmp_path):
+  """A program that calls `runner.run` on TFF's own import-time context,
+  whose worker would listen on every interface, trains on this runtime's."""
+  from tff_privacy import runner
+  runtime.stop()
+  tff.backends.native.set_sync_local_cpp_execution_context()
+  try:
+    runner.run(runner.RunConfig(out=str(tmp_path), method="fedavg", dataset="digits",
+                                model="mlp", model_kwargs={"hidden": [8]},
+                                clients=2, rounds=1), progress=False)
+    parents = [p.parent().pid for p in worker_children()]
+    listening = _wildcard_listeners()
+  finally:
+    runtime.stop()
+    runtime.install()
+  # TFF's own context runs worker_binary as a child of this process
+  assert parents and os.getpid() not in parents
+  assert not listening, listening
+
+
 def test_the_shared_network_escape_listens_on_every_interface(monkeypatch):
   """`SHARED_NETWORK_VARIABLE`=1 does what its message says: the worker
   listens on a wildcard address of this machine's network."""

@@ -1075,7 +1075,10 @@ def run(config: RunConfig, progress: bool = True,
   read, with the config that `with_client_data` returned beside them (how
   the leaderboard hands them to the processes that train its rows).
   Nothing is written under `config.out` until the data, model, defence and
-  method's processes have been built from the config without error."""
+  method's processes have been built from the config without error.
+  Computations run on the runtime's workers: those started by
+  `runtime.start`, or a private local one where TFF's own context would run
+  them (`runtime.install_over_tffs_own`)."""
   fed = federation
   if train_data is not None or test_data is not None:
     if train_data is None or test_data is None:
@@ -1088,6 +1091,7 @@ def run(config: RunConfig, progress: bool = True,
     raise ValueError("federation: its config is the one with_client_data "
                      "returned with it (partition 'client_data', its SHA-256)")
   config = _pinned_as_saved(config)
+  runtime.install_over_tffs_own()
   check_workers(config, runtime.serves_remotely())
   check_config(config)
   r = Run(config, fed)

@@ -574,6 +574,28 @@ def install() -> None:
   _install_failure_handler()
 
 
+def install_over_tffs_own() -> None:
+  """`install`s the runtime where TFF's own import-time context would run
+  computations, and leaves any other context (this runtime's, or one a
+  program set itself) alone. TFF's own starts its C++ worker listening on
+  every network interface, and at interpreter exit fails to stop it (its
+  service manager's `__del__` meets a torn-down `subprocess`), leaving the
+  worker running: `runner.run` calls this, so a program that trains without
+  starting the runtime first still trains on a private worker."""
+  if _is_tffs_own_local_context(context_stack_impl.context_stack.current):
+    _install_lazy_context()  # over it even while this runtime's workers run
+    install()
+
+
+def _is_tffs_own_local_context(context) -> bool:
+  """Whether `context` is TFF 0.87's local C++ execution context, whose
+  executor stack function `local_cpp_executor_factory` defines."""
+  factory = getattr(context, "_executor_factory", None)
+  stack_fn = getattr(factory, "_executor_stack_fn", None)
+  return getattr(stack_fn, "__qualname__", "").startswith(
+      "local_cpp_executor_factory.")
+
+
 def _install_lazy_context() -> None:
   # Replacing TFF's own default context early, while `subprocess` is alive,
   # lets its service manager be collected cleanly instead of failing at exit.
