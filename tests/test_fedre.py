@@ -231,7 +231,8 @@ def _config(out, **method_kwargs):
   return runner.RunConfig(out=out, method="fedre", rounds=2, dataset="digits",
                           model="mlp", model_kwargs={"hidden": [16]}, clients=3,
                           partition="label_groups", samples_per_client=24,
-                          batch_size=8, seed=4, capture_rounds=(2,),
+                          # every round captured: one process to build
+                          batch_size=8, seed=4, capture_rounds=(1, 2),
                           method_kwargs={"epsilon": 500.0, "psi_samples": 2,
                                          **method_kwargs})
 

@@ -490,7 +490,8 @@ def _adult_config(out, **defense_kwargs):
   return runner.RunConfig(
       out=str(out), method="fedsgd", dataset="adult", model="mlp",
       model_kwargs={"hidden": [8]}, clients=4, rounds=2, batch_size=64, seed=3,
-      capture_rounds=(2,), defense="recupfl", defense_kwargs={
+      capture_rounds=(1, 2),  # every round captured: one process to build
+      defense="recupfl", defense_kwargs={
           "protect": "race", "zoo_size": 3, "sampled_models": 2, "iterations": 3,
           "shadow_samples": 60, "zoo_epochs": 2, "pool_length": 64,
           "perturbation_budget": 0.01, **defense_kwargs})

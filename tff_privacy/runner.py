@@ -694,6 +694,22 @@ class Run:
     return (self.config.evaluate == LOCAL_AFTER_TRAINING
             and self.algorithm.upload_kind != "none")
 
+  def evaluated(self, round_num: int) -> bool:
+    """Whether round `round_num` is evaluated (`evaluate_every`, and the last)."""
+    c = self.config
+    return round_num % c.evaluate_every == 0 or round_num == c.rounds
+
+  def returns_uploads(self, round_num: int) -> bool:
+    """Whether round `round_num` runs on the capturing process: captured, or
+    evaluated on the clients' uploads."""
+    return (round_num in self.config.capture_rounds
+            or (self.evaluated(round_num) and self.uploads_evaluated))
+
+  def needed_processes(self) -> list[bool]:
+    """The `process(capture)` flags that the run's rounds use: a process is
+    built (and its computations traced) only where some round runs on it."""
+    return sorted({self.returns_uploads(k) for k in range(1, self.config.rounds + 1)})
+
   @property
   def personalized(self) -> bool:
     """Whether clients keep private state (a `PersonalizedProcess`)."""
@@ -702,7 +718,8 @@ class Run:
   def process(self, capture: bool) -> tff.templates.IterativeProcess:
     """The method's process; with `capture`, its aggregator reports uploads.
 
-    Both share one state type, so either can run any round.
+    Both share one state type, so either can run any round, and serve
+    `initial_state` and `server_weights` alike.
     """
     if capture not in self._processes:
       n = self.config.sampled_per_round
@@ -716,7 +733,7 @@ class Run:
   def initial_state(self):
     """The state before round 1: the process's server state, with (for
     personalised methods) every client's initial private state."""
-    process = self.process(capture=False)
+    process = self._built_process()
     if self.personalized:
       return collections.OrderedDict(
           server=process.initialize(),
@@ -749,8 +766,12 @@ class Run:
     """The model the server holds and broadcasts (a personalised method's
     shared part, e.g. HyperFL's hypernetwork)."""
     if self.personalized:
-      return list(self.process(False).get_model_weights(state["server"]))
-    return list(self.process(False).get_model_weights(state).trainable)
+      return list(self._built_process().get_model_weights(state["server"]))
+    return list(self._built_process().get_model_weights(state).trainable)
+
+  def _built_process(self) -> tff.templates.IterativeProcess:
+    """A process already built, the plain one first (either serves)."""
+    return self.process(bool(self._processes) and False not in self._processes)
 
   def step(self, state, clients, capture: bool):
     """One round on `clients` (from `round_data`); returns (state, metrics).
@@ -1103,11 +1124,11 @@ def run(config: RunConfig, progress: bool = True,
                      f"({', '.join(attribute_inference.UPLOAD_KINDS)})")
   what = f"method {config.method!r}" + (
       f" with defense {config.defense!r}" if config.defense else "")
-  runtime.check_mergeable(r.process(capture=False).next, what)
-  if config.capture_rounds or r.uploads_evaluated:
+  for capture in r.needed_processes():
     # Built before any eager Keras model: tracing a TFF computation that builds
     # Keras layers invalidates Keras models made earlier in eager mode.
-    runtime.check_mergeable(r.process(capture=True).next, what + " and capture")
+    runtime.check_mergeable(r.process(capture).next,
+                            what + (" and capture" if capture else ""))
   os.makedirs(config.out, exist_ok=True)
   io.write_json(os.path.join(config.out, "config.json"), r.config.to_json())
   manager = _checkpoints(config.out)
@@ -1134,9 +1155,8 @@ def run(config: RunConfig, progress: bool = True,
                                      r.algorithm.protocol)
     clients = r.round_data(round_num)
     sent = r.sent_models(state, clients) if capture else None
-    evaluated = round_num % config.evaluate_every == 0 or round_num == config.rounds
-    state, metrics = r.step(state, clients,
-                            capture or (evaluated and r.uploads_evaluated))
+    evaluated = r.evaluated(round_num)
+    state, metrics = r.step(state, clients, r.returns_uploads(round_num))
     entry = {"round": round_num}
     if evaluated:
       entry.update(r.evaluate(evaluator, state))
