@@ -41,7 +41,7 @@ def _metrics(out):
 def test_train_through_a_pipe_finishes_and_leaves_no_worker(tmp_path):
   start = time.time()
   # capture_output pipes stdout: a worker that kept it open would hang this.
-  result = _train(tmp_path, "--method", "fedsgd", "--rounds", "2",
+  result = _train(tmp_path, "--method", "fedsgd", "--rounds", "1",
                   "--capture-rounds", "1")
   assert result.returncode == 0, result.stderr
   assert "test_accuracy=" in result.stdout and str(tmp_path) in result.stdout
@@ -462,10 +462,11 @@ def lenet_run(tmp_path_factory):
 def test_attack_command_writes_scores_and_figure(capsys, tmp_path, lenet_run):
   run = lenet_run
   out = tmp_path / "attack"
-  # as a user runs it: its own process, its output through a pipe
+  # as a user runs it: its own process, its output through a pipe (IG: its
+  # Adam steps trace in a second, iDLG's L-BFGS loop in about ten)
   result = subprocess.run(
       CLI + ["attack", "--updates", str(run / "updates"), "--round", "1",
-             "--client", "all", "--attack", "idlg", "--iterations", "200",
+             "--client", "all", "--attack", "ig", "--iterations", "200",
              "--out", str(out)], capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr
   with open(out / "attack.json") as f:
@@ -478,8 +479,8 @@ def test_attack_command_writes_scores_and_figure(capsys, tmp_path, lenet_run):
   assert "lpips: not computed" in result.stdout
   # the plan and a time estimate come before the attack, a progress bar
   # during it; the summary names every file written
-  assert "idlg: 3 record(s), 1 image(s) per record" in result.stdout
-  assert "idlg: estimated time about" in result.stdout
+  assert "ig: 3 record(s), 1 image(s) per record" in result.stdout
+  assert "ig: estimated time about" in result.stdout
   assert "600/600" in result.stderr  # tqdm: 3 records x 200 iterations
   files = result.stdout.strip().splitlines()[-1]
   for name in ("attack.json", "reconstructions.png", "reconstructions.npz"):
@@ -493,7 +494,7 @@ def test_attack_command_writes_scores_and_figure(capsys, tmp_path, lenet_run):
                        "--round", "1", "--attack", "dlg", "--tv-weight", "0.1",
                        "--out", str(out))
   assert code == 2 and "--tv-weight does not apply" in err
-  # quiet: no estimate, no progress (of a cheaper attack to trace than L-BFGS)
+  # quiet: no estimate, no progress
   code, stdout, err = _main(capsys, "attack", "--updates", str(run / "updates"),
                             "--round", "1", "--client", "0", "--attack", "ig",
                             "--iterations", "5", "--quiet", "--out",

@@ -162,27 +162,16 @@ def test_captured_upload_is_the_gradient_of_the_true_batch(fedsgd_run):
 
 
 def test_resumed_run_ends_with_identical_metrics(fedsgd_run, tmp_path):
-  config, history = fedsgd_run
-  out = str(tmp_path / "resumed")
-  first = runner.run(runner.RunConfig(**{**vars(config), "out": out, "rounds": 2}),
-                     progress=False)
-  assert len(first) == 2
-  resumed = runner.run(runner.RunConfig(**{**vars(config), "out": out}),
-                       progress=False)
-  assert _without_timing(resumed) == _without_timing(history)
-  # a finished run re-run does no more rounds
-  again = runner.run(runner.RunConfig(**{**vars(config), "out": out}), progress=False)
-  assert again == resumed
-
-
-def test_a_run_resumes_from_its_last_checkpoint_every_few_rounds(fedsgd_run, tmp_path):
-  """checkpoint_every=2 over 3 rounds keeps rounds 2 and 3; a run stopped
-  after round 3's metrics but before its checkpoint goes on from round 2
-  and ends as the uninterrupted run did."""
+  """A run of 2 rounds extended to 3, checkpointing every 2 rounds (and the
+  last), keeps rounds 2 and 3; stopped after round 3's metrics but before
+  its checkpoint, it goes on from round 2. Each way it ends as the
+  uninterrupted run did, and a finished run re-run does no more rounds."""
   config, history = fedsgd_run
   sparse = runner.RunConfig(**{**vars(config), "out": str(tmp_path / "sparse"),
                                "checkpoint_every": 2})
   assert sparse.to_json() == config.to_json()  # it computes the same run
+  first = runner.run(runner.RunConfig(**{**vars(sparse), "rounds": 2}), progress=False)
+  assert len(first) == 2
   assert _without_timing(runner.run(sparse, progress=False)) == _without_timing(history)
   saved = sorted(os.listdir(os.path.join(sparse.out, "checkpoints")))
   assert saved == ["program_state_2", "program_state_3"]
@@ -190,6 +179,8 @@ def test_a_run_resumes_from_its_last_checkpoint_every_few_rounds(fedsgd_run, tmp
   resumed = runner.run(sparse, progress=False)
   assert _without_timing(resumed) == _without_timing(history)
   assert [m["round"] for m in resumed] == [1, 2, 3]
+  again = runner.run(sparse, progress=False)
+  assert again == resumed
 
 
 def test_other_config_in_same_folder_is_refused(fedsgd_run):
