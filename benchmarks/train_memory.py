@@ -1,7 +1,8 @@
 """Peak resident memory of one `tff-privacy train` run: its whole process
 tree (the driver and its TFF worker processes), sampled every 0.5 s by
 `fedre_memory.watch` and killed above `--limit-mb`. The run's flags follow
-`--`; it writes to a temporary folder.
+`--`; it writes to their `--out` folder where given (to compare its
+metrics.json with another run's), else to a temporary one.
 
 E.g. HyperFL on the authors' split (20 clients, 150 training and 50 test
 samples each), 20 rounds:
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # also the run's
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # also the run's: quiet CUDA plugin errors
 
 import argparse
 import shlex
@@ -34,13 +35,14 @@ def main() -> None:
                       help="kill the run's process tree above this resident size")
   parser.add_argument("train", nargs="+", help="`tff-privacy train` flags, after --")
   args = parser.parse_args()
-  if any(flag == "--out" or flag.startswith("--out=") for flag in args.train):
-    parser.error("--out: the benchmark writes the run to a temporary folder; leave it out")
-  with tempfile.TemporaryDirectory() as out:
+  given_out = any(f == "--out" or f.startswith("--out=") for f in args.train)
+  with tempfile.TemporaryDirectory() as tmp:
+    out = [] if given_out else ["--out", tmp]
     command = [sys.executable, "-m", "tff_privacy.cli", "train", "--quiet",
-               "--out", out, *args.train]
+               *out, *args.train]
     shown = ["tff-privacy", *command[3:]]
-    shown[shown.index(out)] = "OUT"
+    if not given_out:
+      shown[shown.index(tmp)] = "OUT"
     print("command=" + shlex.join(shown), flush=True)
     peak, seconds, outcome = watch(command, args.limit_mb * 2**20)
   print(f"peak_rss_mb={peak // 2**20} seconds={seconds:.0f} outcome={outcome}")
