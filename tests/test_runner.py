@@ -929,3 +929,17 @@ def test_an_attack_on_a_normalised_run_scores_in_pixel_space(normalised_run,
   assert result["normalize"] == {"mean": [MNIST_MEAN], "std": [MNIST_STD]}
   pairs = np.load(tmp_path / "a" / "reconstructions.npz")
   np.testing.assert_allclose(pairs["original"][0, ..., 0], true, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra,needed", [
+    ({}, [False]), ({"capture_rounds": (1, 2)}, [True]),
+    ({"capture_rounds": (2,)}, [False, True]),
+    # local-after-training evaluates the uploads of evaluated rounds
+    ({"evaluate": "local-after-training"}, [True]),
+    ({"evaluate": "local-after-training", "evaluate_every": 2, "rounds": 3},
+     [False, True])])
+def test_a_run_builds_only_the_processes_its_rounds_run_on(tmp_path, extra, needed):
+  config = runner.RunConfig(**{"out": str(tmp_path), "method": "fedavg",
+                               "dataset": "digits", "model": "mlp", "clients": 2,
+                               "rounds": 2, **extra})
+  assert runner.Run(config).needed_processes() == needed
