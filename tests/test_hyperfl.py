@@ -6,13 +6,17 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tff_privacy import algorithms, data, io, models, runner
+from tff_privacy.aggregation import wide_sum
 from tff_privacy.algorithms import personalized
+from tff_privacy.algorithms.hyperfl import build_hyperfl
 from tff_privacy.data import partitioners
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork
 from tff_privacy.updates import UpdateStore
+from tff_privacy.updates.capture import ClientPlacedCapture
 
 SMALL = dict(embedding_dim=8, hidden_dim=16)
 
@@ -265,3 +269,53 @@ def test_uploads_returned_by_the_clients_equal_the_aggregated_capture(tmp_path,
   drop = ("seconds",)
   assert {k: v for k, v in returned.items() if k not in drop} == {
       k: v for k, v in aggregated.items() if k not in drop}
+
+
+def _assert_same(a, b):
+  """Equal structures of arrays, to the bit."""
+  tf.nest.map_structure(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_a_round_in_calls_of_few_clients_is_the_round_in_one_call(capture):
+  """`run_round` with 5 clients in calls of 2 (2 + 2, then 1 that finishes
+  the round) equals the one call of `next`: the hypernetwork, every private
+  state, the metrics and, when captured, each upload."""
+  spec = MLP
+  declared = algorithms.method("hyperfl").resolve(dict(SMALL, hypernetwork_epochs=1))
+  aggregator = ClientPlacedCapture(wide_sum.wide_mean_factory(), 5) if capture else None
+  process = build_hyperfl(spec.keras, seed=0, clients_per_call=2,
+                          model_aggregator=aggregator, **declared)
+  alg = algorithms.get("hyperfl", spec, batch_size=4, seed=0, **declared)
+  rng = np.random.default_rng(0)
+  clients = []
+  for n in (6, 9, 3, 7, 5):
+    x = rng.random((n, 8, 8, 1), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    clients.append(runner.client_dataset(np.concatenate([x] * 2),
+                                         np.concatenate([y] * 2), [n] * 2))
+  state = process.initialize()
+  states = [alg.private_state.initial(c) for c in range(5)]
+  one_call = process.next(state, clients, states)
+  calls, (_, update, finish) = [], process._in_calls
+  process._in_calls = process._in_calls._replace(
+      update=lambda *a: calls.append(("update", len(a[1]))) or update(*a),
+      finish=lambda *a: calls.append(("finish", len(a[2]))) or finish(*a))
+  in_calls = process.run_round(state, clients, states)
+  assert calls == [("update", 2), ("update", 2), ("finish", 1)]
+  assert sorted(in_calls) == sorted(one_call)
+  for key in one_call:
+    _assert_same(in_calls[key], one_call[key])
+  # the round moved the hypernetwork
+  assert not np.array_equal(one_call["state"]["shared"][0], state["shared"][0])
+
+
+def test_only_the_default_mean_runs_a_round_in_calls():
+  declared = algorithms.method("hyperfl").resolve(dict(SMALL, hypernetwork_epochs=1))
+  build = lambda **kw: build_hyperfl(MLP.keras, seed=0, **declared, **kw)
+  assert build(clients_per_call=2)._in_calls.clients_per_call == 2
+  assert build(clients_per_call=None)._in_calls is None
+  other = tff.aggregators.MeanFactory()
+  assert build(clients_per_call=2, model_aggregator=other)._in_calls is None
+  with pytest.raises(ValueError, match="clients_per_call=0; give a positive"):
+    build(clients_per_call=0)

@@ -19,6 +19,7 @@ import tensorflow_federated as tff
 
 from conftest import listening_sockets, worker_children
 from tff_privacy import runner, runtime
+from tff_privacy.algorithms import hyperfl
 from tff_privacy.updates import UpdateStore
 
 # 24 samples a client: 3 local steps, and as many to simulate for the
@@ -88,10 +89,15 @@ def test_two_workers_give_the_numbers_of_one(workers, tmp_path,
       np.testing.assert_array_equal(a[key], b[key])
 
 
-def test_two_workers_give_the_private_states_of_one(workers, tmp_path):
+def test_two_workers_give_the_private_states_of_one(workers, tmp_path, monkeypatch):
+  """Two workers give one worker's metrics and private states, here with
+  each round in calls of 3 clients and 1 (`PersonalizedProcess.run_round`)
+  against one worker's single call."""
   histories = {}
   for n in (1, 2):
     workers(n)
+    monkeypatch.setattr(hyperfl, "clients_per_call_for",
+                        lambda parameters: 4 if n == 1 else 3)
     histories[n] = runner.run(runner.RunConfig(out=str(tmp_path / str(n)), **HYPERFL),
                               progress=False)
   _equal(histories[1], histories[2])

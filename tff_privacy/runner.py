@@ -781,7 +781,7 @@ class Run:
       output = self.process(capture).next(state, datasets)
       return output.state, output.metrics
     table = list(state["clients"])
-    output = self.process(capture).next(
+    output = self.process(capture).run_round(
         state["server"], datasets, [table[c.index] for c in clients])
     for c, new in zip(clients, output["client_states"]):
       table[c.index] = new

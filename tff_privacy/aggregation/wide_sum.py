@@ -19,8 +19,12 @@ client whatever the size of the value. `WideMeanFactory` is the weighted
 mean (the default model aggregator), `WideSumFactory` the unweighted sum,
 `wide_sum_then_finalize` serves TFF's learning builders' metrics, and
 `federated_wide_sum` and `federated_wide_mean` the project's own federated
-computations. Value types are structures with Python containers (lists,
-OrderedDicts), as TFF's learning types are.
+computations. `federated_wide_total` and `federated_weighted_totals` stop
+before the rounding, for rounds whose clients run in several calls
+(`algorithms.personalized`): each call's float64 totals are added, and
+`narrow_total` or `mean_of_totals` round the sum once. Value types are
+structures with Python containers (lists, OrderedDicts), as TFF's learning
+types are.
 """
 
 from __future__ import annotations
@@ -153,16 +157,42 @@ def _narrow(flat, leaves: list[bool], summed_type):
       [tf.cast(t, tf.float32) if cast else t for t, cast in zip(flat, leaves)])
 
 
+def federated_wide_total(value):
+  """The float64 total of a CLIENTS value, before `federated_wide_sum`
+  rounds it (SERVER-placed, a list of the value's leaves in `tf.nest`
+  order). Totals of disjoint sets of clients add, in float64, to the total
+  of their union (see the module docstring on grouping); `narrow_total`
+  then rounds it as `federated_wide_sum` does. Call it inside a federated
+  computation."""
+  return _wide_total(value)[0]
+
+
+def narrow_total(value_type) -> tff.Computation:
+  """The TF computation that rounds a `federated_wide_total` of values of
+  `value_type` to their sum, as `federated_wide_sum` returns it."""
+  wide, leaves = _wide_specs(value_type)
+
+  @tff.tensorflow.computation(wide)
+  def narrow(flat):
+    return _narrow(flat, leaves, value_type)
+  return narrow
+
+
+def _wide_specs(value_type) -> tuple[list[tf.TensorSpec], list[bool]]:
+  """The flat specs of a float64 total of `value_type` (its float32 leaves
+  widened), and which leaves were float32."""
+  specs = tf.nest.flatten(tff.types.type_to_tf_tensor_specs(value_type))
+  leaves = [spec.dtype == tf.float32 for spec in specs]
+  return [tf.TensorSpec(s.shape, tf.float64 if cast else s.dtype)
+          for s, cast in zip(specs, leaves)], leaves
+
+
 def federated_wide_sum(value):
   """`tff.federated_sum` of a CLIENTS value, its float32 leaves accumulated
   in float64 (see the module docstring); call it inside a federated
   computation."""
-  total, summed_type, leaves = _wide_total(value)
-
-  @tff.tensorflow.computation(total.type_signature.member)
-  def narrow(flat):
-    return _narrow(flat, leaves, summed_type)
-  return tff.federated_map(narrow, total)
+  return tff.federated_map(narrow_total(value.type_signature.member),
+                           federated_wide_total(value))
 
 
 def federated_wide_mean(value):
@@ -223,23 +253,44 @@ class WideMeanFactory(tff.aggregators.WeightedAggregationFactory):
                                tff.FederatedType(value_type, tff.CLIENTS),
                                tff.FederatedType(weight_type, tff.CLIENTS))
     def next_fn(state, value, weight):
-      total, summed_type, leaves = _wide_total(
-          tff.federated_zip((value, weight)), weighted=True)
-      weight_sum = federated_wide_sum(weight)
-
-      @tff.tensorflow.computation(total.type_signature.member,
-                                  weight_sum.type_signature.member)
-      def divide(flat, weights):
-        mean = _narrow(flat, leaves, summed_type)
-        return tf.nest.map_structure(
-            lambda t: tf.math.divide(t, tf.cast(weights, t.dtype)), mean)
-
+      mean = tff.federated_map(mean_of_totals(value_type, weight_type),
+                               federated_weighted_totals(value, weight))
       return tff.templates.MeasuredProcessOutput(
-          state=state, result=tff.federated_map(divide, (total, weight_sum)),
-          measurements=tff.federated_value(collections.OrderedDict(
-              mean_value=(), mean_weight=()), tff.SERVER))
+          state=state, result=mean,
+          measurements=tff.federated_value(MEAN_MEASUREMENTS, tff.SERVER))
 
     return tff.templates.AggregationProcess(initialize, next_fn)
+
+
+# what `WideMeanFactory` measures (`MeanFactory`'s layout)
+MEAN_MEASUREMENTS = collections.OrderedDict(mean_value=(), mean_weight=())
+
+
+def federated_weighted_totals(value, weight):
+  """`WideMeanFactory`'s sums before it rounds and divides them: the
+  SERVER-placed `OrderedDict(value=..., weight=...)` of the float64 totals
+  (as `federated_wide_total` gives them) of value * weight, each product
+  formed inside the fold, and of the weights. Totals of disjoint sets of
+  clients add to their union's; `mean_of_totals` finishes the mean."""
+  return tff.federated_zip(collections.OrderedDict(
+      value=_wide_total(tff.federated_zip((value, weight)), weighted=True)[0],
+      weight=federated_wide_total(weight)))
+
+
+def mean_of_totals(value_type, weight_type) -> tff.Computation:
+  """The TF computation that turns `federated_weighted_totals` into
+  `WideMeanFactory`'s mean: each total rounded once, then divided."""
+  wide_value, value_leaves = _wide_specs(value_type)
+  wide_weight, weight_leaves = _wide_specs(weight_type)
+
+  @tff.tensorflow.computation(collections.OrderedDict(value=wide_value,
+                                                      weight=wide_weight))
+  def divide(totals):
+    mean = _narrow(totals["value"], value_leaves, value_type)
+    weights = _narrow(totals["weight"], weight_leaves, weight_type)
+    return tf.nest.map_structure(
+        lambda t: tf.math.divide(t, tf.cast(weights, t.dtype)), mean)
+  return divide
 
 
 def wide_mean_factory() -> WideMeanFactory:

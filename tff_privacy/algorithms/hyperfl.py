@@ -70,6 +70,17 @@ PARAMETERS = params.Params(
 
 _F32 = np.float32
 
+# the runner's rounds run in calls whose clients' uploads (whole
+# hypernetworks, which TFF's runtime holds until the call ends) stay within
+# this many bytes: 10 clients of the 28x28 CNN's 60 MB
+UPLOAD_BYTES_PER_CALL = 600 * 2**20
+
+
+def clients_per_call_for(num_parameters: int) -> int:
+  """Clients per call of a round whose uploads have `num_parameters`
+  float32 entries each (see `UPLOAD_BYTES_PER_CALL`)."""
+  return max(1, UPLOAD_BYTES_PER_CALL // (4 * num_parameters))
+
 
 def _tensor_types(shapes):
   return [tff.TensorType(_F32, s) for s in shapes]
@@ -89,6 +100,7 @@ def build_hyperfl(
     weight_decay: float = 5e-4,
     max_grad_norm: float = 50.0,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+    clients_per_call: Optional[int] = None,
 ) -> personalized.PersonalizedProcess:
   """Builds HyperFL's `PersonalizedProcess` (see the module docstring).
 
@@ -104,6 +116,12 @@ def build_hyperfl(
     model_aggregator: aggregates the uploaded hypernetworks, weighted by the
       clients' numbers of samples (default
       `aggregation.wide_sum.wide_mean_factory`).
+    clients_per_call: `run_round` runs a round's clients in calls of at
+      most this many (None: one call), so that TFF's runtime holds this many
+      uploaded hypernetworks at once rather than all of them; the default
+      mean gives the same result either way
+      (`personalized.build_personalized_process`). The runner passes
+      `clients_per_call_for(hypernetwork parameters)`.
 
   Returns:
     A `PersonalizedProcess` (`personalized.build_personalized_process`)
@@ -168,7 +186,8 @@ def build_hyperfl(
   return personalized.build_personalized_process(
       initial_shared=hyper.initial_weights(seed),
       client_state_type=client_state_type, data_type=data_type,
-      local_training=local_training, model_aggregator=model_aggregator)
+      local_training=local_training, model_aggregator=model_aggregator,
+      clients_per_call=clients_per_call)
 
 
 def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
@@ -279,7 +298,9 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
       name="hyperfl", upload_kind="hypernetwork_weights", local_data="epochs",
       local_epochs=declared["classifier_epochs"] + declared["hypernetwork_epochs"],
       build_process=lambda aggregator: build_hyperfl(
-          spec.keras, seed=seed, model_aggregator=aggregator, **declared),
+          spec.keras, seed=seed, model_aggregator=aggregator,
+          clients_per_call=clients_per_call_for(hyper.num_parameters),
+          **declared),
       protocol={**declared, "batch_size": batch_size,
                 "hypernetwork_parameters": hyper.num_parameters,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},

@@ -66,7 +66,9 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
                            defense=defense, **declared)
   return dataclasses.replace(
       base, name="hyperfl_lpm", build_process=lambda aggregator: build_hyperfl_lpm(
-          spec.keras, seed=seed, model_aggregator=aggregator, **declared))
+          spec.keras, seed=seed, model_aggregator=aggregator,
+          clients_per_call=hyperfl.clients_per_call_for(
+              base.protocol["hypernetwork_parameters"]), **declared))
 
 
 METHOD = Method("hyperfl_lpm", PARAMETERS, algorithm,

@@ -26,6 +26,13 @@ uploads). Given a `ClientPlacedCapture` as its model aggregator,
 weight CLIENTS-placed (`uploads`, `upload_weights`), in client order, and
 aggregates with the capture's inner aggregator.
 
+A round can also run in several calls (`run_round`, for a process built with
+`clients_per_call`): TFF's runtime holds every client's upload of a call
+until the call ends, which for HyperFL's hypernetworks is most of a round's
+memory. Each call but the last returns its clients' results and the float64
+totals of the default mean (`aggregation.wide_sum`); the last adds them to
+its own and finishes the round as `next` does.
+
 Also here: the local optimiser the personalised papers use (PyTorch's SGD
 with momentum and coupled weight decay, `sgd_step`), and the training-metric
 sums every client reports.
@@ -34,13 +41,14 @@ sums every client reports.
 from __future__ import annotations
 
 import collections
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import tasks
+from tff_privacy.aggregation import wide_sum
 from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
 from tff_privacy.models.functional import forward
 from tff_privacy.updates.capture import ClientPlacedCapture
@@ -48,13 +56,32 @@ from tff_privacy.updates.capture import ClientPlacedCapture
 CLASSIFICATION = tasks.get("classification")
 
 
+class RoundInCalls(NamedTuple):
+  """A round of a `PersonalizedProcess` cut into calls of at most
+  `clients_per_call` clients: `update` (`next`'s parameters -> the clients'
+  part of `next`'s result and `totals@SERVER`, which add over calls), then
+  for the last clients `finish` (<the earlier calls' summed totals, `next`'s
+  parameters> -> `next`'s result for those clients, the round's `state`
+  and `metrics`)."""
+  clients_per_call: int
+  update: tff.Computation
+  finish: tff.Computation
+
+
 class PersonalizedProcess(tff.templates.IterativeProcess):
   """An `IterativeProcess` whose clients keep private state across rounds
-  (see the module docstring for the type signatures)."""
+  (see the module docstring for the type signatures).
+
+  `run_round` runs one round as `next` does, in several calls where the
+  process was built with `in_calls`: TFF's runtime holds every client's
+  upload of a call until the call ends, so a round of N clients in calls of
+  k holds k uploads, not N."""
 
   def __init__(self, initialize_fn: tff.Computation, next_fn: tff.Computation,
-               get_model_weights: tff.Computation):
+               get_model_weights: tff.Computation,
+               in_calls: Optional[RoundInCalls] = None):
     super().__init__(initialize_fn, next_fn)
+    self._in_calls = in_calls
     state_type = initialize_fn.type_signature.result
     params = next_fn.type_signature.parameter
     result = next_fn.type_signature.result
@@ -73,6 +100,29 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
   @property
   def get_model_weights(self) -> tff.Computation:
     return self._get_model_weights
+
+  def run_round(self, state, data: Sequence, client_states: Sequence):
+    """`next(state, data, client_states)`, in calls of at most
+    `in_calls.clients_per_call` clients where the process has them: the
+    calls' float64 totals are added in client order and the last call
+    finishes the round, so the result is `next`'s wherever those float64
+    sums are exact (see `aggregation.wide_sum` on grouping)."""
+    calls = self._in_calls
+    if calls is None or len(data) <= calls.clients_per_call:
+      return self.next(state, data, client_states)
+    k = calls.clients_per_call
+    last = (len(data) - 1) // k * k
+    totals, clients = None, collections.defaultdict(list)
+    for first in range(0, last, k):
+      out = calls.update(state, data[first:first + k], client_states[first:first + k])
+      totals = out.pop("totals") if totals is None else tf.nest.map_structure(
+          np.add, totals, out.pop("totals"))
+      for name, values in out.items():
+        clients[name].extend(values)
+    out = calls.finish(totals, state, data[last:], client_states[last:])
+    for name in clients:
+      out[name] = clients[name] + list(out[name])
+    return out
 
 
 def sgd_step(params: Sequence[tf.Tensor], grads: Sequence[tf.Tensor],
@@ -172,6 +222,7 @@ def build_personalized_process(
     data_type: tff.SequenceType,
     local_training: Callable,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+    clients_per_call: Optional[int] = None,
 ) -> PersonalizedProcess:
   """The `PersonalizedProcess` of a method whose server holds one shared
   part (HyperFL's hypernetwork, PPSGD's and CENTAUR's feature extractor) and
@@ -194,6 +245,10 @@ def build_personalized_process(
       `aggregation.wide_sum.wide_mean_factory`); a `ClientPlacedCapture`:
       its inner aggregator does, and `next` also returns the uploads and
       their weights CLIENTS-placed.
+    clients_per_call: if set, `run_round` runs a round's clients in calls
+      of at most this many (`PersonalizedProcess`), bounding the uploads
+      TFF's runtime holds at once. Only the default mean adds over calls:
+      with another model aggregator the round runs in one call.
 
   Returns:
     A `PersonalizedProcess` whose server state is
@@ -203,11 +258,14 @@ def build_personalized_process(
   shared_type = [tff.TensorType(np.float32, np.shape(w)) for w in initial_shared]
   if not shared_type:
     return _unshared_process(client_state_type, data_type, local_training)
+  if clients_per_call is not None and clients_per_call < 1:
+    raise ValueError(f"clients_per_call={clients_per_call}; give a positive "
+                     "number of clients, or None for one call per round")
   to_driver = isinstance(model_aggregator, ClientPlacedCapture)
   if to_driver:
     model_aggregator = model_aggregator.inner
-  aggregator = (model_aggregator or wide_mean_factory()).create(
-      tff.to_type(shared_type), tff.TensorType(np.float32))
+  factory = model_aggregator or wide_mean_factory()
+  aggregator = factory.create(tff.to_type(shared_type), tff.TensorType(np.float32))
 
   @tff.tensorflow.computation(shared_type, client_state_type, data_type)
   def client_update(shared, state, dataset):
@@ -248,7 +306,63 @@ def build_personalized_process(
   def get_model_weights(state):
     return state["shared"]
 
-  return PersonalizedProcess(initialize, next_fn, get_model_weights)
+  in_calls = None
+  if clients_per_call is not None and isinstance(factory, wide_sum.WideMeanFactory):
+    in_calls = _round_in_calls(clients_per_call, state_type, data_type,
+                               client_state_type, client_update, to_driver)
+  return PersonalizedProcess(initialize, next_fn, get_model_weights, in_calls)
+
+
+def _round_in_calls(clients_per_call, state_type, data_type, client_state_type,
+                    client_update, to_driver) -> RoundInCalls:
+  """`next_fn` of `build_personalized_process` with the default mean, cut
+  into `RoundInCalls`: the uploads' and training sums' float64 totals are
+  what add over calls."""
+
+  def clients_part(state, data, client_states):
+    """The federated values of one call's clients: (totals, the
+    CLIENTS-placed results)."""
+    shared = tff.federated_broadcast(state.shared)
+    uploads, weights, new_states, sums = tff.federated_map(
+        client_update, (shared, client_states, data))
+    totals = tff.federated_zip(collections.OrderedDict(
+        uploads=wide_sum.federated_weighted_totals(uploads, weights),
+        sums=wide_sum.federated_wide_total(sums)))
+    clients = collections.OrderedDict(client_states=new_states)
+    if to_driver:
+      clients.update(uploads=uploads, upload_weights=weights)
+    return totals, clients
+
+  clients_types = (state_type, tff.FederatedType(data_type, tff.CLIENTS),
+                   tff.FederatedType(client_state_type, tff.CLIENTS))
+
+  @tff.federated_computation(*clients_types)
+  def update(state, data, client_states):
+    totals, clients = clients_part(state, data, client_states)
+    return collections.OrderedDict(totals=totals, **clients)
+
+  totals_type = update.type_signature.result.totals
+  mean = wide_sum.mean_of_totals(client_update.type_signature.result[0],
+                                 client_update.type_signature.result[1])
+  narrow_sums = wide_sum.narrow_total(SUMS_TYPE)
+
+  @tff.tensorflow.computation(totals_type.member, totals_type.member)
+  def add(earlier, later):
+    return tf.nest.map_structure(tf.add, earlier, later)
+
+  @tff.federated_computation(totals_type, *clients_types)
+  def finish(earlier, state, data, client_states):
+    totals, clients = clients_part(state, data, client_states)
+    totals = tff.federated_map(add, (earlier, totals))
+    new_state = tff.federated_zip(collections.OrderedDict(
+        shared=tff.federated_map(mean, totals.uploads), aggregator=state.aggregator))
+    metrics = tff.federated_zip(collections.OrderedDict(
+        client_work=tff.federated_map(train_metrics, tff.federated_map(
+            narrow_sums, totals.sums)),
+        aggregator=tff.federated_value(wide_sum.MEAN_MEASUREMENTS, tff.SERVER)))
+    return collections.OrderedDict(state=new_state, metrics=metrics, **clients)
+
+  return RoundInCalls(clients_per_call, update, finish)
 
 
 def _unshared_process(client_state_type, data_type, local_training):
