@@ -276,14 +276,14 @@ def _assert_same(a, b):
   tf.nest.map_structure(np.testing.assert_array_equal, a, b)
 
 
-@pytest.mark.parametrize("capture", [False, True])
-def test_a_round_in_calls_of_few_clients_is_the_round_in_one_call(capture):
+def test_a_round_in_calls_of_few_clients_is_the_round_in_one_call():
   """`run_round` with 5 clients in calls of 2 (2 + 2, then 1 that finishes
   the round) equals the one call of `next`: the hypernetwork, every private
-  state, the metrics and, when captured, each upload."""
+  state, the metrics and each captured upload (the uncaptured calls run
+  in `tests/test_workers.py` on two workers)."""
   spec = MLP
   declared = algorithms.method("hyperfl").resolve(dict(SMALL, hypernetwork_epochs=1))
-  aggregator = ClientPlacedCapture(wide_sum.wide_mean_factory(), 5) if capture else None
+  aggregator = ClientPlacedCapture(wide_sum.wide_mean_factory(), 5)
   process = build_hyperfl(spec.keras, seed=0, clients_per_call=2,
                           model_aggregator=aggregator, **declared)
   alg = algorithms.get("hyperfl", spec, batch_size=4, seed=0, **declared)
@@ -304,6 +304,7 @@ def test_a_round_in_calls_of_few_clients_is_the_round_in_one_call(capture):
   in_calls = process.run_round(state, clients, states)
   assert calls == [("update", 2), ("update", 2), ("finish", 1)]
   assert sorted(in_calls) == sorted(one_call)
+  assert len(one_call["uploads"]) == len(one_call["client_states"]) == 5
   for key in one_call:
     _assert_same(in_calls[key], one_call[key])
   # the round moved the hypernetwork
