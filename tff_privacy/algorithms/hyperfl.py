@@ -72,8 +72,8 @@ _F32 = np.float32
 
 # the runner's rounds run in calls whose clients' uploads (whole
 # hypernetworks, which TFF's runtime holds until the call ends) stay within
-# this many bytes: 10 clients of the 28x28 CNN's 60 MB
-UPLOAD_BYTES_PER_CALL = 600 * 2**20
+# this many bytes: 5 clients of the 28x28 CNN's 60 MB
+UPLOAD_BYTES_PER_CALL = 300 * 2**20
 
 
 def clients_per_call_for(num_parameters: int) -> int:
