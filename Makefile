@@ -25,9 +25,11 @@ demo: $(STAMP)
 # The fast suite (CI); `test-all` adds the tests marked slow (long trainings
 # and attacks that check numbers at a realistic scale). Tests run in
 # TEST_WORKERS pytest-xdist processes: most of a test's time is one Python
-# thread tracing TFF computations, so two processes use both cores.
+# thread tracing TFF computations, so two processes use both cores. The
+# slowest tests are listed at the end, to keep the fast suite fast.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal \
+	--durations=25
 
 test: $(STAMP)
 	$(PYTEST) -m "not slow" tests

@@ -135,3 +135,42 @@ def test_docs_setting_is_the_train_commands_documents_protocol(script):
           docs.positive_weight, docs.data_kwargs, docs.input_shape) == (
       10, 20, 16, "groups", "adam", 0.005, 2, 10.0, {"size": 32}, (32, 32, 3))
   assert "FedAvg" in script.TABLE1_METHODS
+
+
+def test_table2_attacks_defended_rows_also_with_the_attacks_that_know_them(script):
+  docs = script.SETTINGS["docs"]
+  assert script.table2_attacks({"method": "fedavg"}) == ["ig"]
+  for label in ("LDP-Fed", "FedRE w/o PSI", "FedRE"):
+    assert script.table2_attacks(script.method_config(docs, label, 50.0, 20)) == [
+        "ig", "ig_noise_aware"], label
+
+
+def _leak(eps, method, attack, region_ssim):
+  return {"epsilon": eps, "method": method, "attack": attack, "region_mse": 0.1,
+          "region_psnr": 10.0, "region_ssim": region_ssim, "mse": 0.2,
+          "psnr": 7.0, "ssim": 0.3, "lpips": None}
+
+
+def test_table2_names_each_rows_strongest_attack_in_the_region(tmp_path, script):
+  rows = [_leak("none", "No defence", "ig", 0.9),
+          _leak("50", "FedRE", "ig", 0.20), _leak("50", "FedRE", "ig_noise_aware", 0.31),
+          _leak("50", "LDP-Fed", "ig", 0.40), _leak("50", "LDP-Fed", "ig_noise_aware", 0.35)]
+  assert script.worst_case_rows(rows) == [
+      {"epsilon": "none", "method": "No defence", "attack": "ig",
+       "region_ssim": 0.9, "region_ssim_ig": 0.9},
+      {"epsilon": "50", "method": "FedRE", "attack": "ig_noise_aware",
+       "region_ssim": 0.31, "region_ssim_ig": 0.20},
+      {"epsilon": "50", "method": "LDP-Fed", "attack": "ig",
+       "region_ssim": 0.40, "region_ssim_ig": 0.40}]
+  args = argparse.Namespace(setting=script.SETTINGS["docs"], attack_iterations=10,
+                            region="numbers", lpips_weights=None, out=str(tmp_path))
+  image = np.zeros((8, 8, 3), np.float32)
+  text = script.write_table2(args, rows, {"original": [image],
+                                          "No defence (none)": [image],
+                                          "FedRE (50)": [image]})
+  assert "| 50 | FedRE | ig_noise_aware | 0.3100 | 0.2000 |" in text
+  assert "| 50 | FedRE | ig | 0.1000 | 10.00 | 0.2000 |" in text
+  assert text.count("0.808, 0.888") == 1  # the paper's SSIM on IG's row only
+  assert (tmp_path / "table2.csv").read_text().splitlines()[0].startswith(
+      "epsilon,method,attack,")
+  assert (tmp_path / "fig4.png").stat().st_size > 0
