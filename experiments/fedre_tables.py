@@ -71,7 +71,8 @@ C_l 0.15.
 * Table 2 (leakage): 8 clients holding one image each (one digit, or one
   document of one format) train one round of one local SGD step, so the
   upload is the step on one image, under no defence, LDP-Fed, FedRE without
-  PSI and FedRE at epsilon 50 and 10, each with its budget planned for
+  PSI and FedRE at epsilon 50 and 10 (`--table2-epsilons`; larger ones
+  where the defences leak at all), each with its budget planned for
   `--rounds` rounds (FedRE's `budget_rounds`, LDP-Fed's alpha), of which
   round 1 is run; each upload is attacked with Inverting Gradients
   (`--attack-iterations`, default 1000) and, for the defended rows, by
@@ -430,7 +431,7 @@ def leakage_rows(args) -> tuple[list[dict], dict]:
   setting = args.setting
   rows, images = [], {}
   configs = [("none", "No defence", {"method": "fedavg"})]
-  for eps in EPSILONS:
+  for eps in args.table2_epsilons:
     for label in ("LDP-Fed", "FedRE w/o PSI", "FedRE"):
       configs.append((f"{eps:g}", label,
                       method_config(setting, label, eps, args.rounds)))
@@ -750,6 +751,18 @@ def write_fig6(args, rows: list[dict]) -> str:
   return text
 
 
+def _epsilons(text: str) -> Optional[list[float]]:
+  """The comma-separated epsilons of `text`; None unless every one is a
+  finite number > 0 and there is one at least."""
+  try:
+    epsilons = [float(e) for e in text.split(",") if e.strip()]
+  except ValueError:
+    return None
+  if not epsilons or min(epsilons) <= 0 or not all(map(math.isfinite, epsilons)):
+    return None
+  return epsilons
+
+
 def main() -> None:
   runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -767,6 +780,9 @@ def main() -> None:
   parser.add_argument("--table1-epsilons", default="50,10,1000,10000",
                       help="Table 1's finite epsilons (the paper's 50 and 10, "
                       "then larger ones that show where utility returns)")
+  parser.add_argument("--table2-epsilons", default="50,10",
+                      help="Table 2's epsilons (the paper's 50 and 10; larger "
+                      "ones where the defences leak at all, to compare them)")
   parser.add_argument("--table1-methods", default=",".join(TABLE1_METHODS),
                       help="Table 1's rows, comma-separated (default: all)")
   parser.add_argument("--client-lr", type=float,
@@ -807,15 +823,12 @@ def main() -> None:
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
   except ValueError:
     parser.error(f"--seeds: {args.seeds!r}; give comma-separated integers")
-  text = args.table1_epsilons
-  try:
-    args.table1_epsilons = [float(e) for e in text.split(",") if e.strip()]
-  except ValueError:
-    args.table1_epsilons = []
-  if not args.table1_epsilons or min(args.table1_epsilons) <= 0 or \
-      not all(map(math.isfinite, args.table1_epsilons)):
-    parser.error(f"--table1-epsilons: {text!r}; give comma-separated finite "
-                 "numbers > 0")
+  for flag in ("table1_epsilons", "table2_epsilons"):
+    epsilons = _epsilons(getattr(args, flag))
+    if epsilons is None:
+      parser.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)!r}; give "
+                   "comma-separated finite numbers > 0")
+    setattr(args, flag, epsilons)
   args.table1_methods = [m.strip() for m in args.table1_methods.split(",")
                          if m.strip()]
   if not args.table1_methods or set(args.table1_methods) - set(TABLE1_METHODS):

@@ -174,3 +174,15 @@ def test_table2_names_each_rows_strongest_attack_in_the_region(tmp_path, script)
   assert (tmp_path / "table2.csv").read_text().splitlines()[0].startswith(
       "epsilon,method,attack,")
   assert (tmp_path / "fig4.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--table1-epsilons", "50,x"), ("--table1-epsilons", "10,inf"),
+    ("--table2-epsilons", ""), ("--table2-epsilons", "0")])
+def test_bad_epsilons_are_one_line_errors(tmp_path, script, monkeypatch, capsys,
+                                          flag, value):
+  last = _refusal(script, monkeypatch, capsys, "--dataset", "digits", flag, value,
+                  "--out", str(tmp_path))
+  assert last == (f"fedre_tables.py: error: {flag}: {value!r}; give "
+                  "comma-separated finite numbers > 0"), last
+  assert not os.listdir(tmp_path)

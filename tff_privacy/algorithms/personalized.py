@@ -49,7 +49,6 @@ import tensorflow_federated as tff
 
 from tff_privacy import tasks
 from tff_privacy.aggregation import wide_sum
-from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
 from tff_privacy.models.functional import forward
 from tff_privacy.updates.capture import ClientPlacedCapture
 
@@ -264,7 +263,7 @@ def build_personalized_process(
   to_driver = isinstance(model_aggregator, ClientPlacedCapture)
   if to_driver:
     model_aggregator = model_aggregator.inner
-  factory = model_aggregator or wide_mean_factory()
+  factory = model_aggregator or wide_sum.wide_mean_factory()
   aggregator = factory.create(tff.to_type(shared_type), tff.TensorType(np.float32))
 
   @tff.tensorflow.computation(shared_type, client_state_type, data_type)
@@ -294,7 +293,8 @@ def build_personalized_process(
     new_state = tff.federated_zip(collections.OrderedDict(
         shared=aggregated.result, aggregator=aggregated.state))
     metrics = tff.federated_zip(collections.OrderedDict(
-        client_work=tff.federated_map(train_metrics, federated_wide_sum(sums)),
+        client_work=tff.federated_map(train_metrics,
+                                      wide_sum.federated_wide_sum(sums)),
         aggregator=aggregated.measurements))
     result = collections.OrderedDict(state=new_state, client_states=new_states,
                                      metrics=metrics)
@@ -384,7 +384,8 @@ def _unshared_process(client_state_type, data_type, local_training):
   def next_fn(state, data, client_states):
     new_states, sums = tff.federated_map(client_update, (client_states, data))
     metrics = tff.federated_zip(collections.OrderedDict(
-        client_work=tff.federated_map(train_metrics, federated_wide_sum(sums))))
+        client_work=tff.federated_map(train_metrics,
+                                      wide_sum.federated_wide_sum(sums))))
     return collections.OrderedDict(state=state, client_states=new_states,
                                    metrics=metrics)
 
