@@ -171,6 +171,7 @@ def test_table2_names_each_rows_strongest_attack_in_the_region(tmp_path, script)
   assert "| 50 | FedRE | ig_noise_aware | 0.3100 | 0.2000 |" in text
   assert "| 50 | FedRE | ig | 0.1000 | 10.00 | 0.2000 |" in text
   assert text.count("0.808, 0.888") == 1  # the paper's SSIM on IG's row only
+  assert "Without a defence IG reaches region SSIM 0.9000" in text
   assert (tmp_path / "table2.csv").read_text().splitlines()[0].startswith(
       "epsilon,method,attack,")
   assert (tmp_path / "fig4.png").stat().st_size > 0
