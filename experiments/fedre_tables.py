@@ -80,17 +80,17 @@ C_l 0.15.
   noise-aware IG, which weighs each tensor by the inverse of its noise
   level), scored inside that client's region and on the whole image (MSE,
   PSNR, SSIM; LPIPS with `--lpips-weights`); a second table names each
-  row's strongest attack in the region. Labels: the digit attacker recovers the label from
-  the upload; the document attacker is given the true tamper mask (an
-  upper bound on leakage: a segmentation mask cannot be recovered
-  analytically). Fig. 4: originals, then reconstructions without defence
-  and with FedRE. On the documents' U-Net these attacks recover nothing
-  even without a defence (8 clients: region SSIM 0.008 +- 0.043, image
-  SSIM 0.07, although the upload is the true gradient, cosine 1.0 at the
-  true image; on client 0, 3,000 iterations, learning rate 0.01, TV
-  weight 1e-2, a uniform start and 300 iterations of DLG did no better), so there the table cannot rank the
-  defences and says so; on digits the undefended upload leaks (region
-  SSIM 0.76).
+  row's strongest attack in the region. Labels: the digit attacker
+  recovers the label from the upload; the document attacker is given the
+  true tamper mask (an upper bound on leakage: a segmentation mask cannot
+  be recovered analytically). Fig. 4: originals, then reconstructions
+  without defence and with FedRE. On the documents' U-Net these attacks
+  recover nothing even without a defence (8 clients: region SSIM 0.008 +-
+  0.043, image SSIM 0.07, although the upload is the true gradient, cosine
+  1.0 at the true image; on client 0, 3,000 iterations, learning rate
+  0.01, TV weight 1e-2, a uniform start and 300 iterations of DLG did no
+  better), so there the table cannot rank the defences and says so; on
+  digits the undefended upload leaks (region SSIM 0.76).
 * Table 3 (the paper's Tables 3-4): FedRE at epsilon 50 for C_l in 0.25,
   0.20, 0.15, 0.07, 0.05, 0.03, beside the paper's values.
 * Fig. 5: noise on the gradient against noise on the region's pixels. The
@@ -556,7 +556,8 @@ def write_table2(args, rows: list[dict], images: dict) -> str:
            "image MSE | image PSNR | image SSIM | paper region SSIM (T-SROIE, "
            "DocTamper) |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    paper = PAPER_SSIM.get((r["epsilon"], r["method"])) if r["attack"] == "ig" else None
+    paper = (PAPER_SSIM.get((r["epsilon"], r["method"])) if r["attack"] == "ig"
+             else None)
     lines.append(f"| {r['epsilon']} | {r['method']} | {r['attack']} | "
                  f"{r['region_mse']:.4f} | {r['region_psnr']:.2f} | "
                  f"{r['region_ssim']:.4f} | {r['mse']:.4f} | {r['psnr']:.2f} | "

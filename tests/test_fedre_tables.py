@@ -153,8 +153,10 @@ def _leak(eps, method, attack, region_ssim):
 
 def test_table2_names_each_rows_strongest_attack_in_the_region(tmp_path, script):
   rows = [_leak("none", "No defence", "ig", 0.9),
-          _leak("50", "FedRE", "ig", 0.20), _leak("50", "FedRE", "ig_noise_aware", 0.31),
-          _leak("50", "LDP-Fed", "ig", 0.40), _leak("50", "LDP-Fed", "ig_noise_aware", 0.35)]
+          _leak("50", "FedRE", "ig", 0.20),
+          _leak("50", "FedRE", "ig_noise_aware", 0.31),
+          _leak("50", "LDP-Fed", "ig", 0.40),
+          _leak("50", "LDP-Fed", "ig_noise_aware", 0.35)]
   assert script.worst_case_rows(rows) == [
       {"epsilon": "none", "method": "No defence", "attack": "ig",
        "region_ssim": 0.9, "region_ssim_ig": 0.9},
