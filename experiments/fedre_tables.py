@@ -94,7 +94,7 @@ C_l 0.15.
 * Table 3 (the paper's Tables 3-4): FedRE at epsilon 50 for C_l in 0.25,
   0.20, 0.15, 0.07, 0.05, 0.03, beside the paper's values.
 * Fig. 5: noise on the gradient against noise on the region's pixels. The
-  Table 2 clients' round-1 uploads of FedRE at Table 1's epsilons and of
+  Table 2 clients' round-1 uploads of FedRE at `--fig-epsilons` and of
   FedRE's pixel alternative (`perturbation='pixels'`, std 0.05 to 3.2) are
   attacked with `--fig5-iterations` (the paper's 2000) of Inverting
   Gradients; each epsilon is matched with the pixel std of the closest
@@ -105,8 +105,8 @@ C_l 0.15.
   noises more of each training image than of the one-image client it was
   matched on.
 * Fig. 6: FedRE's primary score with PDA-PAM (eq. 11 as written, and the
-  normalised rule) minus without, for 2, 5 and 10 clients at epsilon 50
-  and 10.
+  normalised rule) minus without, for 2, 5 and 10 clients at
+  `--fig-epsilons` (the paper's 50 and 10).
 
 Each run lives in OUT/<table>/<row>/ and resumes; row.json (Table 2:
 ig/client_<k>/attack.json) caches its result. Tables: OUT/table1.md ...
@@ -136,7 +136,6 @@ from tff_privacy.cli import json_object
 from tff_privacy.data import sources
 from tff_privacy.metrics import report
 
-EPSILONS = (50.0, 10.0)
 CLIPS = (0.25, 0.20, 0.15, 0.07, 0.05, 0.03)
 FIG6_CLIENTS = (2, 5, 10)
 # Fig. 6's runs: eq. 11 as written (its step grows with the number of
@@ -608,9 +607,9 @@ def fig5_rows(args) -> tuple[list[dict], list[dict]]:
   pair). Each epsilon of FedRE's gradient noise is matched with the pixel
   noise level whose Inverting Gradients region SSIM (`--fig5-iterations`)
   is closest; then no noise (FedAvg), the gradient noise and its matched
-  pixel noise are trained as in Table 1. Gradient noise at Table 1's
-  epsilons (`--table1-epsilons`)."""
-  levels = ([("gradient", eps) for eps in args.table1_epsilons]
+  pixel noise are trained as in Table 1. Gradient noise at
+  `--fig-epsilons`."""
+  levels = ([("gradient", eps) for eps in args.fig_epsilons]
             + [("pixels", std) for std in FIG5_PIXEL_NOISE])
   leakage = []
   for arm, level in levels:
@@ -718,7 +717,7 @@ def write_table3(args, rows: list[dict]) -> str:
 
 def fig6_rows(args) -> list[dict]:
   rows = []
-  for eps in EPSILONS:
+  for eps in args.fig_epsilons:
     for clients in FIG6_CLIENTS:
       accs = {}
       for name, kwargs in FIG6_AGGREGATIONS.items():
@@ -747,7 +746,7 @@ def write_fig6(args, rows: list[dict]) -> str:
             "normalized rule keeps a mean's step."]
   text = _save(args, "fig6", lines, rows)
   fig, ax = plt.subplots(figsize=(5, 3.5))
-  for eps in EPSILONS:
+  for eps in dict.fromkeys(r["epsilon"] for r in rows):
     mine = [r for r in rows if r["epsilon"] == eps]
     for key, style in (("gain_paper", "o-"), ("gain_normalized", "s--")):
       ax.plot([r["clients"] for r in mine], [r[key] for r in mine], style,
@@ -795,6 +794,8 @@ def main() -> None:
   parser.add_argument("--table2-epsilons", default="50,10",
                       help="Table 2's epsilons (the paper's 50 and 10; larger "
                       "ones where the defences leak at all, to compare them)")
+  parser.add_argument("--fig-epsilons", default="50,10",
+                      help="Figs. 5 and 6's epsilons (the paper's 50 and 10)")
   parser.add_argument("--table1-methods", default=",".join(TABLE1_METHODS),
                       help="Table 1's rows, comma-separated (default: all)")
   parser.add_argument("--client-lr", type=float,
@@ -835,7 +836,7 @@ def main() -> None:
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
   except ValueError:
     parser.error(f"--seeds: {args.seeds!r}; give comma-separated integers")
-  for flag in ("table1_epsilons", "table2_epsilons"):
+  for flag in ("table1_epsilons", "table2_epsilons", "fig_epsilons"):
     epsilons = _epsilons(getattr(args, flag))
     if epsilons is None:
       parser.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)!r}; give "

@@ -181,7 +181,8 @@ def test_table2_names_each_rows_strongest_attack_in_the_region(tmp_path, script)
 
 @pytest.mark.parametrize("flag,value", [
     ("--table1-epsilons", "50,x"), ("--table1-epsilons", "10,inf"),
-    ("--table2-epsilons", ""), ("--table2-epsilons", "0")])
+    ("--table2-epsilons", ""), ("--table2-epsilons", "0"),
+    ("--fig-epsilons", "-5")])
 def test_bad_epsilons_are_one_line_errors(tmp_path, script, monkeypatch, capsys,
                                           flag, value):
   last = _refusal(script, monkeypatch, capsys, "--dataset", "digits", flag, value,
@@ -189,3 +190,33 @@ def test_bad_epsilons_are_one_line_errors(tmp_path, script, monkeypatch, capsys,
   assert last == (f"fedre_tables.py: error: {flag}: {value!r}; give "
                   "comma-separated finite numbers > 0"), last
   assert not os.listdir(tmp_path)
+
+
+def test_fig6_gains_are_each_pda_pam_rule_minus_the_plain_mean(tmp_path, script,
+                                                              monkeypatch):
+  scores = {"pda_pam": 0.30, "pda_pam_normalized": 0.25, "mean": 0.20}
+  calls = []
+
+  def trained(args, out, row, **config):
+    calls.append((out, config))
+    name = os.path.basename(out).split("_e")[0]
+    return {"f_score": scores[name] + config["clients"] / 100}
+
+  monkeypatch.setattr(script, "trained", trained)
+  args = argparse.Namespace(setting=script.SETTINGS["docs"], seeds=[3],
+                            fig_epsilons=[50.0], out=str(tmp_path))
+  rows = script.fig6_rows(args)
+  assert [(r["epsilon"], r["clients"]) for r in rows] == [(50.0, 2), (50.0, 5),
+                                                          (50.0, 10)]
+  for r in rows:  # the clients' share cancels in each difference
+    assert r["gain_paper"] == pytest.approx(0.10)
+    assert r["gain_normalized"] == pytest.approx(0.05)
+  out, config = calls[0]
+  assert out == os.path.join(str(tmp_path), "fig6", "pda_pam_e50_k2")
+  assert config == {"method": "fedre", "clients": 2, "seed": 3, "method_kwargs": {
+      "epsilon": 50.0, "aggregation": "pda_pam", "pda_pam_rule": "paper"}}
+  assert calls[2][1]["method_kwargs"] == {"epsilon": 50.0, "aggregation": "mean"}
+  text = script.write_fig6(args, rows)
+  assert "| 50 | 5 | 0.350 | 0.300 | 0.250 | +0.100 | +0.050 |" in text
+  assert (tmp_path / "fig6.png").stat().st_size > 0
+  assert (tmp_path / "fig6.csv").read_text().startswith("epsilon,clients,")

@@ -405,6 +405,33 @@ def test_client_sampling_is_seeded_and_in_range():
       not np.array_equal(a, runner.sample_clients(config, 7))
 
 
+@pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1]])
+@pytest.mark.parametrize("extra", [None, {"budget": np.float32(0.5),
+                                          "mask": np.array([1, 0, 1], np.int32)}])
+def test_a_client_dataset_read_from_files_has_the_in_memory_batches(sizes, extra):
+  x = np.random.default_rng(0).normal(size=(30, 2, 3)).astype(np.float32)
+  y = np.arange(30, dtype=np.int32)
+  idx = np.array([29, 3, 17, 8, 11, 0])  # the client's samples
+  order = np.random.default_rng(1).integers(0, len(idx), sum(sizes))
+  files = runner.ClientFiles(x, y)
+  try:
+    paths = files.paths(7, idx)
+    assert files.paths(7, idx[:1]) == paths  # written once
+    ds = runner.file_client_dataset(paths, (tf.TensorSpec((None, 2, 3), tf.float32),
+                                            tf.TensorSpec((None,), tf.int32)),
+                                    order, sizes, extra)
+    expected = runner.client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
+    assert ds.element_spec == expected.element_spec
+    got, want = list(ds), list(expected)
+    assert len(got) == len(want) == len(sizes)
+    for a, b in zip(got, want):
+      assert a.keys() == b.keys()
+      assert all(np.array_equal(a[k], b[k]) for k in b)
+  finally:
+    files.close()
+  assert not os.path.exists(os.path.dirname(paths[0]))
+
+
 def test_client_inputs_join_every_batch():
   x = np.zeros((5, 2), np.float32)
   y = np.arange(5, dtype=np.int32)

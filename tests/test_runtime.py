@@ -34,6 +34,21 @@ def test_worker_starts_on_first_use_and_restarts_after_stop():
   assert len(worker_children()) == 1
 
 
+def test_only_this_runtimes_local_workers_run_on_this_machine():
+  runtime.stop()
+  runtime.install()
+  assert runtime.runs_on_this_machine()  # starts a local worker on first use
+  runtime.start()
+  assert runtime.runs_on_this_machine()
+  own = tff.framework.get_context_stack().current
+  tff.framework.get_context_stack().set_default_context(object.__new__(type(own)))
+  try:  # a context the program set itself may run anywhere
+    assert not runtime.runs_on_this_machine()
+  finally:
+    tff.framework.get_context_stack().set_default_context(own)
+  runtime.stop()
+
+
 def test_renew_replaces_local_workers_by_as_many_fresh_ones():
   runtime.stop()
   runtime.renew()  # nothing started: nothing to renew

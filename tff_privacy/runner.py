@@ -57,6 +57,7 @@ import gc
 import json
 import logging
 import os
+import tempfile
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -453,6 +454,82 @@ def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
     ds = run if ds is None else ds.concatenate(run)
     start += count
   return ds
+
+
+class ClientFiles:
+  """Each client's training samples in files that the TFF workers read, so
+  that a round's datasets carry paths and sample orders, not the samples:
+  the driver and the worker then no longer hold serialized copies of a
+  round's data (`file_client_dataset`). The files are written at a
+  client's first round, in a temporary folder removed with this object or
+  at exit. Only for workers on this machine."""
+
+  def __init__(self, x: np.ndarray, y: np.ndarray):
+    self.x, self.y = x, y
+    self._folder = tempfile.TemporaryDirectory(prefix="tff-privacy-clients-")
+    self._written: set[int] = set()
+
+  def paths(self, client: int, indices: np.ndarray) -> tuple[str, str]:
+    """The files of `client`'s samples x[indices], y[indices], written if
+    new."""
+    paths = tuple(os.path.join(self._folder.name, f"client_{client}.{name}")
+                  for name in ("x", "y"))
+    if client not in self._written:
+      for path, samples in zip(paths, (self.x[indices], self.y[indices])):
+        with io.atomic_path(path) as tmp, open(tmp, "wb") as f:
+          f.write(tf.io.serialize_tensor(samples).numpy())
+      self._written.add(client)
+    return paths
+
+  def close(self) -> None:
+    self._folder.cleanup()
+
+
+def file_client_dataset(paths: tuple[str, str], specs: tuple[tf.TensorSpec, ...],
+                        order: np.ndarray, batch_sizes: Sequence[int],
+                        extra: Optional[dict[str, np.ndarray]] = None
+                        ) -> tf.data.Dataset:
+  """`client_dataset` of the samples x[order], y[order], read from the files
+  `paths` (`ClientFiles`, of x and y with `specs`) when the dataset is
+  iterated."""
+  extra = collections.OrderedDict((k, np.asarray(v)) for k, v in (extra or {}).items())
+  batches = _file_batches(*specs, tuple(
+      (k, tf.TensorSpec(v.shape, tf.as_dtype(v.dtype))) for k, v in extra.items()))
+  ds, start = None, 0
+  for size, count in _batch_runs(batch_sizes):
+    run = batches(*paths, np.asarray(order[start:start + count], np.int64), size,
+                  extra)
+    ds = run if ds is None else ds.concatenate(run)
+    start += count
+  return ds
+
+
+@functools.lru_cache(maxsize=None)
+def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
+  """A tf.function (x path, y path, order, batch size, extra) -> batches of
+  (x[order], y[order]) read from the files, joined by `extra`; traced once
+  for these specs."""
+  extra_spec = collections.OrderedDict(extra_specs)
+  path = tf.TensorSpec([], tf.string)
+
+  def load(file, spec):
+    return tf.ensure_shape(tf.io.parse_tensor(tf.io.read_file(file), spec.dtype),
+                           spec.shape)
+
+  @tf.function(input_signature=(path, path, tf.TensorSpec([None], tf.int64),
+                                tf.TensorSpec([], tf.int64), extra_spec))
+  def batches(x_path, y_path, order, size, extra):
+    samples = tf.data.Dataset.from_tensors((x_path, y_path)).flat_map(
+        lambda xp, yp: tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+            x=tf.gather(load(xp, x_spec), order),
+            y=tf.gather(load(yp, y_spec), order)))).batch(size)
+    if not extra_spec:
+      return samples
+    consts = tf.data.Dataset.from_tensors(extra).repeat()
+    return tf.data.Dataset.zip((samples, consts)).map(
+        lambda batch, c: collections.OrderedDict(**batch, **c))
+
+  return batches
 
 
 def _spec_of(samples: np.ndarray) -> tf.TensorSpec:
@@ -882,9 +959,26 @@ class Run:
       x, y = self.fed.source.x_train, self.fed.source.y_train
       out.append(RoundClient(
           int(client), x[distinct], y[distinct],
-          client_dataset(x[idx[order]], y[idx[order]], sizes, extra),
+          self._client_dataset(int(client), order, sizes, extra),
           {a: v[distinct] for a, v in attributes.train.items()} if attributes else {}))
     return out
+
+  def _client_dataset(self, client: int, order: np.ndarray, sizes: list[int],
+                      extra: Optional[dict]) -> tf.data.Dataset:
+    """`client`'s round dataset (its samples in `order`, cut into `sizes`):
+    read from files by this runtime's workers on this machine
+    (`ClientFiles`), else carrying the samples (workers at addresses, or a
+    context the program set)."""
+    x, y = self.fed.source.x_train, self.fed.source.y_train
+    idx = self.fed.client_indices[client]
+    if not runtime.runs_on_this_machine():
+      return client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
+    return file_client_dataset(self._client_files.paths(client, idx),
+                               (_spec_of(x), _spec_of(y)), order, sizes, extra)
+
+  @functools.cached_property
+  def _client_files(self) -> ClientFiles:
+    return ClientFiles(self.fed.source.x_train, self.fed.source.y_train)
 
   @functools.cached_property
   def _num_params(self) -> int:

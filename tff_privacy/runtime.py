@@ -46,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from typing import Sequence
 
 import asyncio
@@ -84,6 +85,7 @@ SHARED_NETWORK_VARIABLE = private_worker.SHARED_NETWORK_VARIABLE
 
 _workers: "list[LocalWorker | RemoteWorker]" = []
 _call_limit = -1  # of new local workers, see `limit_concurrent_calls`
+_contexts = weakref.WeakSet()  # the execution contexts this runtime made
 
 
 class WorkerError(RuntimeError):
@@ -418,12 +420,15 @@ def _context(workers):
   transforms = dict(transform_args=tensorflow_computation.transform_args,
                     transform_result=tensorflow_computation.transform_result)
   if len(workers) == 1:
-    return sync_execution_context.SyncExecutionContext(
+    context = sync_execution_context.SyncExecutionContext(
         executor_fn=_executor_factory(workers[0]),
         compiler_fn=compiler.desugar_and_transform_to_native, **transforms)
-  return OrderedMergeableContext(
-      async_execution_context.AsyncExecutionContext(
-          executor_fn=_executor_factory(w), **transforms) for w in workers)
+  else:
+    context = OrderedMergeableContext(
+        async_execution_context.AsyncExecutionContext(
+            executor_fn=_executor_factory(w), **transforms) for w in workers)
+  _contexts.add(context)
+  return context
 
 
 def start(max_concurrent_computation_calls: "int | None" = None, workers: int = 1,
@@ -484,6 +489,16 @@ def serves_remotely() -> bool:
   """Whether computations run on workers at addresses (possibly on other
   machines) rather than on local workers."""
   return any(isinstance(w, RemoteWorker) for w in _workers)
+
+
+def runs_on_this_machine() -> bool:
+  """Whether TFF's current context is this runtime's on local workers (or
+  starts one at its first computation), so that computations may read this
+  machine's files; False under a context a program set itself."""
+  current = context_stack_impl.context_stack.current
+  if isinstance(current, _StartOnFirstUse):
+    return True
+  return current in _contexts and all(isinstance(w, LocalWorker) for w in _workers)
 
 
 def check_mergeable(computation, what: str) -> None:
