@@ -220,3 +220,47 @@ def test_fig6_gains_are_each_pda_pam_rule_minus_the_plain_mean(tmp_path, script,
   assert "| 50 | 5 | 0.350 | 0.300 | 0.250 | +0.100 | +0.050 |" in text
   assert (tmp_path / "fig6.png").stat().st_size > 0
   assert (tmp_path / "fig6.csv").read_text().startswith("epsilon,clients,")
+
+
+def test_fig5_trains_each_epsilon_beside_the_pixel_noise_that_leaks_as_much(
+    tmp_path, script, monkeypatch):
+  # region SSIM of each arm's level, by hand: epsilon 50 leaks 0.12, closest
+  # to std 0.8 (0.15); epsilon 1e6 leaks 0.60, closest to std 0.1 (0.58)
+  leaks = {("gradient", 50.0): 0.12, ("gradient", 1e6): 0.60}
+  leaks.update({("pixels", s): v for s, v in zip(
+      script.FIG5_PIXEL_NOISE, (0.70, 0.58, 0.45, 0.30, 0.15, 0.05, 0.01))})
+
+  def level(config):
+    kwargs = config["method_kwargs"]
+    return (("gradient", kwargs["epsilon"]) if "epsilon" in kwargs
+            else ("pixels", kwargs["pixel_noise"]))
+
+  monkeypatch.setattr(script, "_leakage", lambda args, base, config, it: (
+      level(config), None, None))
+  monkeypatch.setattr(script, "_leakage_scores", lambda key: {
+      "region_ssim": leaks[key], "region_psnr": 9.0, "ssim": 0.5})
+  trained_runs = []
+
+  def trained(args, out, row, **config):
+    trained_runs.append(os.path.basename(out))
+    accuracy = 0.9 if config["method"] == "fedavg" else {
+        "gradient": 0.8, "pixels": 0.2}[level(config)[0]]
+    return {**row, "accuracy": accuracy}
+
+  monkeypatch.setattr(script, "trained", trained)
+  args = argparse.Namespace(setting=script.SETTINGS["digits"], seeds=[0],
+                            fig_epsilons=[50.0, 1e6], out=str(tmp_path),
+                            fig5_iterations=7, rounds=3, clients=4, region="2,2,6,6")
+  leakage, utility = script.fig5_rows(args)
+  assert len(leakage) == 2 + len(script.FIG5_PIXEL_NOISE)
+  assert [(u["epsilon"], u["pixel_noise"]) for u in utility] == [(50.0, 0.8),
+                                                                  (1e6, 0.1)]
+  assert trained_runs == ["train_none", "train_gradient_50", "train_pixels_0.8",
+                          "train_gradient_1e+06", "train_pixels_0.1"]
+  assert utility[0]["accuracy_none"] == 0.9
+  assert (utility[0]["accuracy_gradient"], utility[0]["accuracy_pixels"]) == (0.8, 0.2)
+  text = script.write_fig5(args, leakage, utility)
+  assert "| 50 | 0.8 | 0.1200, 0.1500 | yes | 0.900, 0.800, 0.200 |" in text
+  assert "With the least pixel noise (std 0.05) the attack reaches region SSIM 0.7000" in text
+  assert (tmp_path / "fig5.png").stat().st_size > 0
+  assert (tmp_path / "fig5_leakage.csv").read_text().startswith("arm,level,")
