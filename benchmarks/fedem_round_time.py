@@ -32,7 +32,8 @@ def _process_and_data(method: str, out: str, **method_kwargs):
       out=out, method=method, dataset="mnist5k", model="cnn", clients=4,
       batch_size=32, seed=0, method_kwargs=method_kwargs))
   process = run.process(capture=False)
-  return process, process.initialize(), [c.dataset for c in run.round_data(1)]
+  # the run with its datasets: they may read files it owns
+  return process, process.initialize(), [c.dataset for c in run.round_data(1)], run
 
 
 def main() -> None:
@@ -51,9 +52,9 @@ def main() -> None:
     runs = {"fedsgd": sgd, **{f"fedem_N{n}": fedem[n] for n in steps}}
     times = {name: [] for name in runs}
     states = {name: process.next(state, datasets).state  # compile
-              for name, (process, state, datasets) in runs.items()}
+              for name, (process, state, datasets, _) in runs.items()}
     for _ in range(args.rounds):
-      for name, (process, _, datasets) in runs.items():
+      for name, (process, _, datasets, _) in runs.items():
         start = time.perf_counter()
         states[name] = process.next(states[name], datasets).state
         times[name].append(time.perf_counter() - start)

@@ -104,8 +104,8 @@ C_l 0.15.
   is the union of its elements over all its images, so the pixel arm
   noises more of each training image than of the one-image client it was
   matched on. The documents' U-Net is not inverted even without noise
-  (Table 2), so there the matching says nothing, and the table says so;
-  on digits it does.
+  (Table 2), so there the matching says nothing (the table prints what
+  the least pixel noise leaves); on digits it does.
 * Fig. 6: FedRE's primary score with PDA-PAM (eq. 11 as written, and the
   normalised rule) minus without, for 2, 5 and 10 clients at
   `--fig-epsilons` (the paper's 50 and 10).

@@ -460,21 +460,24 @@ class ClientFiles:
   """Each client's training samples in files that the TFF workers read, so
   that a round's datasets carry paths and sample orders, not the samples:
   the driver and the worker then no longer hold serialized copies of a
-  round's data (`file_client_dataset`). The files are written at a
-  client's first round, in a temporary folder removed with this object or
-  at exit. Only for workers on this machine."""
+  round's data (`file_client_dataset`). A client's file is written at its
+  first round, in a private temporary folder removed by `close`, when this
+  object is collected or at exit (a process killed by a signal leaves it).
+  Only for workers on this machine."""
 
-  def __init__(self, x: np.ndarray, y: np.ndarray):
-    self.x, self.y = x, y
+  def __init__(self, x: np.ndarray, y: np.ndarray,
+               client_indices: Sequence[np.ndarray]):
+    self.x, self.y, self.client_indices = x, y, client_indices
     self._folder = tempfile.TemporaryDirectory(prefix="tff-privacy-clients-")
     self._written: set[int] = set()
 
-  def paths(self, client: int, indices: np.ndarray) -> tuple[str, str]:
-    """The files of `client`'s samples x[indices], y[indices], written if
-    new."""
+  def paths(self, client: int) -> tuple[str, str]:
+    """The files of `client`'s samples x[indices], y[indices] (its
+    `client_indices`), written if new."""
     paths = tuple(os.path.join(self._folder.name, f"client_{client}.{name}")
                   for name in ("x", "y"))
     if client not in self._written:
+      indices = self.client_indices[client]
       for path, samples in zip(paths, (self.x[indices], self.y[indices])):
         with io.atomic_path(path) as tmp, open(tmp, "wb") as f:
           f.write(tf.io.serialize_tensor(samples).numpy())
@@ -946,9 +949,11 @@ class Run:
                       per_client)}
 
   def round_data(self, round_num: int) -> list["RoundClient"]:
-    """Every client sampled for `round_num`, as a `RoundClient`."""
+    """Every client sampled for `round_num`, as a `RoundClient`. Its dataset
+    may read files this `Run` owns: use it while the `Run` lives."""
     out = []
     attributes = self.fed.source.attributes
+    x, y = self.fed.source.x_train, self.fed.source.y_train
     for client in sample_clients(self.config, round_num):
       idx = self.fed.client_indices[client]
       order = local_order(len(idx), self.algorithm, self.config, round_num, client)
@@ -956,29 +961,20 @@ class Run:
                if self.algorithm.client_inputs else None)
       distinct = idx[order[: min(len(idx), len(order))]]
       sizes = local_batches(len(distinct), self.algorithm, self.config)
-      x, y = self.fed.source.x_train, self.fed.source.y_train
+      if runtime.runs_on_this_machine() and len(order) >= len(idx):
+        dataset = file_client_dataset(self._client_files.paths(int(client)),
+                                      (_spec_of(x), _spec_of(y)), order, sizes, extra)
+      else:  # workers elsewhere; or a round on part of the client's samples
+        dataset = client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
       out.append(RoundClient(
-          int(client), x[distinct], y[distinct],
-          self._client_dataset(int(client), order, sizes, extra),
+          int(client), x[distinct], y[distinct], dataset,
           {a: v[distinct] for a, v in attributes.train.items()} if attributes else {}))
     return out
 
-  def _client_dataset(self, client: int, order: np.ndarray, sizes: list[int],
-                      extra: Optional[dict]) -> tf.data.Dataset:
-    """`client`'s round dataset (its samples in `order`, cut into `sizes`):
-    read from files by this runtime's workers on this machine
-    (`ClientFiles`), else carrying the samples (workers at addresses, or a
-    context the program set)."""
-    x, y = self.fed.source.x_train, self.fed.source.y_train
-    idx = self.fed.client_indices[client]
-    if not runtime.runs_on_this_machine():
-      return client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
-    return file_client_dataset(self._client_files.paths(client, idx),
-                               (_spec_of(x), _spec_of(y)), order, sizes, extra)
-
   @functools.cached_property
   def _client_files(self) -> ClientFiles:
-    return ClientFiles(self.fed.source.x_train, self.fed.source.y_train)
+    return ClientFiles(self.fed.source.x_train, self.fed.source.y_train,
+                       self.fed.client_indices)
 
   @functools.cached_property
   def _num_params(self) -> int:

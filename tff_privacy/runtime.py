@@ -496,9 +496,9 @@ def runs_on_this_machine() -> bool:
   starts one at its first computation), so that computations may read this
   machine's files; False under a context a program set itself."""
   current = context_stack_impl.context_stack.current
-  if isinstance(current, _StartOnFirstUse):
-    return True
-  return current in _contexts and all(isinstance(w, LocalWorker) for w in _workers)
+  if not (isinstance(current, _StartOnFirstUse) or current in _contexts):
+    return False
+  return all(isinstance(w, LocalWorker) for w in _workers)  # the ones it uses
 
 
 def check_mergeable(computation, what: str) -> None:
