@@ -2,6 +2,9 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 
 import dp_accounting
 import numpy as np
@@ -403,6 +406,23 @@ def test_client_sampling_is_seeded_and_in_range():
   assert len(set(a.tolist())) == 4 and a.min() >= 0 and a.max() < 10
   assert not np.array_equal(a, runner.sample_clients(config, 6)) or \
       not np.array_equal(a, runner.sample_clients(config, 7))
+
+
+def test_client_files_of_processes_that_ended_are_removed_by_the_next(tmp_path,
+                                                                   monkeypatch):
+  ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                         capture_output=True, text=True).stdout.strip()
+  for pid in (ended, str(os.getpid()), "x"):
+    (tmp_path / f"{runner.ClientFiles.PREFIX}{pid}-abc").mkdir()
+  (tmp_path / f"{runner.ClientFiles.PREFIX}{ended}-abc" / "client_0.x").write_bytes(b"")
+  (tmp_path / "other").mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  files = runner.ClientFiles(np.zeros((1, 2)), np.zeros(1), [np.array([0])])
+  mine = os.path.basename(os.path.dirname(files.paths(0)[0]))
+  assert sorted(os.listdir(tmp_path)) == sorted([
+      f"{runner.ClientFiles.PREFIX}{os.getpid()}-abc",
+      f"{runner.ClientFiles.PREFIX}x-abc", "other", mine])
+  files.close()
 
 
 @pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1]])

@@ -57,6 +57,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -462,13 +463,18 @@ class ClientFiles:
   the driver and the worker then no longer hold serialized copies of a
   round's data (`file_client_dataset`). A client's file is written at its
   first round, in a private temporary folder removed by `close`, when this
-  object is collected or at exit (a process killed by a signal leaves it).
+  object is collected or at exit; the folders of processes that ended
+  without (killed by a signal) are removed by the next `ClientFiles`.
   Only for workers on this machine."""
+
+  PREFIX = "tff-privacy-clients-"
 
   def __init__(self, x: np.ndarray, y: np.ndarray,
                client_indices: Sequence[np.ndarray]):
     self.x, self.y, self.client_indices = x, y, client_indices
-    self._folder = tempfile.TemporaryDirectory(prefix="tff-privacy-clients-")
+    _remove_orphaned_client_files(tempfile.gettempdir())
+    self._folder = tempfile.TemporaryDirectory(
+        prefix=f"{self.PREFIX}{os.getpid()}-")
     self._written: set[int] = set()
 
   def paths(self, client: int) -> tuple[str, str]:
@@ -486,6 +492,32 @@ class ClientFiles:
 
   def close(self) -> None:
     self._folder.cleanup()
+
+
+def _remove_orphaned_client_files(parent: str) -> None:
+  """Removes this user's `ClientFiles` folders in `parent` whose process
+  no longer runs."""
+  for name in os.listdir(parent):
+    pid = name[len(ClientFiles.PREFIX):].split("-")[0]
+    if not name.startswith(ClientFiles.PREFIX) or not pid.isdigit():
+      continue
+    path = os.path.join(parent, name)
+    try:
+      if os.stat(path).st_uid != os.getuid() or _process_runs(int(pid)):
+        continue
+    except FileNotFoundError:
+      continue
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _process_runs(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
 
 
 def file_client_dataset(paths: tuple[str, str], specs: tuple[tf.TensorSpec, ...],
