@@ -440,21 +440,43 @@ def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
   # Dataset.batch cuts each run of equal batches ending in a smaller one (a
   # local epoch). Joining `extra` needs Dataset.map, whose function would be
   # traced for every client: `_batches_with` traces it once per signature.
-  if extra:
-    extra = collections.OrderedDict((k, np.asarray(v)) for k, v in extra.items())
-    join = _batches_with(_spec_of(x), _spec_of(y), tuple(
-        (k, tf.TensorSpec(v.shape, tf.as_dtype(v.dtype))) for k, v in extra.items()))
+  if not extra:
+    return _concatenated_runs(batch_sizes, lambda start, count, size: (
+        tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+            x=x[start:start + count], y=y[start:start + count])).batch(size)))
+  extra = _as_arrays(extra)
+  join = _batches_with(_spec_of(x), _spec_of(y), _specs_of(extra))
+  return _concatenated_runs(batch_sizes, lambda start, count, size: join(
+      x[start:start + count], y[start:start + count], size, extra))
+
+
+def _concatenated_runs(batch_sizes: Sequence[int], run_of: Callable) -> tf.data.Dataset:
+  """The datasets `run_of(start, count, size)` of each run of equal batches
+  (`_batch_runs`: `count` samples from `start` cut into batches of `size`),
+  concatenated."""
   ds, start = None, 0
   for size, count in _batch_runs(batch_sizes):
-    xs, ys = x[start:start + count], y[start:start + count]
-    if extra:
-      run = join(xs, ys, size, extra)
-    else:
-      run = tf.data.Dataset.from_tensor_slices(
-          collections.OrderedDict(x=xs, y=ys)).batch(size)
+    run = run_of(start, count, size)
     ds = run if ds is None else ds.concatenate(run)
     start += count
   return ds
+
+
+def _as_arrays(extra: dict) -> collections.OrderedDict:
+  return collections.OrderedDict((k, np.asarray(v)) for k, v in extra.items())
+
+
+def _specs_of(extra: collections.OrderedDict) -> tuple:
+  """(name, spec) of each of `extra`'s arrays: a hashable signature."""
+  return tuple((k, tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)))
+               for k, v in extra.items())
+
+
+def _joined(batches: tf.data.Dataset, extra) -> tf.data.Dataset:
+  """`batches` with the tensors of `extra` joined to each batch."""
+  consts = tf.data.Dataset.from_tensors(extra).repeat()
+  return tf.data.Dataset.zip((batches, consts)).map(
+      lambda batch, c: collections.OrderedDict(**batch, **c))
 
 
 class ClientFiles:
@@ -527,16 +549,11 @@ def file_client_dataset(paths: tuple[str, str], specs: tuple[tf.TensorSpec, ...]
   """`client_dataset` of the samples x[order], y[order], read from the files
   `paths` (`ClientFiles`, of x and y with `specs`) when the dataset is
   iterated."""
-  extra = collections.OrderedDict((k, np.asarray(v)) for k, v in (extra or {}).items())
-  batches = _file_batches(*specs, tuple(
-      (k, tf.TensorSpec(v.shape, tf.as_dtype(v.dtype))) for k, v in extra.items()))
-  ds, start = None, 0
-  for size, count in _batch_runs(batch_sizes):
-    run = batches(*paths, np.asarray(order[start:start + count], np.int64), size,
-                  extra)
-    ds = run if ds is None else ds.concatenate(run)
-    start += count
-  return ds
+  extra = _as_arrays(extra or {})
+  batches = _file_batches(*specs, _specs_of(extra))
+  order = np.asarray(order, np.int64)
+  return _concatenated_runs(batch_sizes, lambda start, count, size: batches(
+      *paths, order[start:start + count], size, extra))
 
 
 @functools.lru_cache(maxsize=None)
@@ -558,11 +575,7 @@ def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
         lambda xp, yp: tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
             x=tf.gather(load(xp, x_spec), order),
             y=tf.gather(load(yp, y_spec), order)))).batch(size)
-    if not extra_spec:
-      return samples
-    consts = tf.data.Dataset.from_tensors(extra).repeat()
-    return tf.data.Dataset.zip((samples, consts)).map(
-        lambda batch, c: collections.OrderedDict(**batch, **c))
+    return _joined(samples, extra) if extra_spec else samples
 
   return batches
 
@@ -582,9 +595,7 @@ def _batches_with(x_spec, y_spec, extra_specs: tuple) -> Callable:
                                 extra_spec))
   def batches(x, y, size, extra):
     ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
-    consts = tf.data.Dataset.from_tensors(extra).repeat()
-    return tf.data.Dataset.zip((ds.batch(size), consts)).map(
-        lambda batch, c: collections.OrderedDict(**batch, **c))
+    return _joined(ds.batch(size), extra)
 
   return batches
 
