@@ -10,7 +10,9 @@ e.g. `-- --data-kwargs '{"size": 64}'` for 64x64 documents.
   python benchmarks/fedre_memory.py [--clients N] [--rounds 2]
       [--limit-mb 12000] [-- TRAIN FLAGS...]
 
-Prints the measured command line, then `peak_rss_mb=<x>`, the seconds
+Prints the measured command line, then `peak_rss_mb=<x>` (every resident
+page) and `peak_anon_mb=<y>` (the anonymous ones: what the out-of-memory
+killer counts; the rest are file pages the kernel can drop), the seconds
 elapsed and whether the run finished or was killed.
 """
 
@@ -40,15 +42,19 @@ def _positive_int(text: str) -> int:
   return int(text)
 
 
-def tree_rss(root: psutil.Process) -> int:
-  """Bytes resident in `root` and all of its descendants."""
-  total = 0
+def tree_memory(root: psutil.Process) -> tuple[int, int]:
+  """Bytes resident in `root` and all of its descendants: (all of them,
+  the anonymous ones). The difference is file pages (mapped files, code),
+  which the kernel drops under pressure instead of killing a process."""
+  rss = anon = 0
   for p in [root, *root.children(recursive=True)]:
     try:
-      total += p.memory_info().rss
+      info = p.memory_info()
     except psutil.NoSuchProcess:
-      pass
-  return total
+      continue
+    rss += info.rss
+    anon += info.rss - info.shared
+  return rss, anon
 
 
 def kill_tree(root: psutil.Process) -> None:
@@ -60,24 +66,26 @@ def kill_tree(root: psutil.Process) -> None:
       pass
 
 
-def watch(command: list[str], limit_bytes: int) -> tuple[int, float, str]:
-  """Runs `command`; returns (peak tree RSS in bytes, seconds, outcome)."""
+def watch(command: list[str], limit_bytes: int) -> tuple[int, int, float, str]:
+  """Runs `command`; returns (peak tree RSS in bytes, peak tree anonymous
+  RSS in bytes, seconds, outcome)."""
   start = time.monotonic()
   process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
   root = psutil.Process(process.pid)
-  peak = 0
+  peak = peak_anon = 0
   while process.poll() is None:
     try:
-      peak = max(peak, tree_rss(root))
+      rss, anon = tree_memory(root)
     except psutil.NoSuchProcess:
       break
+    peak, peak_anon = max(peak, rss), max(peak_anon, anon)
     if peak > limit_bytes:
       kill_tree(root)
       process.wait()
-      return peak, time.monotonic() - start, "killed_over_limit"
+      return peak, peak_anon, time.monotonic() - start, "killed_over_limit"
     time.sleep(SAMPLE_S)
   outcome = "finished" if process.wait() == 0 else f"failed_rc={process.returncode}"
-  return peak, time.monotonic() - start, outcome
+  return peak, peak_anon, time.monotonic() - start, outcome
 
 
 def main() -> None:
@@ -96,8 +104,9 @@ def main() -> None:
     shown = ["tff-privacy", *command[3:]]
     shown[shown.index(out)] = "OUT"
     print("command=" + shlex.join(shown), flush=True)
-    peak, seconds, outcome = watch(command, args.limit_mb * 2**20)
-  print(f"peak_rss_mb={peak // 2**20} seconds={seconds:.0f} outcome={outcome}")
+    peak, peak_anon, seconds, outcome = watch(command, args.limit_mb * 2**20)
+  print(f"peak_rss_mb={peak // 2**20} peak_anon_mb={peak_anon // 2**20} "
+        f"seconds={seconds:.0f} outcome={outcome}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ changed pixels, boxes inside the image, arguments checked."""
 import numpy as np
 import pytest
 
-from tff_privacy.data import documents
+from tff_privacy.data import documents, sources
 
 
 def test_same_seed_same_documents_other_seed_others():
@@ -68,9 +68,34 @@ def test_region_mask_is_the_union_of_the_chosen_classes():
 def test_bad_arguments_name_the_parameter(kwargs, message):
   with pytest.raises(ValueError, match=message):
     documents.generate(**{"num": 2, **kwargs})
+  with pytest.raises(ValueError, match=message):  # before drawing any
+    documents.iterate(**{"num": 2, **kwargs})
 
 
 def test_elements_drawn_outside_a_small_page_have_no_box():
   for seed in range(3):
     for doc in documents.generate(8, size=documents.MIN_SIZE, seed=seed):
       assert all(len(box) == 4 for boxes in doc.boxes.values() for box in boxes)
+
+
+def test_the_docs_source_holds_the_generated_documents_in_file_backed_arrays():
+  # drawn one at a time into arrays whose pages live in a file, the source
+  # must hold what `generate` returns in a list
+  source = sources.load_docs(num=11, size=32, test_fraction=0.2)
+  docs = documents.generate(11, size=32, seed=0)
+  for array in (source.x_train, source.y_train, source.elements.train):
+    assert isinstance(array, np.memmap)
+  np.testing.assert_array_equal(np.concatenate([source.x_train, source.x_test]),
+                                np.stack([d.image for d in docs]))
+  np.testing.assert_array_equal(np.concatenate([source.y_train, source.y_test]),
+                                np.stack([d.mask for d in docs]).astype(np.int32))
+  assert len(source.y_train) == 9
+  assert list(np.concatenate(source.groups)) == [d.format for d in docs]
+  for cls in documents.ELEMENT_CLASSES:
+    np.testing.assert_array_equal(
+        np.concatenate([source.elements.masks([cls], "train"),
+                        source.elements.masks([cls], "test")]),
+        np.stack([documents.region_mask(d, [cls]) for d in docs]))
+    np.testing.assert_array_equal(  # some images only
+        source.elements.masks([cls], "train", np.array([3, 0])),
+        np.stack([documents.region_mask(docs[i], [cls]) for i in (3, 0)]))

@@ -418,7 +418,7 @@ def test_client_files_of_processes_that_ended_are_removed_by_the_next(tmp_path,
   (tmp_path / "other").mkdir()
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   files = runner.ClientFiles(np.zeros((1, 2)), np.zeros(1), [np.array([0])])
-  mine = os.path.basename(os.path.dirname(files.paths(0)[0]))
+  mine = os.path.basename(os.path.dirname(files.folder(0)))
   assert sorted(os.listdir(tmp_path)) == sorted([
       f"{runner.ClientFiles.PREFIX}{os.getpid()}-abc",
       f"{runner.ClientFiles.PREFIX}x-abc", "other", mine])
@@ -435,9 +435,9 @@ def test_a_client_dataset_read_from_files_has_the_in_memory_batches(sizes, extra
   order = np.random.default_rng(1).integers(0, len(idx), sum(sizes))
   files = runner.ClientFiles(x, y, [np.array([1])] * 7 + [idx])
   try:
-    paths = files.paths(7)
-    assert files.paths(7) == paths
-    ds = runner.file_client_dataset(paths, (tf.TensorSpec((None, 2, 3), tf.float32),
+    folder = files.folder(7)
+    assert files.folder(7) == folder and len(os.listdir(folder)) == len(idx)
+    ds = runner.file_client_dataset(folder, (tf.TensorSpec((None, 2, 3), tf.float32),
                                             tf.TensorSpec((None,), tf.int32)),
                                     order, sizes, extra)
     expected = runner.client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
@@ -449,7 +449,7 @@ def test_a_client_dataset_read_from_files_has_the_in_memory_batches(sizes, extra
       assert all(np.array_equal(a[k], b[k]) for k in b)
   finally:
     files.close()
-  assert not os.path.exists(os.path.dirname(paths[0]))
+  assert not os.path.exists(os.path.dirname(folder))
 
 
 def test_client_inputs_join_every_batch():
@@ -876,6 +876,36 @@ def test_scores_by_group_score_each_group_and_none_without_samples(spec):
     evaluator.scores(weights, x[:0], y[:0])
 
 
+@pytest.mark.parametrize("spec", [
+    models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": [6]}),
+    models.ModelSpec("unet", (8, 8, 3), 2, {"widths": (2, 3)}, "segmentation",
+                     {"positive_weight": 3.0})])
+def test_evaluation_in_chunks_scores_the_chosen_samples_as_one_set(spec,
+                                                                   monkeypatch):
+  # an evaluation holds a few samples at a time and may read a subset of a
+  # larger array by index; its metrics must be those of the subset at once
+  monkeypatch.setattr(runner, "_EVAL_CHUNK", 4)
+  rng = np.random.default_rng(1)
+  x = rng.random((30,) + spec.input_shape, dtype=np.float32)
+  y = rng.integers(0, spec.num_classes, (30,) + spec.task_object.label_shape(
+      spec.input_shape)).astype(np.int32)
+  chosen = rng.permutation(30)[:13]
+  groups = rng.integers(0, 2, 13)
+  evaluator = runner.Evaluator(spec)
+  weights = spec.keras(2).get_weights()
+  expected = {"all": _plain_scores(spec, weights, x[chosen], y[chosen])}
+  got = {"all": evaluator.scores(weights, x, y, indices=chosen)}
+  grouped = evaluator.scores_by_group(weights, x, y, groups, 2, indices=chosen)
+  for g in (0, 1):
+    expected[g] = _plain_scores(spec, weights, x[chosen[groups == g]],
+                                y[chosen[groups == g]])
+    got[g] = grouped[g]
+  for key, want in expected.items():
+    for name in want:
+      np.testing.assert_allclose(got[key][name], want[name], rtol=1e-5,
+                                 atol=1e-6, err_msg=f"{key} {name}")
+
+
 def _client_models(config, spec) -> list[list[np.ndarray]]:
   """Each client's final model, read from the run's model file."""
   if os.path.exists(os.path.join(config.out, runner.MODEL_WEIGHTS)):
@@ -990,3 +1020,26 @@ def test_a_run_builds_only_the_processes_its_rounds_run_on(tmp_path, extra, need
                                "dataset": "digits", "model": "mlp", "clients": 2,
                                "rounds": 2, **extra})
   assert runner.Run(config).needed_processes() == needed
+
+
+def test_a_round_whose_clients_all_diverged_has_no_train_loss():
+  # TFF's client work drops a non-finite client's metrics: Keras then reads
+  # the empty sums as loss 0 and accuracy 0, which must not be reported
+  dropped = {"loss": 0.0, "sparse_categorical_accuracy": 0.0, "num_examples": 0.0}
+  assert all(np.isnan(v) for v in runner.train_measurements(dropped).values())
+  trained = {"loss": 0.7, "sparse_categorical_accuracy": 0.25, "num_examples": 8.0}
+  assert runner.train_measurements(trained) == {"train_loss": 0.7,
+                                                 "train_accuracy": 0.25}
+  personal = {"loss": 0.5, "sparse_categorical_accuracy": 0.5}  # no count
+  assert runner.train_measurements(personal)["train_loss"] == 0.5
+
+
+def test_a_run_whose_clients_all_diverge_reports_nan_train_loss(tmp_path):
+  # every client's model change overflows: TFF drops each one's metrics (and
+  # its update, so the server keeps its model)
+  config = runner.RunConfig(out=str(tmp_path), rounds=1, method="fedavg",
+                            method_kwargs={"client_learning_rate": 1e38}, **SMALL)
+  entries = runner.run(config, progress=False)
+  assert entries[-1]["server_update_rejected"] == 1
+  assert np.isnan(entries[-1]["train_loss"])
+  assert np.isnan(entries[-1]["train_accuracy"])

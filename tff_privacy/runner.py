@@ -58,9 +58,10 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -78,7 +79,8 @@ from tff_privacy.models.lpm import LPM_MODELS
 from tff_privacy.protocol import local_batch_sizes
 from tff_privacy.updates import ClientPlacedCapture, GroundTruthStore, UpdateStore
 
-_EVAL_BATCH = 1000
+_EVAL_BATCH = 64  # samples evaluated at once: a U-Net's activations bound the memory
+_EVAL_CHUNK = 16 * _EVAL_BATCH  # samples an evaluation holds at once
 EVALUATIONS = ("global", "local-after-training")
 LOCAL_AFTER_TRAINING = EVALUATIONS[1]
 
@@ -481,11 +483,12 @@ def _joined(batches: tf.data.Dataset, extra) -> tf.data.Dataset:
 
 class ClientFiles:
   """Each client's training samples in files that the TFF workers read, so
-  that a round's datasets carry paths and sample orders, not the samples:
-  the driver and the worker then no longer hold serialized copies of a
-  round's data (`file_client_dataset`). A client's file is written at its
-  first round, in a private temporary folder removed by `close`, when this
-  object is collected or at exit; the folders of processes that ended
+  that a round's datasets carry a folder and a sample order, not the
+  samples: the driver and the worker then hold only the batches in flight,
+  whatever the number of samples (`file_client_dataset`). A client's
+  folder, one file per sample (its x then its y, raw bytes), is written at
+  its first round, in a private temporary folder removed by `close`, when
+  this object is collected or at exit; the folders of processes that ended
   without (killed by a signal) are removed by the next `ClientFiles`.
   Only for workers on this machine."""
 
@@ -499,18 +502,20 @@ class ClientFiles:
         prefix=f"{self.PREFIX}{os.getpid()}-")
     self._written: set[int] = set()
 
-  def paths(self, client: int) -> tuple[str, str]:
-    """The files of `client`'s samples x[indices], y[indices] (its
-    `client_indices`), written if new."""
-    paths = tuple(os.path.join(self._folder.name, f"client_{client}.{name}")
-                  for name in ("x", "y"))
+  def folder(self, client: int) -> str:
+    """The folder of `client`'s samples x[indices], y[indices] (its
+    `client_indices`): file k holds the k-th; written if new."""
+    folder = os.path.join(self._folder.name, f"client_{client}")
     if client not in self._written:
-      indices = self.client_indices[client]
-      for path, samples in zip(paths, (self.x[indices], self.y[indices])):
-        with io.atomic_path(path) as tmp, open(tmp, "wb") as f:
-          f.write(tf.io.serialize_tensor(samples).numpy())
+      # whole or not at all; a half-written one goes with the run's folder
+      tmp = tempfile.mkdtemp(dir=self._folder.name, prefix=".tmp-")
+      for k, i in enumerate(self.client_indices[client]):
+        with open(os.path.join(tmp, str(k)), "wb") as f:
+          f.write(np.ascontiguousarray(self.x[i]).tobytes())
+          f.write(np.ascontiguousarray(self.y[i]).tobytes())
+      os.replace(tmp, folder)
       self._written.add(client)
-    return paths
+    return folder
 
   def close(self) -> None:
     self._folder.cleanup()
@@ -542,39 +547,44 @@ def _process_runs(pid: int) -> bool:
   return True
 
 
-def file_client_dataset(paths: tuple[str, str], specs: tuple[tf.TensorSpec, ...],
+def file_client_dataset(folder: str, specs: tuple[tf.TensorSpec, ...],
                         order: np.ndarray, batch_sizes: Sequence[int],
                         extra: Optional[dict[str, np.ndarray]] = None
                         ) -> tf.data.Dataset:
-  """`client_dataset` of the samples x[order], y[order], read from the files
-  `paths` (`ClientFiles`, of x and y with `specs`) when the dataset is
-  iterated."""
+  """`client_dataset` of the samples x[order], y[order], read one at a time
+  from `folder` (`ClientFiles.folder`; x and y with `specs`) when the
+  dataset is iterated."""
   extra = _as_arrays(extra or {})
   batches = _file_batches(*specs, _specs_of(extra))
   order = np.asarray(order, np.int64)
   return _concatenated_runs(batch_sizes, lambda start, count, size: batches(
-      *paths, order[start:start + count], size, extra))
+      folder, order[start:start + count], size, extra))
 
 
 @functools.lru_cache(maxsize=None)
 def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
-  """A tf.function (x path, y path, order, batch size, extra) -> batches of
-  (x[order], y[order]) read from the files, joined by `extra`; traced once
-  for these specs."""
+  """A tf.function (folder, order, batch size, extra) -> batches of the
+  samples `order` read from the folder's files, joined by `extra`; traced
+  once for these specs."""
   extra_spec = collections.OrderedDict(extra_specs)
-  path = tf.TensorSpec([], tf.string)
+  shapes = [s.shape[1:] for s in (x_spec, y_spec)]
+  sizes = [s.dtype.size * shape.num_elements() for s, shape in zip((x_spec, y_spec), shapes)]
 
-  def load(file, spec):
-    return tf.ensure_shape(tf.io.parse_tensor(tf.io.read_file(file), spec.dtype),
-                           spec.shape)
+  def decoded(raw, start, spec, shape, size):
+    return tf.reshape(tf.io.decode_raw(tf.strings.substr(raw, start, size), spec.dtype,
+                                       little_endian=sys.byteorder == "little"), shape)
 
-  @tf.function(input_signature=(path, path, tf.TensorSpec([None], tf.int64),
+  def sample(folder, k):
+    raw = tf.io.read_file(tf.strings.join([folder, tf.strings.as_string(k)], "/"))
+    return collections.OrderedDict(
+        x=decoded(raw, 0, x_spec, shapes[0], sizes[0]),
+        y=decoded(raw, sizes[0], y_spec, shapes[1], sizes[1]))
+
+  @tf.function(input_signature=(tf.TensorSpec([], tf.string), tf.TensorSpec([None], tf.int64),
                                 tf.TensorSpec([], tf.int64), extra_spec))
-  def batches(x_path, y_path, order, size, extra):
-    samples = tf.data.Dataset.from_tensors((x_path, y_path)).flat_map(
-        lambda xp, yp: tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-            x=tf.gather(load(xp, x_spec), order),
-            y=tf.gather(load(yp, y_spec), order)))).batch(size)
+  def batches(folder, order, size, extra):
+    samples = tf.data.Dataset.from_tensor_slices(order).map(
+        lambda k: sample(folder, k)).batch(size)
     return _joined(samples, extra) if extra_spec else samples
 
   return batches
@@ -632,6 +642,15 @@ def _quiet_retracing_warnings() -> None:
     logger.addFilter(_NotRetracing())
 
 
+def _eval_chunks(count: int, indices: Optional[np.ndarray]):
+  """(positions, samples) of each `_EVAL_CHUNK` of `count` samples: a slice
+  of the positions, and the samples' indices there (the slice itself
+  where `indices` is None)."""
+  for start in range(0, count, _EVAL_CHUNK):
+    positions = slice(start, start + _EVAL_CHUNK)
+    yield positions, positions if indices is None else indices[positions]
+
+
 class Evaluator:
   """The task's metrics (`tff_privacy.tasks`) of a model given its weights
   on given samples, in plain TensorFlow (one trace for every weights and
@@ -671,23 +690,36 @@ class Evaluator:
     return totals
 
   def scores(self, weights: Sequence[np.ndarray], x: np.ndarray,
-             y: np.ndarray) -> dict[str, float]:
-    """Every metric of the task on (x, y), which must hold samples."""
-    if not len(y):
+             y: np.ndarray, indices: Optional[np.ndarray] = None
+             ) -> dict[str, float]:
+    """Every metric of the task on (x, y), or on its samples `indices`,
+    which must be some. Reads `_EVAL_CHUNK` samples at a time, so the
+    memory it takes does not grow with the set (x may be a memmap)."""
+    count = len(y) if indices is None else len(indices)
+    if not count:
       raise ValueError("no samples to score: a model has no metrics on an "
                        "empty set")
-    sums = self._sums([tf.constant(w) for w in weights], x, y)
-    return self.task.scores([float(v) for v in sums.numpy()], len(y))
+    weights = [tf.constant(w) for w in weights]
+    sums = np.zeros(len(self.task.sum_names))
+    for _, samples in _eval_chunks(count, indices):
+      sums += self._sums(weights, x[samples], y[samples]).numpy()
+    return self.task.scores([float(v) for v in sums], count)
 
   def scores_by_group(self, weights: Sequence[np.ndarray], x: np.ndarray,
-                      y: np.ndarray, groups: np.ndarray,
-                      num_groups: int) -> list[Optional[dict[str, float]]]:
-    """Every metric of the task on each group of (x, y) (`groups` holds each
-    sample's group in [0, num_groups)), one model, in one pass: the same as
-    `scores` on each group's samples, without a call per group; None for a
-    group without samples."""
-    sums = self._group_sums([tf.constant(w) for w in weights], x, y,
-                            groups.astype(np.int32), num_groups).numpy()
+                      y: np.ndarray, groups: np.ndarray, num_groups: int,
+                      indices: Optional[np.ndarray] = None
+                      ) -> list[Optional[dict[str, float]]]:
+    """Every metric of the task on each group of (x, y), or of its samples
+    `indices` (`groups` holds each of those samples' group in [0,
+    num_groups)), one model, in one pass: the same as `scores` on each
+    group's samples, without a call per group; None for a group without
+    samples."""
+    weights = [tf.constant(w) for w in weights]
+    groups = np.asarray(groups, np.int32)
+    sums = np.zeros((num_groups, len(self.task.sum_names)))
+    for positions, samples in _eval_chunks(len(groups), indices):
+      sums += self._group_sums(weights, x[samples], y[samples],
+                               groups[positions], num_groups).numpy()
     counts = np.bincount(groups, minlength=num_groups)
     return [self.task.scores([float(v) for v in sums[g]], int(counts[g]))
             if counts[g] else None for g in range(num_groups)]
@@ -735,18 +767,29 @@ def _scalar_metrics(tree, prefix: str = "") -> dict[str, float]:
   return out
 
 
-class RoundClient(NamedTuple):
-  """A client sampled for a round: its index; its distinct samples x, y in
-  their first-epoch order (the ground truth); the dataset it trains on
-  (those samples in training order, every local epoch); the sensitive
-  attributes of its distinct samples, by name (empty if the data set has
-  none)."""
+@dataclasses.dataclass(frozen=True)
+class RoundClient:
+  """A client sampled for a round: its index; `samples`, its distinct
+  samples' indices into the run's training arrays (`source`), in their
+  first-epoch order; the dataset it trains on (those samples in training
+  order, every local epoch); the sensitive attributes of its distinct
+  samples, by name (empty if the data set has none). `x` and `y` (the
+  ground truth) gather the samples when asked, so a round holds none of
+  them beforehand."""
 
   index: int
-  x: np.ndarray
-  y: np.ndarray
+  samples: np.ndarray
   dataset: Any
   attributes: dict[str, np.ndarray]
+  source: data.Source = dataclasses.field(repr=False)
+
+  @property
+  def x(self) -> np.ndarray:
+    return self.source.x_train[self.samples]
+
+  @property
+  def y(self) -> np.ndarray:
+    return self.source.y_train[self.samples]
 
 
 class Run:
@@ -926,17 +969,14 @@ class Run:
     return {c.index: private.sent(weights, state["clients"][c.index])
             for c in clients}
 
-  def _client_tests(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Every client's test split in one array (x, y), each sample's client,
-    and the number of clients; built once."""
-    if not hasattr(self, "_client_test_arrays"):
-      indices = self.fed.client_test_indices
-      flat = np.concatenate(indices).astype(np.int64)
-      groups = np.repeat(np.arange(len(indices)), [len(i) for i in indices])
-      source = self.fed.source
-      self._client_test_arrays = (source.x_test[flat], source.y_test[flat], groups,
-                                  len(indices))
-    return self._client_test_arrays
+  @functools.cached_property
+  def _client_tests(self) -> tuple[np.ndarray, np.ndarray, int]:
+    """Every client's test samples in one index array into the test set,
+    each one's client, and the number of clients."""
+    indices = self.fed.client_test_indices
+    flat = np.concatenate(indices).astype(np.int64)
+    groups = np.repeat(np.arange(len(indices)), [len(i) for i in indices])
+    return flat, groups, len(indices)
 
   def personal_weights(self, state) -> list[list[np.ndarray]]:
     """Every client's own model: for personalised methods from its private
@@ -955,15 +995,19 @@ class Run:
     entry = {}
     tested = [c for c, idx in enumerate(self.fed.client_test_indices) if len(idx)]
     if not self.personalized:
+      source = self.fed.source
       entry.update({f"test_{k}": v for k, v in evaluator.scores(
-          self.server_weights(state), *self.fed.test).items()})
+          self.server_weights(state), source.x_test, source.y_test,
+          indices=self.fed.test_indices).items()})
     if self.personalized:
       weights = self.personal_weights(state)
       per_client = [evaluator.scores(weights[c], *self.fed.client_test_arrays(c))
                     for c in tested]
     else:
-      by_client = evaluator.scores_by_group(self.server_weights(state),
-                                            *self._client_tests())
+      flat, groups, num_clients = self._client_tests
+      by_client = evaluator.scores_by_group(
+          self.server_weights(state), self.fed.source.x_test,
+          self.fed.source.y_test, groups, num_clients, indices=flat)
       per_client = [by_client[c] for c in tested]
     entry["clients_without_test_data"] = self.config.clients - len(tested)
     entry.update(_spread("personal", evaluator.task.primary_metric, per_client))
@@ -1005,13 +1049,14 @@ class Run:
       distinct = idx[order[: min(len(idx), len(order))]]
       sizes = local_batches(len(distinct), self.algorithm, self.config)
       if runtime.runs_on_this_machine() and len(order) >= len(idx):
-        dataset = file_client_dataset(self._client_files.paths(int(client)),
+        dataset = file_client_dataset(self._client_files.folder(int(client)),
                                       (_spec_of(x), _spec_of(y)), order, sizes, extra)
       else:  # workers elsewhere; or a round on part of the client's samples
         dataset = client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
       out.append(RoundClient(
-          int(client), x[distinct], y[distinct], dataset,
-          {a: v[distinct] for a, v in attributes.train.items()} if attributes else {}))
+          int(client), distinct, dataset,
+          {a: v[distinct] for a, v in attributes.train.items()} if attributes else {},
+          self.fed.source))
     return out
 
   @functools.cached_property
@@ -1296,9 +1341,7 @@ def run(config: RunConfig, progress: bool = True,
       if config.evaluate == LOCAL_AFTER_TRAINING:
         entry.update(r.evaluate_local(evaluator, broadcast, clients, metrics, state))
       shown = _shown_metrics(r.spec.task_object.primary_metric, entry)
-    train = metrics["client_work"]["train"]
-    entry["train_loss"] = float(train["loss"])
-    entry["train_accuracy"] = float(train["sparse_categorical_accuracy"])
+    entry.update(train_measurements(metrics["client_work"]["train"]))
     entry.update(client_defense_measurements(metrics))
     entry.update(r.privacy_spent(round_num))
     entry.update(server_step_measurements(metrics))
@@ -1352,6 +1395,17 @@ def server_step_measurements(metrics) -> dict:
   return out
 
 
+def train_measurements(train) -> dict[str, float]:
+  """A round's train loss and accuracy (`train`: the client work's train
+  metrics), NaN where no client's training stayed finite: TFF's client work
+  drops the metrics of a client whose model change is not finite, and its
+  Keras means read the empty sums as 0."""
+  if "num_examples" in train and float(train["num_examples"]) == 0:
+    return {"train_loss": float("nan"), "train_accuracy": float("nan")}
+  return {"train_loss": float(train["loss"]),
+          "train_accuracy": float(train["sparse_categorical_accuracy"])}
+
+
 def client_defense_measurements(metrics) -> dict:
   """What a round's client-side defence reports, averaged over the round's
   clients, for metrics.json: `unperturbed_share` (the share of uploads it
@@ -1395,7 +1449,7 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
   if count != len(clients):
     raise RuntimeError(f"captured {count} uploads from {len(clients)} clients")
   uploads = [(c.index, data.client_id(c.index), [u[i] for u in captured["uploads"]],
-              captured["upload_weights"][i], len(c.y))
+              captured["upload_weights"][i], len(c.samples))
              for i, c in enumerate(clients)]
   meta = r.run_metadata()
   UpdateStore(os.path.join(r.config.out, "updates")).write_round(
@@ -1431,7 +1485,7 @@ def clean_uploads_unavailable(r: Run, clients) -> Optional[str]:
     return (f"the server aggregates by {a.protocol['aggregation']}, not by a "
             "weighted mean")
   if (a.upload_kind == "model_delta" and a.local_epochs > 1
-      and any(len(c.y) > r.config.batch_size for c in clients)):
+      and any(len(c.samples) > r.config.batch_size for c in clients)):
     return (f"each of the {a.local_epochs} local epochs shuffles a client's "
             "samples into new batches")
   return None

@@ -255,7 +255,9 @@ def client_regions(regions: Optional[str], num_clients: int, height: int,
     elif kind == "boxes":
       mask = psi.box_mask(value, height, width, name=f"regions[{c}]")
     else:
-      mask = _element_masks(data, value, regions)[data.client_indices[c]].any(0)
+      _check_element_maps(data, value, regions)
+      mask = _element_masks(data, value, regions, "train",
+                            data.client_indices[c]).any(0)
     masks.append(psi.check_mask(mask, height, width, name=f"regions of client {c}"))
   return masks
 
@@ -280,16 +282,21 @@ def _region_spec(value, name: str) -> tuple[str, list]:
   return "classes", [c.strip() for c in value.split(",")]
 
 
-def _element_masks(data, classes, regions, split: str = "train") -> np.ndarray:
+def _element_masks(data, classes, regions, split: str = "train",
+                   indices: Optional[np.ndarray] = None) -> np.ndarray:
+  _check_element_maps(data, classes, regions)
+  try:
+    return data.source.elements.masks(classes, split, indices)
+  except ValueError as e:
+    raise ValueError(f"regions={regions!r}: {e}") from None
+
+
+def _check_element_maps(data, classes, regions) -> None:
   if data is None or data.source.elements is None:
     raise ValueError(f"regions={regions!r} names element classes {classes}; "
                      "that needs a data set with element maps ('docs', or "
                      "'doctamper'/'tsroie' with a boxes file as data_kwargs "
                      "'regions'), else give boxes")
-  try:
-    return data.source.elements.masks(classes, split)
-  except ValueError as e:
-    raise ValueError(f"regions={regions!r}: {e}") from None
 
 
 def run_regions(run_dir: str) -> list[np.ndarray]:
@@ -695,7 +702,7 @@ def public_regions(federation: Federation, regions: Optional[str],
       train_groups, test_groups = data.source.groups
       idx = idx[np.isin(test_groups, train_groups[data.client_indices[c]])]
     if kind == "classes":
-      sample_masks = _element_masks(data, classes, regions, "test")[idx]
+      sample_masks = _element_masks(data, classes, regions, "test", idx)
     else:
       sample_masks = np.repeat(masks[c][None], len(idx), axis=0)
     keep = sample_masks.any(axis=(1, 2))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import io as _io
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -267,7 +267,8 @@ def generate(num: int, *, size: int = 64, seed: int = 0,
              tampers: Sequence[str] = TAMPERS,
              jpeg_quality: Optional[int] = 90) -> list[Document]:
   """`num` documents, formats in turn, tampered with probability
-  `tamper_fraction` by a kind drawn from `tampers`.
+  `tamper_fraction` by a kind drawn from `tampers`: `iterate`'s documents
+  in a list.
 
   Args:
     num: how many documents.
@@ -281,6 +282,23 @@ def generate(num: int, *, size: int = 64, seed: int = 0,
   Raises:
     ValueError: naming the first argument outside its range.
   """
+  return list(iterate(num, size=size, seed=seed, formats=formats,
+                      tamper_fraction=tamper_fraction, tampers=tampers,
+                      jpeg_quality=jpeg_quality))
+
+
+def iterate(num: int, *, size: int = 64, seed: int = 0,
+            formats: Sequence[str] = FORMATS, tamper_fraction: float = 0.5,
+            tampers: Sequence[str] = TAMPERS,
+            jpeg_quality: Optional[int] = 90) -> Iterator[Document]:
+  """`generate`'s documents one at a time, drawn as they are asked for, so
+  that a caller storing them elsewhere holds one in memory. The arguments
+  are checked before the first document is drawn; see `generate`."""
+  _check(num, size, formats, tamper_fraction, tampers, jpeg_quality)
+  return _drawn(num, size, seed, formats, tamper_fraction, tampers, jpeg_quality)
+
+
+def _check(num, size, formats, tamper_fraction, tampers, jpeg_quality) -> None:
   if num < 1:
     raise ValueError(f"num must be >= 1, got {num}")
   if size < MIN_SIZE:
@@ -293,10 +311,13 @@ def generate(num: int, *, size: int = 64, seed: int = 0,
     raise ValueError(f"tamper_fraction must lie in [0, 1], got {tamper_fraction}")
   if jpeg_quality is not None and not 1 <= jpeg_quality <= 95:
     raise ValueError(f"jpeg_quality must lie in [1, 95] or be None, got {jpeg_quality}")
+
+
+def _drawn(num, size, seed, formats, tamper_fraction, tampers,
+           jpeg_quality) -> Iterator[Document]:
   from skimage import data as skdata
   paper = skdata.page().astype(np.float32) / 255.0
   rng = np.random.default_rng(seed)
-  docs = []
   for i in range(num):
     fmt = formats[i % len(formats)]
     canvas = _draw(rng, fmt, size, paper)
@@ -310,8 +331,7 @@ def generate(num: int, *, size: int = 64, seed: int = 0,
     image = _jpeg(canvas.image, jpeg_quality) if jpeg_quality else canvas.image
     boxes = {cls: [list(b) for c, b, _ in canvas.elements if c == cls]
              for cls in ELEMENT_CLASSES}
-    docs.append(Document(np.asarray(image, np.float32) / 255.0, mask, boxes, fmt, kind))
-  return docs
+    yield Document(np.asarray(image, np.float32) / 255.0, mask, boxes, fmt, kind)
 
 
 def region_mask(document: Document, classes: Sequence[str]) -> np.ndarray:

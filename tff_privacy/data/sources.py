@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import tempfile
 from typing import Callable, Optional
 
 import numpy as np
@@ -31,14 +32,17 @@ class ElementMaps:
   train: np.ndarray
   test: np.ndarray
 
-  def masks(self, classes, split: str = "train") -> np.ndarray:
-    """[N, H, W] bool: the pixels covered by any of `classes`."""
+  def masks(self, classes, split: str = "train",
+            indices: Optional[np.ndarray] = None) -> np.ndarray:
+    """[N, H, W] bool: the pixels covered by any of `classes`, in every
+    image of `split` or in its images `indices`."""
     unknown = [c for c in classes if c not in self.classes]
     if unknown or not classes:
       raise ValueError(f"element classes {list(classes)}: choose from "
                        f"{self.classes}")
     bits = sum(1 << self.classes.index(c) for c in classes)
-    return (getattr(self, split) & bits) > 0
+    maps = getattr(self, split)
+    return ((maps if indices is None else maps[indices]) & bits) > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,20 +168,32 @@ def load_docs(test_fraction: float = 0.2, num: int = 800, size: int = 64) -> Sou
   RGB, labelled per pixel (1 tampered), grouped by format, with the maps of
   their element classes. Formats alternate, so the first (1 -
   test_fraction) for training and the rest for testing both hold every
-  format."""
-  docs = documents.generate(num, size=size, seed=0)
-  x = np.stack([d.image for d in docs])
-  y = np.stack([d.mask for d in docs]).astype(np.int32)
-  formats = np.array([d.format for d in docs])
-  maps = np.zeros((num, size, size), np.uint8)
-  for i, doc in enumerate(docs):
+  format. The documents are drawn one at a time into file-backed arrays
+  (`file_backed`), so loading holds one in memory whatever `num` is."""
+  x = file_backed((num, size, size, 3), np.float32)
+  y = file_backed((num, size, size), np.int32)
+  maps = file_backed((num, size, size), np.uint8)
+  formats = []
+  for i, doc in enumerate(documents.iterate(num, size=size, seed=0)):
+    x[i], y[i] = doc.image, doc.mask
     for k, cls in enumerate(documents.ELEMENT_CLASSES):
       maps[i][documents.region_mask(doc, [cls])] |= np.uint8(1 << k)
+    formats.append(doc.format)
+  formats = np.array(formats)
   cut = int(round(num * (1 - test_fraction)))
   return Source("docs", x[:cut], y[:cut], x[cut:], y[cut:], 2, 1.0,
                 task="segmentation", groups=(formats[:cut], formats[cut:]),
                 elements=ElementMaps(documents.ELEMENT_CLASSES, maps[:cut],
                                      maps[cut:]))
+
+
+def file_backed(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """A zeroed array whose pages live in an unlinked temporary file: the
+  kernel writes them out and drops them under memory pressure rather than
+  counting them against the process, and nothing is left on disk when the
+  process ends, however it ends. Indexing it gives in-memory copies."""
+  with tempfile.TemporaryFile(prefix="tff-privacy-data-") as f:
+    return np.memmap(f, dtype=dtype, mode="w+", shape=shape)
 
 
 def load_adult(test_fraction: float = 0.2) -> Source:
