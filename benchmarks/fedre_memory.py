@@ -11,9 +11,11 @@ e.g. `-- --data-kwargs '{"size": 64}'` for 64x64 documents.
       [--limit-mb 12000] [-- TRAIN FLAGS...]
 
 Prints the measured command line, then `peak_rss_mb=<x>` (every resident
-page) and `peak_anon_mb=<y>` (the anonymous ones: what the out-of-memory
-killer counts; the rest are file pages the kernel can drop), the seconds
-elapsed and whether the run finished or was killed.
+page; the limit applies to it) and `peak_anon_mb=<y>` (anonymous and
+shared-memory pages, which only swap can take out of memory; the rest are
+pages of files on disk that the kernel drops under pressure, such as the
+documents' file-backed arrays), the seconds elapsed and whether the run
+finished or was killed.
 """
 
 from __future__ import annotations
@@ -44,17 +46,25 @@ def _positive_int(text: str) -> int:
 
 def tree_memory(root: psutil.Process) -> tuple[int, int]:
   """Bytes resident in `root` and all of its descendants: (all of them,
-  the anonymous ones). The difference is file pages (mapped files, code),
-  which the kernel drops under pressure instead of killing a process."""
-  rss = anon = 0
+  those the kernel cannot drop without swap: anonymous and shared-memory
+  pages, tmpfs files included). The difference is pages of files on disk
+  (mapped data, code), which the kernel writes out and drops under
+  pressure."""
+  rss = kept = 0
   for p in [root, *root.children(recursive=True)]:
     try:
-      info = p.memory_info()
-    except psutil.NoSuchProcess:
+      rss += p.memory_info().rss
+      kept += _unreclaimable(p.pid)
+    except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
       continue
-    rss += info.rss
-    anon += info.rss - info.shared
-  return rss, anon
+  return rss, kept
+
+
+def _unreclaimable(pid: int) -> int:
+  """RssAnon + RssShmem of process `pid`, in bytes (Linux)."""
+  with open(f"/proc/{pid}/status") as f:
+    fields = dict(line.split(":", 1) for line in f if line.startswith("Rss"))
+  return sum(int(fields[k].split()[0]) for k in ("RssAnon", "RssShmem")) * 1024
 
 
 def kill_tree(root: psutil.Process) -> None:

@@ -87,7 +87,7 @@ def measured(method: str, args) -> tuple[list[float], int]:
   of `method` in a process of its own (`time_rounds`)."""
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "times.json")
-    peak, _, outcome = watch(
+    peak, _, _, outcome = watch(
         [sys.executable, os.path.abspath(__file__), "--time-method", method,
          "--times-file", path, "--rounds", str(args.rounds), "--clients",
          str(args.clients), "--samples", str(args.samples)],

@@ -11,8 +11,9 @@ samples each), 20 rounds:
   python benchmarks/train_memory.py -- --method hyperfl --dataset mnist5k \\
       --model cnn --partition file:split.json --rounds 20 --batch-size 32
 
-Prints the measured command line, then `peak_rss_mb=<x>`, the seconds
-elapsed and whether the run finished or was killed.
+Prints the measured command line, then `peak_rss_mb=<x>` and
+`peak_anon_mb=<y>` (as `fedre_memory` does), the seconds elapsed and
+whether the run finished or was killed.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def main() -> None:
     if not given_out:
       shown[shown.index(tmp)] = "OUT"
     print("command=" + shlex.join(shown), flush=True)
-    peak, seconds, outcome = watch(command, args.limit_mb * 2**20)
-  print(f"peak_rss_mb={peak // 2**20} seconds={seconds:.0f} outcome={outcome}")
+    peak, peak_anon, seconds, outcome = watch(command, args.limit_mb * 2**20)
+  print(f"peak_rss_mb={peak // 2**20} peak_anon_mb={peak_anon // 2**20} "
+        f"seconds={seconds:.0f} outcome={outcome}")
   if outcome != "finished":
     sys.exit(1)
 

@@ -2,6 +2,7 @@
 run. Expected values come from hand computations in numpy, the nested-tape
 PSI reference and dp_accounting called directly."""
 
+import dataclasses
 import functools
 import json
 
@@ -420,6 +421,28 @@ def test_public_sets_hold_the_clients_category_with_its_regions(documents_by_for
     classes = ("amount",) if c == 1 else documents.PRIVACY_PREFERENCES["marks"]
     chosen = [d for d in test_docs if d.format == fmt
               and documents.region_mask(d, classes).any()][:3]
+    np.testing.assert_array_equal(public.x, [d.image for d in chosen])
+    np.testing.assert_array_equal(public.masks,
+                                  [documents.region_mask(d, classes) for d in chosen])
+
+
+def test_public_sets_of_pooled_test_splits_hold_their_own_samples(
+    documents_by_format):
+  # a split file tests on part of the test set in its own order: the
+  # categories and regions must be those of the samples it holds
+  from tff_privacy import algorithms
+  from tff_privacy.data import documents
+  fed, docs = documents_by_format
+  fed = dataclasses.replace(fed, test_indices=np.arange(len(docs) - 160)[::-3])
+  masks = fedre.client_regions("numbers", 5, 64, 64, data=fed)
+  federation = algorithms.Federation(1, (1,) * 5, fed.test, data=fed)
+  sets = fedre.public_regions(federation, "numbers", masks, 2)
+  pooled = [docs[160 + i] for i in fed.test_indices]
+  classes = documents.PRIVACY_PREFERENCES["numbers"]
+  for c, public in enumerate(sets):
+    fmt = docs[fed.client_indices[c][0]].format
+    chosen = [d for d in pooled if d.format == fmt
+              and documents.region_mask(d, classes).any()][:2]
     np.testing.assert_array_equal(public.x, [d.image for d in chosen])
     np.testing.assert_array_equal(public.masks,
                                   [documents.region_mask(d, classes) for d in chosen])

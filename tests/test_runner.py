@@ -452,6 +452,19 @@ def test_a_client_dataset_read_from_files_has_the_in_memory_batches(sizes, extra
   assert not os.path.exists(os.path.dirname(folder))
 
 
+def test_client_files_read_with_other_specs_fail():
+  x, y = np.zeros((3, 2, 3), np.float32), np.arange(3, dtype=np.int32)
+  files = runner.ClientFiles(x, y, [np.arange(3)])
+  try:
+    ds = runner.file_client_dataset(files.folder(0), (
+        tf.TensorSpec((None, 2, 3), tf.float64), tf.TensorSpec((None,), tf.int32)),
+                                    np.arange(3), [3])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="other specs"):
+      list(ds)
+  finally:
+    files.close()
+
+
 def test_client_inputs_join_every_batch():
   x = np.zeros((5, 2), np.float32)
   y = np.arange(5, dtype=np.int32)

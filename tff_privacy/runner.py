@@ -576,6 +576,10 @@ def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
 
   def sample(folder, k):
     raw = tf.io.read_file(tf.strings.join([folder, tf.strings.as_string(k)], "/"))
+    checked = tf.debugging.assert_equal(  # a file of other specs fails, not garbles
+        tf.strings.length(raw), sum(sizes), message="a client sample file of other specs")
+    with tf.control_dependencies([checked]):
+      raw = tf.identity(raw)
     return collections.OrderedDict(
         x=decoded(raw, 0, x_spec, shapes[0], sizes[0]),
         y=decoded(raw, sizes[0], y_spec, shapes[1], sizes[1]))
@@ -584,7 +588,8 @@ def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
                                 tf.TensorSpec([], tf.int64), extra_spec))
   def batches(folder, order, size, extra):
     samples = tf.data.Dataset.from_tensor_slices(order).map(
-        lambda k: sample(folder, k)).batch(size)
+        lambda k: sample(folder, k), num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True).batch(size)
     return _joined(samples, extra) if extra_spec else samples
 
   return batches
@@ -692,8 +697,8 @@ class Evaluator:
   def scores(self, weights: Sequence[np.ndarray], x: np.ndarray,
              y: np.ndarray, indices: Optional[np.ndarray] = None
              ) -> dict[str, float]:
-    """Every metric of the task on (x, y), or on its samples `indices`,
-    which must be some. Reads `_EVAL_CHUNK` samples at a time, so the
+    """Every metric of the task on (x, y), or on its samples `indices`; an
+    empty set is refused. Reads `_EVAL_CHUNK` samples at a time, so the
     memory it takes does not grow with the set (x may be a memmap)."""
     count = len(y) if indices is None else len(indices)
     if not count:
@@ -767,7 +772,7 @@ def _scalar_metrics(tree, prefix: str = "") -> dict[str, float]:
   return out
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class RoundClient:
   """A client sampled for a round: its index; `samples`, its distinct
   samples' indices into the run's training arrays (`source`), in their

@@ -695,14 +695,18 @@ def public_regions(federation: Federation, regions: Optional[str],
                      "fedre inside a run, or set aggregation='mean'")
   x, y = federation.public_data
   data = federation.data
+  # each public sample's place in the source's test set (a split file's
+  # pooled test splits are part of it, in their own order)
+  in_test = (np.arange(len(x)) if data is None or data.test_indices is None
+             else np.asarray(data.test_indices))
   chosen = []
   for c, (kind, classes) in enumerate(region_specs(regions, len(masks))):
     idx = np.arange(len(x))
     if data is not None and data.source.groups is not None:
       train_groups, test_groups = data.source.groups
-      idx = idx[np.isin(test_groups, train_groups[data.client_indices[c]])]
+      idx = idx[np.isin(test_groups[in_test], train_groups[data.client_indices[c]])]
     if kind == "classes":
-      sample_masks = _element_masks(data, classes, regions, "test", idx)
+      sample_masks = _element_masks(data, classes, regions, "test", in_test[idx])
     else:
       sample_masks = np.repeat(masks[c][None], len(idx), axis=0)
     keep = sample_masks.any(axis=(1, 2))

@@ -294,11 +294,11 @@ def iterate(num: int, *, size: int = 64, seed: int = 0,
   """`generate`'s documents one at a time, drawn as they are asked for, so
   that a caller storing them elsewhere holds one in memory. The arguments
   are checked before the first document is drawn; see `generate`."""
-  _check(num, size, formats, tamper_fraction, tampers, jpeg_quality)
+  _check_arguments(num, size, formats, tamper_fraction, tampers, jpeg_quality)
   return _drawn(num, size, seed, formats, tamper_fraction, tampers, jpeg_quality)
 
 
-def _check(num, size, formats, tamper_fraction, tampers, jpeg_quality) -> None:
+def _check_arguments(num, size, formats, tamper_fraction, tampers, jpeg_quality) -> None:
   if num < 1:
     raise ValueError(f"num must be >= 1, got {num}")
   if size < MIN_SIZE:

@@ -189,10 +189,22 @@ def load_docs(test_fraction: float = 0.2, num: int = 800, size: int = 64) -> Sou
 
 def file_backed(shape: tuple[int, ...], dtype) -> np.ndarray:
   """A zeroed array whose pages live in an unlinked temporary file: the
-  kernel writes them out and drops them under memory pressure rather than
-  counting them against the process, and nothing is left on disk when the
-  process ends, however it ends. Indexing it gives in-memory copies."""
+  kernel writes them out and drops them under memory pressure, and nothing
+  is left on disk when the process ends, however it ends (where the
+  temporary folder is a tmpfs, its pages stay in memory). Indexing it gives
+  in-memory copies.
+
+  Raises:
+    OSError: naming the folder, where it has no room for the array.
+  """
+  size = int(np.prod(shape)) * np.dtype(dtype).itemsize
   with tempfile.TemporaryFile(prefix="tff-privacy-data-") as f:
+    try:  # reserved now: a full disk found while writing the map kills by SIGBUS
+      os.posix_fallocate(f.fileno(), 0, max(size, 1))
+    except OSError as e:
+      raise OSError(f"the temporary folder {tempfile.gettempdir()} has no room "
+                    f"for {size} bytes of data ({e.strerror}); set TMPDIR to "
+                    "a folder with room") from None
     return np.memmap(f, dtype=dtype, mode="w+", shape=shape)
 
 
