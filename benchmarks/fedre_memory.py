@@ -64,7 +64,8 @@ def _unreclaimable(pid: int) -> int:
   """RssAnon + RssShmem of process `pid`, in bytes (Linux)."""
   with open(f"/proc/{pid}/status") as f:
     fields = dict(line.split(":", 1) for line in f if line.startswith("Rss"))
-  return sum(int(fields[k].split()[0]) for k in ("RssAnon", "RssShmem")) * 1024
+  # an exiting process (a zombie) lists none
+  return sum(int(fields.get(k, "0").split()[0]) for k in ("RssAnon", "RssShmem")) * 1024
 
 
 def kill_tree(root: psutil.Process) -> None:
