@@ -284,7 +284,8 @@ def _region_spec(value, name: str) -> tuple[str, list]:
 
 def _element_masks(data, classes, regions, split: str = "train",
                    indices: Optional[np.ndarray] = None) -> np.ndarray:
-  _check_element_maps(data, classes, regions)
+  """The element masks of `classes` (`ElementMaps.masks`), with `regions`
+  named in the error; after `_check_element_maps`."""
   try:
     return data.source.elements.masks(classes, split, indices)
   except ValueError as e:
@@ -706,6 +707,7 @@ def public_regions(federation: Federation, regions: Optional[str],
       train_groups, test_groups = data.source.groups
       idx = idx[np.isin(test_groups[in_test], train_groups[data.client_indices[c]])]
     if kind == "classes":
+      _check_element_maps(data, classes, regions)
       sample_masks = _element_masks(data, classes, regions, "test", in_test[idx])
     else:
       sample_masks = np.repeat(masks[c][None], len(idx), axis=0)
