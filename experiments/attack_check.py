@@ -27,7 +27,7 @@ import argparse
 
 import numpy as np
 
-from tff_privacy import data, evaluate, io, models, runner, runtime
+from tff_privacy import data, evaluate, io, models, provenance, runner, runtime
 from tff_privacy.attacks import attribute
 
 
@@ -110,7 +110,7 @@ def main() -> None:
             f"{args.shadow} shadow, {args.victims} victim single-sample uploads)", "",
             "| adversary | ASR | chance |", "|---|---|---|"]
   lines += [f"| {name} | {rate:.3f} | {chance:.3f} |" for name, rate in rates.items()]
-  text = "\n".join(lines) + "\n"
+  text = "\n".join(lines) + "\n" + provenance.footnote(args.out)
   io.write_text(os.path.join(args.out, "summary.md"), text)
   io.write_json(os.path.join(args.out, "summary.json"),
                 {"inversion": rows, "attribute_inference": {"asr": rates,

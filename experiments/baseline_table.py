@@ -31,7 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # also the CUDA plugin lines
 
 import argparse
 
-from tff_privacy import evaluate, io, runner, runtime
+from tff_privacy import evaluate, io, provenance, runner, runtime
 
 BASELINES = [
     ("none", "-", {}),
@@ -92,7 +92,7 @@ def write_tables(out: str, rows: list[dict], rounds: int) -> str:
                  f"{r['test_accuracy']:.4f} | {privacy} | {r['ssim']:.4f} | "
                  f"{r['psnr']:.2f} | {r['mse']:.4f} | "
                  f"{_fmt(r['label_accuracy'], '.2f')} |")
-  text = "\n".join(lines) + "\n"
+  text = "\n".join(lines) + "\n" + provenance.footnote(out)
   io.write_text(os.path.join(out, "summary.md"), text)
   io.write_csv(os.path.join(out, "summary.csv"), rows, COLUMNS)
   return text

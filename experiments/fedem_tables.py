@@ -43,7 +43,7 @@ import argparse
 
 import numpy as np
 
-from tff_privacy import evaluate, io, runner, runtime
+from tff_privacy import evaluate, io, provenance, runner, runtime
 from tff_privacy.metrics import report
 
 RHO_MAX = 8 / 255
@@ -139,7 +139,7 @@ def write_table(out: str, stem: str, title: str, rows: list[dict],
     lines.append("| " + " | ".join([r["method"]] + [
         format(r[c], ".3g" if c.endswith("feature_mse") else ".4f")
         if c in r else "-" for c in columns]) + " |")
-  text = "\n".join(lines) + "\n"
+  text = "\n".join(lines) + "\n" + provenance.footnote(out)
   io.write_text(os.path.join(out, f"{stem}.md"), text)
   io.write_csv(os.path.join(out, f"{stem}.csv"), rows, ["method", "setting"] + columns)
   return text

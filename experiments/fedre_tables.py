@@ -131,7 +131,8 @@ from typing import Optional
 
 import numpy as np
 
-from tff_privacy import attacks, data, evaluate, io, models, runner, runtime
+from tff_privacy import (attacks, data, evaluate, io, models, provenance, runner,
+                         runtime)
 from tff_privacy.algorithms import fedre
 from tff_privacy.attacks.adaptive import defence_name
 from tff_privacy.cli import json_object
@@ -359,7 +360,7 @@ def _save(args, name: str, lines: list[str], rows: list[dict],
           csv_name: Optional[str] = None) -> str:
   """Writes OUT/<name>.md from `lines` and OUT/<csv_name or name>.csv from
   `rows`; returns the markdown."""
-  text = "\n".join(lines) + "\n"
+  text = "\n".join(lines) + "\n" + provenance.footnote(args.out)
   io.write_text(os.path.join(args.out, f"{name}.md"), text)
   io.write_csv(os.path.join(args.out, f"{csv_name or name}.csv"), rows, list(rows[0]))
   return text

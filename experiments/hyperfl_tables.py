@@ -90,7 +90,7 @@ import argparse
 
 import numpy as np
 
-from tff_privacy import evaluate, io, runner, runtime
+from tff_privacy import evaluate, io, provenance, runner, runtime
 from tff_privacy.data import splits
 from tff_privacy.metrics import report
 
@@ -275,7 +275,7 @@ def write_lpm_table(args, rows: list[dict]) -> str:
     lines.append("| " + " | ".join([
         r["method"], *_accuracy_cells(r), f"{r['seconds_per_round']:.1f}",
         *(f"{p:.2f}" for p in PAPER_LPM[r["method"]])]) + " |")
-  text = "\n".join(lines + ["", EVALUATION_NOTE]) + "\n"
+  text = "\n".join(lines + ["", EVALUATION_NOTE]) + "\n" + provenance.footnote(args.out)
   io.write_text(os.path.join(args.out, "table2.md"), text)
   io.write_csv(os.path.join(args.out, "table2.csv"), rows, list(rows[0]))
   return text
@@ -333,7 +333,7 @@ def write_leak_table(args, rows: list[dict]) -> str:
         *("-" if p is None else f"{p:g}" for p in paper)]) + " |")
   lines += ["", "ROG runs its own 100 iterations. LPIPS needs pretrained "
             "weights (--lpips-weights)."]
-  text = "\n".join(lines) + "\n"
+  text = "\n".join(lines) + "\n" + provenance.footnote(args.out)
   io.write_text(os.path.join(args.out, "table3.md"), text)
   io.write_csv(os.path.join(args.out, "table3.csv"), rows, list(rows[0]))
   images = {}
@@ -389,7 +389,7 @@ def write_table(out: str, rows: list[dict], dataset: str, rounds: int,
         r["setting"], r["method"], *_accuracy_cells(r),
         "-" if eps is None else f"{eps:.2f}", f"{r['seconds_per_round']:.1f}",
         *("-" if p is None else f"{p:.2f}" for p in paper)]) + " |")
-  text = "\n".join(lines + ["", EVALUATION_NOTE]) + "\n"
+  text = "\n".join(lines + ["", EVALUATION_NOTE]) + "\n" + provenance.footnote(out)
   io.write_text(os.path.join(out, "table1.md"), text)
   io.write_csv(os.path.join(out, "table1.csv"), rows, list(rows[0]))
   return text

@@ -83,7 +83,7 @@ import math
 
 import numpy as np
 
-from tff_privacy import evaluate, io, runner, runtime
+from tff_privacy import evaluate, io, provenance, runner, runtime
 from tff_privacy.updates import UpdateStore
 from tff_privacy.metrics import report
 from tff_privacy.attacks.attribute import ADVERSARIES
@@ -770,6 +770,7 @@ def _cell(value) -> str:
 def save(out: str, stem: str, rows: list[dict], text: str) -> None:
   columns = list(dict.fromkeys(k for r in rows for k in r))
   io.write_csv(os.path.join(out, f"{stem}.csv"), rows, columns)
+  text += provenance.footnote(out)
   io.write_text(os.path.join(out, f"{stem}.md"), text)
   print(text, flush=True)
 

@@ -89,6 +89,22 @@ def test_soteria_mask_drops_the_pruned_rows_and_keeps_every_other_layer(digits):
       assert np.all(m.numpy() == 1)
 
 
+@pytest.mark.parametrize("layer, message", [
+    (None, "has no 'layer'"),  # a store captured without the field
+    ("conv9", "cannot read its store: layer='conv9' is not a layer")])
+def test_a_soteria_store_it_cannot_read_is_refused(digits, layer, message):
+  record, _, _ = _soterian(digits, 1)
+  defense = {k: v for k, v in record.metadata["defense"].items() if k != "layer"}
+  if layer is not None:
+    defense["layer"] = layer
+  old = dataclasses.replace(record, metadata={**record.metadata,
+                                              "defense": defense})
+  with pytest.raises(attacks.UploadRefused, match=message) as refused:
+    attacks.build("ig_masked", iterations=1)([old])
+  assert "ig_masked" in str(refused.value)
+  assert "\n" not in str(refused.value)
+
+
 def test_masked_ig_recovers_what_soteria_hides_from_ig(digits):
   # Measured at p 0.8 (400 iterations, samples 0-3): IG 0.08-0.34, ig_masked
   # 1.000.

@@ -250,3 +250,26 @@ def test_soteria_bad_parameters_name_themselves():
     defenses.build("soteria", spec, layer="conv1")
   with pytest.raises(ValueError, match="needs the model's ModelSpec"):
     defenses.build("soteria")
+
+
+def test_a_compressing_defence_gives_its_uploads_size_in_its_own_encoding():
+  # 2 of 10 entries nonzero: 2 x (int32 index + float32 value), not 10 x 4
+  sparse = [np.array([[0, 1.5, 0], [0, 0, 0]], np.float32),
+            np.array([0, -2.0, 0, 0], np.float32)]
+  assert defenses.encoded_bytes("sparsification", {"p": 0.8}, sparse) == 16
+  # every entry nonzero: dense (3 x 4 bytes) is smaller than 3 x 8
+  assert defenses.encoded_bytes("sparsification", {"p": 0.1},
+                                [np.ones(3, np.float32)]) == 12
+  # LDP-Fed at clip 0.05, precision 3: |U| = 2 x 50 + 1 = 101 codes, 7 bits
+  # each; 100 entries: ceil(700 / 8) = 88 bytes
+  upload = [np.zeros((10, 9), np.float32), np.zeros(10, np.float32)]
+  assert defenses.encoded_bytes("ldp_fed", {}, upload) == 88
+  # 5 shared: 5 x (4 index bytes) + ceil(35 / 8) = 25; 20 shared: 80 +
+  # ceil(140 / 8) = 98 > 88, so every entry's code
+  assert defenses.encoded_bytes("ldp_fed", {"fraction": 0.05}, upload) == 25
+  assert defenses.encoded_bytes("ldp_fed", {"fraction": 0.2}, upload) == 88
+  # clip 1, precision 2: |U| = 201, 8 bits each
+  assert defenses.encoded_bytes("ldp_fed", {"clip": 1.0, "precision": 2}, upload) == 100
+  noise = {"clip": 1.0, "noise_multiplier": 0.1}
+  for name, kwargs in ((None, {}), ("ldp_gaussian", noise), ("dp_fedavg", noise)):
+    assert defenses.encoded_bytes(name, kwargs, upload) is None

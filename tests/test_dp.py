@@ -211,6 +211,42 @@ def test_paper_noise_multipliers_are_eq_9_by_hand():
   expected = np.sqrt(2 * 50 * np.log(1000)) / np.array([2.0, 8.0])
   np.testing.assert_allclose(got, expected, rtol=1e-6)
   assert lb.split_delta(1e-5, 4) == 2.5e-6
+  # and solved back for epsilon_l: the share those sigmas spend
+  np.testing.assert_allclose(lb.paper_layer_epsilons(expected, 1e-3, 50).numpy(),
+                             [2.0, 8.0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("splits, planned, expected", [
+    # the same split every round: epsilon sqrt(t / T)
+    ([[5.0, 5.0, 5.0, 5.0]], 2, 20.0 / np.sqrt(2)),
+    ([[5.0, 5.0, 5.0, 5.0]] * 2, 2, 20.0),
+    # a PSI split that changes: per tensor, by hand, 2 sqrt((3.988^2 +
+    # 4.408^2) / 2) + 2 sqrt((6.012^2 + 5.592^2) / 2) = 8.40650 + 11.61160
+    ([[3.988, 3.988, 6.012, 6.012], [4.408, 4.408, 5.592, 5.592]], 2, 20.01810),
+    # 0.9 / 0.1 then 0.1 / 0.9: 2 sqrt((0.81 + 0.01) / 2) = 1.28062, not 1
+    ([[0.9, 0.1], [0.1, 0.9]], 2, 1.28062),
+    # a round the client sat out spends nothing
+    ([[0.9, 0.1], [0.0, 0.0]], 2, 1.0 / np.sqrt(2))])
+def test_paper_epsilon_composes_eq_9_over_rounds_per_tensor(splits, planned,
+                                                            expected):
+  from tff_privacy.dp import layerwise_budget as lb
+  assert lb.paper_epsilon_spent(splits, planned) == pytest.approx(expected, abs=2e-5)
+
+
+def test_paper_epsilon_is_eq_9_of_the_noise_each_tensor_received():
+  """Eq. 9's bound for rounds of noise sigma_{l,r}: epsilon_l^2 = 2 ln(1 /
+  delta_l) sum_r 1 / sigma_{l,r}^2 (T equal rounds: eq. 9 itself), summed
+  over tensors; each round's sigma is eq. 9's for its split over T = 3."""
+  from tff_privacy.dp import layerwise_budget as lb
+  splits = np.array([[1.0, 3.0, 6.0], [5.0, 4.0, 1.0]])
+  layer_delta = 1e-5 / 3
+  sigmas = np.sqrt(2 * 3 * np.log(1 / layer_delta)) / splits
+  per_tensor = np.sqrt(2 * np.log(1 / layer_delta) * (1 / sigmas**2).sum(0))
+  assert lb.paper_epsilon_spent(splits, 3) == pytest.approx(per_tensor.sum(), rel=1e-12)
+  with pytest.raises(ValueError, match=r"layer_epsilons must be \[rounds, tensors\]"):
+    lb.paper_epsilon_spent([1.0, 2.0], 3)
+  with pytest.raises(ValueError, match="planned_rounds must be >= 1"):
+    lb.paper_epsilon_spent(splits, 0)
 
 
 def test_calibrated_multipliers_spend_exactly_the_budget():

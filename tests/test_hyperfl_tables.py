@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_privacy import runner
+from tff_privacy import io, provenance, runner
 
 from conftest import load_script
 
@@ -64,6 +64,26 @@ def test_a_row_is_its_seeds_runs_in_the_papers_evaluation(script, tmp_path,
   assert "seeds 0, 1, 4" in table
   # cached: a second call trains nothing
   assert script.run_row(args, "20 clients", label) == row and len(configs) == 3
+
+
+def test_a_table_names_the_runs_made_by_other_code(script, tmp_path, monkeypatch):
+  now = {"commit": "c" * 40, "dirty": False, "diff_sha256": None}
+  other = {"commit": "a" * 40, "dirty": False, "diff_sha256": None}
+  monkeypatch.setattr(provenance, "code_version", lambda: dict(now))
+  configs = []
+  monkeypatch.setattr(runner, "run", _fake_run(configs))
+  monkeypatch.setattr(script.runtime, "renew", lambda: None)
+  args = argparse.Namespace(out=str(tmp_path), scale="small", dataset="mnist5k",
+                            rounds=3, seeds=[0, 1], data_dir=None, quiet=True)
+  row = script.run_row(args, "20 clients", "FedAvg")
+  for config, version in zip(configs, (now, other)):
+    io.write_json(os.path.join(config.out, "config.json"), {provenance.KEY: [version]})
+  table = script.write_table(str(tmp_path), [row], "mnist5k", 3, [0, 1])
+  assert "Code: commit cccccccccccc." in table
+  reused = [line for line in table.splitlines() if line.startswith("- ")]
+  assert reused == [f"- {os.path.relpath(configs[1].out, tmp_path)}: made by commit "
+                    "aaaaaaaaaaaa; the code now is commit cccccccccccc"]
+  assert open(tmp_path / "table1.md").read() == table
 
 
 @pytest.mark.parametrize("text", ["", "0,x", "1,1"])

@@ -4,6 +4,7 @@ hand, a tiny leaderboard run end to end, resumed, and reported, and an attack's
 failure run again while a refusal is kept."""
 
 import collections
+import dataclasses
 import json
 import os
 import pickle
@@ -17,11 +18,11 @@ import psutil
 import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
-from conftest import worker_children
+from conftest import attack_store, record_of, worker_children
 
-from tff_privacy import cli, evaluate, leaderboard, models, runner
+from tff_privacy import cli, evaluate, leaderboard, models, provenance, runner
 from tff_privacy.leaderboard import board, grid, report
-from tff_privacy.updates import GroundTruthStore
+from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 TINY = {
     "protocol": {"dataset": "mnist5k_parity", "model": "mlp",
@@ -154,6 +155,12 @@ def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
     assert set(r["attribute"]["asr"]) == {"svm", "rf"}
     assert r["inversion"]["ig"]["label_accuracy"] >= 0
   assert first[0]["privacy"] is None
+  for r in first:  # its run, attack and attribute inference each name their code
+    recorded = provenance.recorded(os.path.join(out, "rows", r["key"]))
+    assert {"train/config.json", *(f"{a}/attack.json" for a in r["inversion"])} < set(
+        recorded) and all(None not in v for v in recorded.values())
+    assert [v["commit"] for v in r[provenance.KEY]] == [
+        provenance.code_version()["commit"]]
   metrics = json.load(open(os.path.join(out, "rows", first[2]["key"], "train",
                                         "metrics.json")))
   assert first[2]["privacy"]["epsilon"] == metrics[-1]["epsilon"]
@@ -254,6 +261,32 @@ def test_a_failed_attack_runs_again_and_a_refusal_is_kept(tmp_path, monkeypatch,
   logged = []
   assert board.run(one, out, progress=False, log=logged.append) == [second]
   assert calls == [] and any("cached" in line for line in logged)
+
+
+def test_an_attack_that_cannot_read_an_old_store_is_a_refusal(tmp_path):
+  # a FedRE store captured before its metadata had 'noise_on': ig_noise_aware
+  # cannot read it on any try, so the row keeps a refusal, not a failure to
+  # run again
+  from tff_privacy.data import sources
+  source = sources.load_source("digits")
+  x, y = source.x_train[:1], source.y_train[:1]
+  record = record_of(x, y)
+  old = dataclasses.replace(record, metadata={
+      **record.metadata, "method": "fedre",
+      "defense": {"name": "fedre", "epsilon": 50.0, "clip": 1.0,
+                  "budget_split": "psi", "eta_placement": "client",
+                  "learning_rate": 0.005, "perturbation": "gradient",
+                  "regions": None}})
+  updates = attack_store(tmp_path, old, x, y)
+  cell = board._inversion(updates, 1, [0], "ig_noise_aware", {"iterations": 1},
+                          str(tmp_path / "ig_noise_aware"), 0, False)
+  assert cell["refused"] is True
+  assert cell["error"].startswith(
+      "attack 'ig_noise_aware' refuses round 1 client 0")
+  assert "has no 'noise_on'" in cell["error"]
+  result = {"inversion": {"ig_noise_aware": cell}, "attribute": None}
+  assert board.failures(result) == {}
+  assert board.refusals(result) == {"ig_noise_aware": cell["error"]}
 
 
 def test_the_cli_refuses_a_bad_config_and_an_empty_folder(tmp_path, capsys):
@@ -393,6 +426,47 @@ def test_leakage_is_the_worst_attack_with_the_unaware_ones_beside_it(tmp_path,
           "ssim_tailored_hyperfl"} <= set(header)
 
 
+def test_a_personalised_run_without_client_test_data_is_refused_in_one_line():
+  # the last round's metrics of such a run: no personal_* entry at all
+  history = [{"round": 2, "clients_without_test_data": 5, "train_loss": 0.3}]
+  with pytest.raises(ValueError) as error:
+    board.utility(history)
+  assert "none of its clients has any (5 without test data)" in str(error.value)
+  assert "\n" not in str(error.value)
+
+
+def test_the_upload_column_gives_a_compressing_defences_own_encoding(tmp_path):
+  spec = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": [16]})
+  broadcast = spec.initial_weights(0)
+  # 64 x 16 + 16 + 16 x 10 + 10 = 1210 entries, 100 of them nonzero
+  upload = [np.zeros(w.shape, np.float32) for w in broadcast]
+  upload[0].flat[:100] = 1.0
+  updates = str(tmp_path / "updates")
+  UpdateStore(updates).write_round(1, broadcast, [(0, "client_0000", upload, 1.0, 1)], {
+      "method": "fedsgd", "upload_kind": "gradient", "model": spec.to_json()})
+  assert board.upload_bytes(updates, 1) == 4 * 1210
+  # an int32 index and a float32 value per nonzero entry
+  assert board.upload_bytes_encoded(updates, 1, "sparsification", {"p": 0.9}) == 8 * 100
+  for defense, kwargs in ((None, {}), ("dp_clip", {"clip": 1.0})):
+    assert board.upload_bytes_encoded(updates, 1, defense, kwargs) == 4 * 1210
+  tiny = _adaptive_grid()
+  rows = {r.entry: r for r in tiny.rows()}
+  results = [{**_result(rows["FedSGD"], {"ig": 0.9}), "upload_bytes": 4840,
+              "upload_bytes_encoded": 4840},
+             {**_result(rows["Sparse"], {"ig": 0.3}), "upload_bytes": 4840,
+              "upload_bytes_encoded": 800},
+             _result(rows["Clip"], {"ig": 0.2})]  # a row from before: dense only
+  table = report.table_rows(tiny, results)
+  assert [r["upload_bytes_encoded"] for r in table] == [4840, 800, None]
+  assert "upload_bytes_encoded" in report.COLUMNS
+  lines = report.markdown(tiny, table).splitlines()
+  # 4840 / 1024 = 4.7 KiB dense; 800 / 1024 = 0.8 KiB encoded
+  assert next(x for x in lines if x.startswith("| FedSGD")).endswith("| 4.7 KiB |")
+  assert next(x for x in lines if x.startswith("| Sparse")).endswith(
+      "| 4.7 KiB (0.8 KiB encoded) |")
+  assert next(x for x in lines if x.startswith("| Clip")).endswith("| 0.0 KiB |")
+
+
 def test_a_grid_of_one_strength_per_entry_reports_one_table():
   single = grid.parse(_with(entries=[
       TINY["entries"][0], {**TINY["entries"][1], "sweep": {"noise_multiplier": [1.0]}}]))
@@ -484,12 +558,40 @@ def test_a_grid_the_client_data_cannot_serve_is_refused_in_one_line(change, mess
 def test_the_clients_of_client_data_reach_a_rows_process_unchanged():
   """Rows in processes receive the clients pickled."""
   train_data, test_data = _digits_client_data({"a": [0, 1], "b": [2]}, {"a": [0]})
-  _, federation = grid.with_client_data(grid.parse(CLIENT_DATA_GRID | {
+  _, federations = grid.with_client_data(grid.parse(CLIENT_DATA_GRID | {
       "protocol": {**CLIENT_DATA_GRID["protocol"], "clients_per_round": 2}}),
       train_data, test_data)
+  federation, = federations.values()
   copy = pickle.loads(pickle.dumps(federation))
   assert copy.sha256() == federation.sha256()
   np.testing.assert_array_equal(copy.client_arrays(1)[0], federation.client_arrays(1)[0])
+
+
+def test_each_row_reads_the_client_data_with_its_own_data_options(tmp_path, monkeypatch):
+  from tff_privacy.data import sources
+  raw = sources.load_digits().x_train[[0, 1, 2, 3]]
+  train_data, test_data = _digits_client_data({"a": [0, 1], "b": [2, 3]}, {"a": [0]})
+  both = grid.parse(CLIENT_DATA_GRID | {
+      "protocol": {**CLIENT_DATA_GRID["protocol"], "clients_per_round": 2},
+      "entries": [{"name": "Plain", "method": "fedsgd"},
+                  {"name": "Normalised", "method": "fedsgd",
+                   "protocol": {"data_kwargs": {"normalize": [[0.5], [0.25]]}}}]})
+  on_clients, federations = grid.with_client_data(both, train_data, test_data)
+  handed = {}
+  def run(config, progress, federation):
+    handed[config.out] = config, federation
+    raise InterruptedError("trained no further")
+  monkeypatch.setattr(runner, "run", run)
+  for row in on_clients.rows():
+    with pytest.raises(InterruptedError):
+      board.run_row(row, on_clients, str(tmp_path), False, 1, federations)
+  (plain, plain_fed), (normalised, normalised_fed) = handed.values()
+  np.testing.assert_array_equal(plain_fed.source.x_train, raw)
+  # (x - 0.5) / 0.25 of the [0, 1] digits
+  np.testing.assert_allclose(normalised_fed.source.x_train, (raw - 0.5) * 4, atol=1e-6)
+  # each config names the SHA-256 of the samples it trains on
+  assert plain.split_sha256 == plain_fed.sha256() == on_clients.protocol["split_sha256"]
+  assert normalised.split_sha256 == normalised_fed.sha256() != plain.split_sha256
 
 
 def test_a_run_refuses_clients_that_its_config_does_not_name(tmp_path):
@@ -509,3 +611,36 @@ def test_a_run_refuses_clients_that_its_config_does_not_name(tmp_path):
     with pytest.raises(ValueError, match=message):
       runner.run(progress=False, **kwargs)
   assert not os.path.exists(config.out)
+
+
+def test_rows_made_by_other_code_are_named_in_the_log_and_the_report(tmp_path,
+                                                                     monkeypatch):
+  now = {"commit": "c" * 40, "dirty": False, "diff_sha256": None}
+  edited = {**now, "dirty": True, "diff_sha256": "d" * 64}
+  monkeypatch.setattr(provenance, "code_version", lambda: dict(now))
+  tiny = grid.parse(TINY)
+  rows = tiny.rows()
+  results = [_result(row, dict.fromkeys(row.inversion, 0.5)) for row in rows]
+  results[0][provenance.KEY] = [now]
+  results[1][provenance.KEY] = [edited, now]  # results[2]: from before versions
+  cached = {r["key"]: r for r in results}
+  monkeypatch.setattr(board, "_cached", lambda row, out: cached[row.key])
+  logged = []
+  board.run(tiny, str(tmp_path), progress=False, log=logged.append)
+  assert logged == [
+      f"[1/3] {rows[0].label}: cached",
+      f"[2/3] {rows[1].label}: cached (made partly by commit cccccccccccc with "
+      "uncommitted changes (diff sha256 dddddddddddd), partly by the code now "
+      "(commit cccccccccccc))",
+      f"[3/3] {rows[2].label}: cached (made by an unrecorded code version; the "
+      "code now is commit cccccccccccc)"]
+  text = report.markdown(tiny, report.table_rows(tiny, results))
+  section = text.split("## Rows made by other code")[1].split("##")[0]
+  items = [line for line in section.splitlines() if line.startswith("- ")]
+  assert items == [
+      f"- {rows[1].label} (rows/{rows[1].key}): made partly by commit "
+      "cccccccccccc with uncommitted changes (diff sha256 dddddddddddd), partly "
+      "by the code now (commit cccccccccccc)",
+      f"- {rows[2].label} (rows/{rows[2].key}): made by an unrecorded code "
+      "version; the code now is commit cccccccccccc"]
+  assert "- tff_privacy code: commit cccccccccccc\n" in text

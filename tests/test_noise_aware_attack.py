@@ -210,6 +210,23 @@ def test_uploads_without_noise_it_answers_are_refused(digits, defense, message):
   assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("split, dropped", [
+    ("psi", "noise_on"),  # read when the records are checked
+    ("even", "noise_calibration")])  # read by noise_levels, for the mask
+def test_a_store_without_a_field_it_reads_is_refused(digits, split, dropped):
+  # a FedRE store captured by an older version, before the field existed
+  record = (_layer_noised(digits, 0)[0] if split == "psi"
+            else _even_split_upload(20.0)[0])
+  defense = {k: v for k, v in record.metadata["defense"].items() if k != dropped}
+  old = dataclasses.replace(record, metadata={**record.metadata,
+                                              "defense": defense})
+  with pytest.raises(attacks.UploadRefused,
+                     match=f"has no '{dropped}'") as refused:
+    attacks.build("ig_noise_aware", iterations=1)([old])
+  assert "ig_noise_aware" in str(refused.value)
+  assert "\n" not in str(refused.value)
+
+
 def test_region_prior_refuses_regions_it_cannot_rebuild(digits):
   record, _ = _layer_noised(digits, 0)
   named = dataclasses.replace(record, metadata=_fedre_metadata(

@@ -40,18 +40,32 @@ def _save_zoo(folder, attribute="race", classes=("a", "b"),
   return zoo
 
 
-def _run_folder(tmp_path, trained_round=1):
+def _run_folder(tmp_path, trained_round=1, column=0):
+  """(the update store's path in the run folder `tmp_path`, the zoo of
+  'race' saved beside it)."""
   zoo = _save_zoo(str(tmp_path / "recupfl_zoo" / "race"),
-                  trained_round=trained_round)
-  return str(tmp_path), zoo
+                  trained_round=trained_round, column=column)
+  return str(tmp_path / "updates"), zoo
 
 
-def _record(round_num=2, **settings):
+def _fingerprints(updates, attributes=("race",)):
+  """What a capture records of the zoos beside `updates`: the fingerprints
+  their zoo.json files hold."""
+  run_dir = os.path.dirname(updates)
+  return {"zoo_fingerprints": {
+      a: json.load(open(os.path.join(run_dir, "recupfl_zoo", a, "zoo.json")))[
+          "fingerprint"] for a in attributes}}
+
+
+def _record(round_num=2, defense_round=None, **settings):
   defense = {"name": "recupfl", "protect": "race", "perturbation_budget": EPSILON,
              "pool_length": LENGTH, "iterations": ITERATIONS, "sampled_models": 2,
              "fgsm": "recupfl", "attack_loss": "logit_margin", "zoo_refresh": 2,
              **settings}
-  return types.SimpleNamespace(round_num=round_num, metadata={"defense": defense})
+  metadata = {"defense": defense}
+  if defense_round is not None:
+    metadata["defense_round"] = defense_round
+  return types.SimpleNamespace(round_num=round_num, metadata=metadata)
 
 
 def _margin(zoo, upload, label):
@@ -62,10 +76,11 @@ def _margin(zoo, upload, label):
 
 
 def test_shadow_uploads_are_perturbed_against_their_own_class(tmp_path):
-  run_dir, zoo = _run_folder(tmp_path)
+  updates, zoo = _run_folder(tmp_path)
   # groups of three shadow samples: classes [1, 1, 0] then [1, 0, 0]
   shadow = {"race": np.array([1, 1, 0, 1, 0, 0]), "sex": np.zeros(6, int)}
-  defend = evaluate.adaptive_defense(_record(), 0, run_dir, shadow)
+  defend = evaluate.adaptive_defense(
+      _record(defense_round=_fingerprints(updates)), 0, updates, shadow)
   y = np.zeros(3, np.int32)
   for index, label in ((0, 1), (1, 0)):
     clean = _upload(10)
@@ -80,13 +95,14 @@ def test_shadow_uploads_are_perturbed_against_their_own_class(tmp_path):
 
 
 def test_shadow_uploads_draw_their_own_model_choices(tmp_path):
-  run_dir, _ = _run_folder(tmp_path)
+  updates, _ = _run_folder(tmp_path)
+  record = _record(defense_round=_fingerprints(updates))
   shadow = {"race": np.ones(40, int)}
   upload = _upload(3)
   firsts = []
   for seed in (0, 1):
-    defend = evaluate.adaptive_defense(_record(), seed, run_dir, shadow)
-    again = evaluate.adaptive_defense(_record(), seed, run_dir, shadow)
+    defend = evaluate.adaptive_defense(record, seed, updates, shadow)
+    again = evaluate.adaptive_defense(record, seed, updates, shadow)
     outputs = [np.concatenate([u.numpy().ravel() for u in d(upload, i, None, [0])])
                for d in (defend, again) for i in range(20)]
     np.testing.assert_array_equal(outputs[:20], outputs[20:])  # seeded
@@ -111,9 +127,11 @@ def test_a_shadow_upload_is_perturbed_as_a_client_of_its_classes_would_be(
   widths = [tuple(w) for w in client.params()["zoo_widths"]]
   for column, a in enumerate(attributes.classes):
     _save_zoo(client.zoo_folder(a), a, attributes.classes[a], widths, column)
+  updates = str(tmp_path / "updates")
   record = types.SimpleNamespace(round_num=1, metadata={
-      "defense": {"name": client.name, **client.params()}})
-  defend = evaluate.adaptive_defense(record, 7, str(tmp_path), attributes.train)
+      "defense": {"name": client.name, **client.params()},
+      "defense_round": _fingerprints(updates, tuple(attributes.classes))})
+  defend = evaluate.adaptive_defense(record, 7, updates, attributes.train)
   upload = _upload(5)
   got = defend(upload, 0, None, np.zeros(1, np.int32))
   # the copy seeds shadow upload 0 of round 1 from (seed, round, index, 2)
@@ -128,9 +146,11 @@ def test_a_shadow_upload_is_perturbed_as_a_client_of_its_classes_would_be(
 def test_a_zoo_retrained_when_it_was_missing_is_the_one_its_round_used(tmp_path):
   # due at rounds 1 and 3, but retrained at round 2 (prepare_round, for a
   # missing zoo) and used there
-  run_dir, _ = _run_folder(tmp_path, trained_round=2)
-  defend = evaluate.adaptive_defense(_record(round_num=2, zoo_refresh=2), 0,
-                                     run_dir, {"race": np.ones(4, int)})
+  updates, _ = _run_folder(tmp_path, trained_round=2)
+  record = _record(round_num=2, zoo_refresh=2,
+                   defense_round=_fingerprints(updates))
+  defend = evaluate.adaptive_defense(record, 0, updates,
+                                     {"race": np.ones(4, int)})
   clean = _upload(1)
   got = defend(clean, 0, None, np.zeros(1, np.int32))
   assert any(np.any(g.numpy() != c.numpy()) for g, c in zip(got, clean))
@@ -143,11 +163,30 @@ def test_a_zoo_retrained_when_it_was_missing_is_the_one_its_round_used(tmp_path)
      "need the zoo of 'race' trained at round 1; .* holds the one of round 3"),
     (_record(round_num=2, zoo_refresh=2), None,
      r"records no training round \(written by an older version\)"),
-    (_record(protect="protect.json"), 1, "sets them per client")])
+    (_record(protect="protect.json"), 1, "sets them per client"),
+    (_record(round_num=2, zoo_refresh=2), 1,
+     r"round 2 of updates=.* records no fingerprint of the zoo of 'race' "
+     r"\(captured by an older version\): zoo=.* cannot be checked")])
 def test_a_copy_it_cannot_build_is_refused(tmp_path, record, trained_round, match):
-  run_dir, _ = _run_folder(tmp_path, trained_round)
+  updates, _ = _run_folder(tmp_path, trained_round)
   with pytest.raises(ValueError, match=match):
-    evaluate.adaptive_defense(record, 0, run_dir, {"race": np.ones(4, int)})
+    evaluate.adaptive_defense(record, 0, updates, {"race": np.ones(4, int)})
+
+
+def test_another_runs_zoo_of_the_same_round_is_refused_by_name(tmp_path):
+  # run a's round 2 was captured against a's zoo; run b's folder holds its
+  # own zoo of the same round (other weights) beside a copy of a's updates
+  ours, _ = _run_folder(tmp_path / "a")
+  theirs, _ = _run_folder(tmp_path / "b", column=1)
+  record = _record(defense_round=_fingerprints(ours))
+  shadow = {"race": np.ones(4, int)}
+  evaluate.adaptive_defense(record, 0, ours, shadow)  # its own zoo: used
+  with pytest.raises(ValueError) as refused:
+    evaluate.adaptive_defense(record, 0, theirs, shadow)
+  message = str(refused.value)
+  assert "\n" not in message and "another run's zoo" in message
+  assert f"zoo={str(tmp_path / 'b' / 'recupfl_zoo' / 'race')!r}" in message
+  assert f"updates={theirs!r}" in message
 
 
 def test_a_run_infers_with_adaptive_adversaries_after_each_round(tmp_path):
@@ -172,3 +211,6 @@ def test_a_run_infers_with_adaptive_adversaries_after_each_round(tmp_path):
   record = UpdateStore(os.path.join(config.out, "updates")).records(2)[0]
   index = defender_zoo.read_index(os.path.join(config.out, "recupfl_zoo", "race"))
   assert index["round"] == record.round_num == 2
+  # each captured round records the fingerprint of the zoo it used
+  assert record.metadata["defense_round"] == {
+      "zoo_fingerprints": {"race": index["fingerprint"]}}

@@ -12,7 +12,7 @@ import pytest
 import scipy.special
 import tensorflow as tf
 
-from tff_privacy import data, io, models, runner, runtime
+from tff_privacy import cli, data, io, models, provenance, runner, runtime
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
@@ -89,6 +89,14 @@ def test_client_defense_measurements_are_named_by_their_defence():
   assert runner.client_defense_measurements(metrics) == {
       "unperturbed_share": 0.25, "recupfl/zero_gradient_steps": 0.5}
   assert runner.client_defense_measurements({"client_work": {"train": {}}}) == {}
+
+
+def test_per_client_defense_measurements_are_written_for_the_rounds_clients():
+  rows = np.array([[0.0, 0.0], [1.5, 2.5], [0.0, 0.0], [3.0, 4.0]], np.float32)
+  metrics = {"client_work": {"train": {}, "defense": {},
+                             "defense_per_client": {"fedre": {"tensor_epsilons": rows}}}}
+  assert runner.client_defense_measurements(metrics, [3, 1]) == {
+      "fedre/tensor_epsilons": {"3": [3.0, 4.0], "1": [1.5, 2.5]}}
 
 
 def _fidelity_of(monkeypatch, clean, defended, weights):
@@ -184,6 +192,29 @@ def test_resumed_run_ends_with_identical_metrics(fedsgd_run, tmp_path):
   assert [m["round"] for m in resumed] == [1, 2, 3]
   again = runner.run(sparse, progress=False)
   assert again == resumed
+
+
+def test_config_json_names_the_code_that_trained_the_run(fedsgd_run, tmp_path,
+                                                         monkeypatch):
+  """Each code version that trained rounds of the run, once; a finished run
+  run again adds none, and the file still reads back as a --config."""
+  config, _ = fedsgd_run
+  first = io.read_json(os.path.join(config.out, "config.json"))[provenance.KEY]
+  assert [v["commit"] for v in first] == [provenance.code_version()["commit"]]
+  out = str(tmp_path / "run")
+  shutil.copytree(config.out, out)
+  shutil.rmtree(os.path.join(out, "checkpoints", "program_state_3"))  # 2 done
+  other = {"commit": "a" * 40, "dirty": True, "diff_sha256": "b" * 64}
+  monkeypatch.setattr(provenance, "code_version", lambda: dict(other))
+  resumed = runner.RunConfig(**{**vars(config), "out": out})
+  runner.run(resumed, progress=False)
+  path = os.path.join(out, "config.json")
+  assert io.read_json(path)[provenance.KEY] == first + [other]
+  monkeypatch.setattr(provenance, "code_version", lambda: {**other, "commit": "c" * 40})
+  runner.run(resumed, progress=False)
+  assert io.read_json(path)[provenance.KEY] == first + [other]
+  args = cli._parser().parse_args(["train", "--config", path, "--out", out])
+  assert cli._config_from_args(args).to_json() == config.to_json()
 
 
 def test_other_config_in_same_folder_is_refused(fedsgd_run):
@@ -408,21 +439,50 @@ def test_client_sampling_is_seeded_and_in_range():
       not np.array_equal(a, runner.sample_clients(config, 7))
 
 
-def test_client_files_of_processes_that_ended_are_removed_by_the_next(tmp_path,
-                                                                   monkeypatch):
-  ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                         capture_output=True, text=True).stdout.strip()
-  for pid in (ended, str(os.getpid()), "x"):
-    (tmp_path / f"{runner.ClientFiles.PREFIX}{pid}-abc").mkdir()
-  (tmp_path / f"{runner.ClientFiles.PREFIX}{ended}-abc" / "client_0.x").write_bytes(b"")
+_HOLD_CLIENT_FILES = """
+import os, sys, tempfile, time
+import numpy as np
+tempfile.tempdir = sys.argv[1]
+os.getpid = lambda: 4194303  # as a PID of another namespace reads here
+from tff_privacy import runner
+files = runner.ClientFiles(np.zeros((1, 2)), np.zeros(1), [np.array([0])])
+print(files.folder(0), flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(tmp_path) -> tuple[subprocess.Popen, str]:
+  """A process holding a `ClientFiles` folder in `tmp_path`, whose PID
+  means nothing here (the PID of another namespace): the process and its
+  client's folder."""
+  holder = subprocess.Popen([sys.executable, "-c", _HOLD_CLIENT_FILES, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+  return holder, os.path.dirname(holder.stdout.readline().strip())
+
+
+def test_client_files_are_removed_only_once_their_process_ended(tmp_path, monkeypatch):
+  """Liveness by the folder's lock, which the kernel holds for the process
+  wherever its PID lives: a live process's folder stays, also when its PID
+  is dead here; a SIGKILLed one's goes with the next `ClientFiles`."""
+  holder, theirs = _holder(tmp_path)
+  (tmp_path / f"{runner.ClientFiles.PREFIX}unlocked").mkdir()  # no lock file
   (tmp_path / "other").mkdir()
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  try:
+    with pytest.raises(ProcessLookupError):
+      os.kill(4194303, 0)  # the PID in their name: none here
+    runner.ClientFiles(np.zeros((1, 2)), np.zeros(1), [np.array([0])]).close()
+    assert os.path.isdir(os.path.join(theirs, "client_0"))
+  finally:
+    holder.kill()
+    holder.wait()
   files = runner.ClientFiles(np.zeros((1, 2)), np.zeros(1), [np.array([0])])
   mine = os.path.basename(os.path.dirname(files.folder(0)))
   assert sorted(os.listdir(tmp_path)) == sorted([
-      f"{runner.ClientFiles.PREFIX}{os.getpid()}-abc",
-      f"{runner.ClientFiles.PREFIX}x-abc", "other", mine])
+      f"{runner.ClientFiles.PREFIX}unlocked", "other", mine])
   files.close()
+  assert sorted(os.listdir(tmp_path)) == sorted([
+      f"{runner.ClientFiles.PREFIX}unlocked", "other"])
 
 
 @pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1]])

@@ -150,6 +150,47 @@ def test_a_worker_that_cannot_start_is_reported_in_one_line(monkeypatch):
   assert result.returncode == 0
 
 
+def _stand_in_worker(tmp_path, monkeypatch, script: str) -> str:
+  """Has local workers run `script` (sh) in place of worker_binary."""
+  path = tmp_path / "stand_in_worker"
+  path.write_text(f"#!/bin/sh\n{script}\n")
+  path.chmod(0o700)
+  monkeypatch.setattr(runtime, "worker_binary_path", lambda: str(path))
+  return str(path)
+
+
+def _processes_running(path: str) -> list[psutil.Process]:
+  return [p for p in psutil.Process().children(recursive=True)
+          if p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+          and path in " ".join(p.cmdline())]
+
+
+def test_workers_that_do_not_serve_in_time_are_all_stopped(tmp_path, monkeypatch):
+  """A start that times out says so, and stops every worker it started."""
+  runtime.stop()
+  stand_in = _stand_in_worker(tmp_path, monkeypatch, "exec sleep 600")
+  monkeypatch.setattr(runtime, "_STARTUP_TIMEOUT_S", 2.0)
+  with pytest.raises(runtime.WorkerError, match=r"^the local TFF worker \(pid \d+\) "
+                     r"did not become ready in 2 s$"):
+    runtime.start(workers=2)
+  gone, alive = psutil.wait_procs(_processes_running(stand_in), timeout=15)
+  assert not alive
+  assert runtime.worker_count() == 0
+
+
+def test_a_worker_that_fails_to_start_shows_its_last_words(tmp_path, monkeypatch):
+  said = "worker_binary: error while loading shared libraries: libnope.so.1"
+  runtime.stop()
+  _stand_in_worker(tmp_path, monkeypatch, f"echo '{said}' >&2; exit 127")
+  with pytest.raises(runtime.WorkerError) as raised:
+    runtime.start()
+  message = str(raised.value)
+  assert re.match(r"the local TFF worker \(pid \d+\) exited with code 127 while "
+                  r"starting: worker_binary \(pid \d+\) ended with code 127; the last "
+                  r"lines it wrote on stderr: ", message), message
+  assert message.endswith(said) and "\n" not in message
+
+
 def test_a_workers_end_is_described_by_pid_and_signal():
   assert runtime.describe_exit(-9, 4242).startswith(
       "the local TFF worker (pid 4242) was killed by SIGKILL (most often the "
@@ -221,9 +262,10 @@ def test_a_run_without_the_runtime_started_trains_on_a_private_worker(tmp_path):
   assert not listening, listening
 
 
-def test_the_shared_network_escape_listens_on_every_interface(monkeypatch):
-  """`SHARED_NETWORK_VARIABLE`=1 does what its message says: the worker
-  listens on a wildcard address of this machine's network."""
+def test_the_shared_network_escape_listens_on_every_interface(monkeypatch, capsys):
+  """`SHARED_NETWORK_VARIABLE`=1 does what its warning says: the worker
+  listens on a wildcard address of this machine's network, at the port the
+  warning names."""
   runtime.stop()
   monkeypatch.setenv(runtime.SHARED_NETWORK_VARIABLE, "1")
   runtime.start()
@@ -232,6 +274,11 @@ def test_the_shared_network_escape_listens_on_every_interface(monkeypatch):
   runtime.stop()
   here = os.readlink("/proc/self/ns/net")
   assert found and all(a in ("0.0.0.0", "::") and ns == here for a, _, ns in found)
+  warned = re.findall(r"^tff_privacy: TFF worker at unix:\S+: .*warning: "
+                      f"{runtime.SHARED_NETWORK_VARIABLE}=1, so worker_binary itself "
+                      r"listens on port (\d+) of every network interface", 
+                      capsys.readouterr().err, re.M)
+  assert [int(p) for p in warned] == sorted({port for _, port, _ in found})
 
 
 @pytest.mark.slow  # it can block for minutes when the kill lands inside a

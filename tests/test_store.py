@@ -1,3 +1,4 @@
+import builtins
 import json
 import os
 import re
@@ -77,6 +78,47 @@ def test_mismatched_shape_names_the_file(store, tmp_path):
   json.dump(manifest, open(os.path.join(s.root, "manifest.json"), "w"))
   with pytest.raises(UpdateStoreError, match="client_0003.npz: tensor t000"):
     s.read(1, 3)
+
+
+def test_a_record_swapped_after_it_is_opened_is_never_loaded_unchecked(
+    store, tmp_path, monkeypatch):
+  # another valid record of the same tensors replaces client 7's file right
+  # after its first open: a second open (to load what was hashed) reads it
+  s, _, uploads = store
+  path = os.path.join(s.root, "round_0001", "client_0007.npz")
+  other = str(tmp_path / "other.npz")
+  np.savez(other, **{f"t{i:03d}": np.zeros_like(u)
+                     for i, u in enumerate(uploads[1][2])})
+  real_open, swapped = builtins.open, []
+
+  def open_then_swap(file, *args, **kwargs):
+    f = real_open(file, *args, **kwargs)
+    if (isinstance(file, (str, os.PathLike)) and not swapped
+        and os.path.realpath(file) == os.path.realpath(path)):
+      swapped.append(file)
+      os.replace(other, path)  # the open file keeps the first one's bytes
+    return f
+
+  monkeypatch.setattr(builtins, "open", open_then_swap)
+  rec = s.read(1, 7)
+  assert swapped
+  for got, want in zip(rec.upload, uploads[1][2]):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(UpdateStoreError, match="client_0007.npz: SHA-256"):
+    s.read(1, 7)  # the swapped file itself is caught by its checksum
+
+
+def test_a_rounds_defence_facts_reach_its_records_only(tmp_path):
+  s = UpdateStore(str(tmp_path / "updates"))
+  broadcast = SPEC.initial_weights(0)
+  upload = [(0, "client_0000", broadcast, 1.0, 4)]
+  facts = {"zoo_fingerprints": {"race": -7}}
+  s.write_round(1, broadcast, upload, META, defense_round=facts)
+  s.write_round(2, broadcast, upload, META)
+  manifest = json.load(open(os.path.join(s.root, "manifest.json")))
+  assert manifest["rounds"]["1"]["defense_round"] == facts
+  assert s.read(1, 0).metadata["defense_round"] == facts
+  assert "defense_round" not in s.read(2, 0).metadata
 
 
 def test_missing_round_and_client_are_reported(store):

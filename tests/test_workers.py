@@ -5,6 +5,7 @@ and the run resumed."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,7 +150,7 @@ def test_workers_started_elsewhere_train_like_local_ones(tmp_path,
                                *where], stderr=subprocess.PIPE, text=True)
              for where in (["--socket", socket_path], ["--port", str(port)])]
   try:
-    assert "only you can open it" in servers[0].stderr.readline()
+    assert "which only you can open" in servers[0].stderr.readline()
     assert "loopback only" in servers[1].stderr.readline()
     runtime.stop()
     runtime.start(addresses=[f"unix:{socket_path}", f"localhost:{port}"])
@@ -180,13 +181,74 @@ def test_a_wrong_worker_socket_is_one_line(flags, capsys, tmp_path, monkeypatch)
   assert err.startswith("tff-privacy worker: error: --") and err.count("\n") == 1
 
 
+def test_a_port_outside_the_tcp_range_is_refused_by_name(capsys):
+  from tff_privacy import cli
+  with pytest.raises(SystemExit) as exited:
+    cli.main(["worker", "--port", "70000"])
+  assert exited.value.code == 2
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "tff-privacy worker: error: argument --port: takes a TCP port in 1..65535, "
+      "got '70000'")
+
+
+def _listeners_once_serving(pid: int) -> dict[int, list]:
+  """{pid: listening sockets} of `pid` and its worker_binary, once the
+  binary listens."""
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline:
+    binaries = worker_children(pid)
+    if binaries and listening_sockets(binaries[0].pid):
+      return {p: listening_sockets(p) for p in (pid, binaries[0].pid)}
+    time.sleep(0.1)
+  raise AssertionError("the worker did not listen in time")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("where", ["socket", "port"])
+def test_a_workers_reach_message_says_what_the_kernel_shows(tmp_path, monkeypatch,
+                                                           where, shared):
+  """The line `tff-privacy worker` prints against /proc's view: the socket
+  or loopback port it serves on, and worker_binary's own port, inside a
+  namespace of its own or, with the shared-network escape, on every
+  interface of this machine."""
+  if shared:
+    monkeypatch.setenv(runtime.SHARED_NETWORK_VARIABLE, "1")
+  port = portpicker.pick_unused_port()
+  flags = (["--socket", str(tmp_path / "w.sock")] if where == "socket"
+           else ["--port", str(port)])
+  server = subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker", *flags],
+                            stderr=subprocess.PIPE, text=True)
+  try:
+    said = server.stderr.readline()
+    listeners = _listeners_once_serving(server.pid)
+  finally:
+    server.terminate()
+    server.wait(timeout=30)
+  here = os.readlink("/proc/self/ns/net")
+  inner = int(re.search(r"worker_binary (?:itself )?listens on port (\d+)", said)[1])
+  [binary] = [pid for pid in listeners if pid != server.pid]
+  if shared:
+    assert "of every network interface of this machine" in said
+    assert listeners[binary] == [("::", inner, here)]
+  else:
+    assert "in a network namespace of its own" in said
+    [(address, found, namespace)] = listeners[binary]
+    assert (address, found) == ("::", inner) and namespace != here
+  if where == "socket":
+    assert "a Unix socket of mode 0600, which only you can open" in said
+    assert listeners[server.pid] == []
+  else:
+    assert "127.0.0.1" in said and "loopback only" in said
+    assert listeners[server.pid] == [("127.0.0.1", port, here)]
+
+
 def test_a_worker_serves_every_interface_only_when_asked():
   port = portpicker.pick_unused_port()
   server = subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker",
                              "--port", str(port), "--listen-on-every-interface"],
                             stderr=subprocess.PIPE, text=True)
   try:
-    assert "every interface: anyone who reaches" in server.stderr.readline()
+    assert "every network interface: anyone who reaches" in server.stderr.readline()
     deadline = time.monotonic() + 60
     while not listening_sockets(server.pid) and time.monotonic() < deadline:
       time.sleep(0.1)

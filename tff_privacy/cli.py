@@ -255,8 +255,10 @@ def _config_from_args(args):
   """The RunConfig of `tff-privacy train`: the --config file's fields,
   overridden by single flags, dict fields merged key by key, then the data
   set's declared protocol for what neither gives (`runner.with_protocol`)."""
+  from tff_privacy import provenance
   from tff_privacy.runner import RUN_PARAMETERS, RunConfig, with_protocol
   fields = _read_config(args.config) if args.config else {}
+  fields.pop(provenance.KEY, None)  # a run's config.json: which code trained it
   accepted = set(RunConfig.__dataclass_fields__)
   unknown = sorted(set(fields) - accepted)
   if unknown:
@@ -580,6 +582,12 @@ def _positive_int(text: str) -> int:
   return int(text)
 
 
+def _port(text: str) -> int:
+  if not text.isdigit() or not 0 < int(text) < 65536:
+    raise argparse.ArgumentTypeError(f"takes a TCP port in 1..65535, got {text!r}")
+  return int(text)
+
+
 def _worker_parser(sub) -> None:
   p = sub.add_parser(
       "worker", help="serve TFF's worker on this machine for "
@@ -593,7 +601,7 @@ def _worker_parser(sub) -> None:
   where = p.add_mutually_exclusive_group(required=True)
   where.add_argument("--socket", help="path of the Unix socket to serve on "
                      "(mode 0600)")
-  where.add_argument("--port", type=_positive_int)
+  where.add_argument("--port", type=_port, help="a TCP port, 1..65535")
   p.add_argument("--max-concurrent-computation-calls", type=int, default=-1)
   p.add_argument("--listen-on-every-interface", action="store_true",
                  help="with --port: serve on every network interface of this "
@@ -610,16 +618,12 @@ def _worker(args) -> int:
     if not os.path.isdir(os.path.dirname(path)) or os.path.exists(path):
       raise ValueError(f"--socket: {args.socket!r} must be a new path in an "
                        "existing directory")
-    listen, reach = f"unix:{path}", "only you can open it"
+    listen = f"unix:{path}"
   elif args.listen_on_every_interface:
     listen = f"[::]:{args.port}"
-    reach = "every interface: anyone who reaches the port can run code as you"
   else:
     listen = f"127.0.0.1:{args.port}"
-    reach = ("loopback only: every user of this machine can reach it; other "
-             "machines through an SSH tunnel")
-  print(f"TFF worker at {listen}: plaintext, unauthenticated gRPC on {reach}",
-        file=sys.stderr, flush=True)
+  # the worker's host states who can reach it once it knows (its stderr)
   command = runtime.private_worker_command(listen,
                                            args.max_concurrent_computation_calls)
   if os.environ.get(runtime.SHARED_NETWORK_VARIABLE) == "1":

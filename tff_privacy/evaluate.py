@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tff_privacy import attacks, io, psi
+from tff_privacy import attacks, io, provenance, psi
 from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.algorithms.fedre import run_regions
 from tff_privacy.data import sources
@@ -124,7 +124,7 @@ def attack_round(updates: str, round_num: int, out: str, attack: str = "ig",
             "seconds": seconds, "method": records[0].metadata["method"],
             "upload_kind": records[0].upload_kind,
             "mean": means, "samples": rows, "lpips": lpips_note,
-            "files": list(FILES)}
+            "files": list(FILES), provenance.KEY: [provenance.code_version()]}
   if shard is not None:
     result["shard"] = {"index": shard[0], "count": shard[1], "campaign": campaign}
   _write_attack(out, result, pairs)
@@ -230,6 +230,9 @@ def merge_attacks(folders: Sequence[str], out: str) -> dict[str, Any]:
   merged = {key: first[key] for key in first if key not in ("shard",)}
   merged.update(clients=campaign, mean=means, samples=samples,
                 seconds=sum(r["seconds"] for _, r in shards),
+                **{provenance.KEY: provenance.merged(
+                    *(provenance.versions_of(r) for _, r in shards),
+                    [provenance.code_version()])},
                 region=({str(c): regions[str(c)] for c in campaign}
                         if first["region"] is not None else None))
   _write_attack(out, merged, [(t[3], t[4]) for t in rows])
@@ -303,12 +306,13 @@ def infer_attributes_round(updates: str, round_num: int, attribute: str,
   result = attribute_inference.infer_round(
       records, victims, x[shadow], y[shadow], classes[shadow],
       adversaries, pool_length, seed,
-      adaptive_defense(records[0], seed, run_dir,
+      adaptive_defense(records[0], seed, updates,
                        {a: attributes[a][shadow] for a in source.attributes.classes})
       if adaptive else None)
   result.update(attribute=attribute, round=round_num, adaptive=adaptive,
                 shadow_pool=shadow_pool,
-                classes=list(source.attributes.classes[attribute]))
+                classes=list(source.attributes.classes[attribute]),
+                **{provenance.KEY: [provenance.code_version()]})
   if out is not None:
     io.write_json(os.path.join(out, attributes_file(round_num, attribute, adaptive)),
                   result)
@@ -321,7 +325,7 @@ def attributes_file(round_num: int, attribute: str, adaptive: bool = False) -> s
           f"{'_adaptive' if adaptive else ''}.json")
 
 
-def adaptive_defense(record, seed: int = 0, run_dir: Optional[str] = None,
+def adaptive_defense(record, seed: int = 0, updates: Optional[str] = None,
                      shadow_attributes: Optional[dict] = None):
   """The client defence of `record`'s run, rebuilt from its metadata with
   the same parameters, as `attacks.attribute.shadow_features`' `defend`:
@@ -329,9 +333,9 @@ def adaptive_defense(record, seed: int = 0, run_dir: Optional[str] = None,
   and a defence that reads the client's data (Soteria) sees the shadow
   batch. A defence built from the run's data and files
   (`adaptive_from_run`: RECUP-FL, with its round's zoo) is rebuilt by its
-  `adaptive_copy` from the run's folder `run_dir` and the shadow samples'
-  attribute classes `shadow_attributes` ({attribute: [samples]}, in the
-  data set's order of attributes).
+  `adaptive_copy` from the run's update store `updates` (in the run's
+  folder) and the shadow samples' attribute classes `shadow_attributes`
+  ({attribute: [samples]}, in the data set's order of attributes).
 
   Raises:
     ValueError: the run has no client defence, or one the adversary cannot
@@ -348,10 +352,10 @@ def adaptive_defense(record, seed: int = 0, run_dir: Optional[str] = None,
              "cannot be re-applied to a shadow upload from its parameters alone")
   cls = defenses.CLIENT_DEFENSES.get(name)
   if cls is not None and cls.adaptive_from_run:
-    if run_dir is None or shadow_attributes is None:
+    if updates is None or shadow_attributes is None:
       raise ValueError(f"adaptive adversaries rebuild {name!r} from the run's "
-                       "folder and the shadow samples' attributes")
-    return cls.adaptive_copy(record, run_dir, shadow_attributes, seed)
+                       "update store and the shadow samples' attributes")
+    return cls.adaptive_copy(record, updates, shadow_attributes, seed)
   if cls is None or getattr(cls, "needs_data", False):
     raise ValueError(refused)
   params = {k: v for k, v in meta.items() if k in cls.PARAMETERS}

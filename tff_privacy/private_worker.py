@@ -19,12 +19,19 @@ allows neither, the program says so in one line on stderr and exits with code
 set to 1 asks for) then keeps the machine's network, where the worker listens
 on every interface.
 
+Once the worker starts, it states on stderr, in one line beginning with
+`REACH_PREFIX`, who can reach the worker: the listening socket, and where
+``worker_binary``'s own port is (in the private network, or on every
+interface of this machine's). It keeps the last lines that the worker writes
+on stderr and repeats them when the worker exits with an error.
+
 It exits as the worker exits: with the worker's code, or killed by the same
 signal, so the caller can say why the worker ended. With `--parent-pipe` it
 ends, and the worker with it, when the caller's end of that pipe closes,
 which the kernel does when the caller's process ends in any way. On every
-exit but SIGKILL it removes its Unix socket, and with `--remove-directory`
-the socket's directory.
+exit but SIGKILL it removes the Unix socket it bound (never a path it did
+not bind: a failed bind removes nothing), and with `--remove-directory` the
+socket's directory.
 
 Standard library only, run by path in Python's isolated mode without site
 packages (``python -I -S private_worker.py``): ``unshare(CLONE_NEWUSER)``
@@ -34,12 +41,15 @@ refuses a process that has started threads.
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
+import errno
 import fcntl
 import os
 import shutil
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -48,6 +58,8 @@ import time
 
 SHARED_NETWORK_VARIABLE = "TFF_PRIVACY_WORKER_SHARED_NETWORK"
 EXIT_NO_PRIVATE_NETWORK = 86
+REACH_PREFIX = "TFF worker at "
+_STDERR_LINES_KEPT = 20
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _PR_SET_PDEATHSIG = 1
@@ -82,8 +94,9 @@ def listen(address: str) -> socket.socket:
   else:
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
-    if not host or not port.isdigit():
-      raise ValueError(f"--listen takes unix:PATH or HOST:PORT, got {address!r}")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError("--listen takes unix:PATH or HOST:PORT with a port in "
+                       f"1..65535, got {address!r}")
     family, kind, proto, _, where = socket.getaddrinfo(
         host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
@@ -101,11 +114,14 @@ def enter_private_network() -> None:
   the user's own uid and gid.
 
   Raises:
-    OSError: the kernel allows neither.
+    OSError: the kernel allows neither, or the C library has no `unshare`.
   """
-  if _libc.unshare(_CLONE_NEWNET) != 0:
+  unshare = getattr(_libc, "unshare", None)
+  if unshare is None:  # a C library without it: not Linux
+    raise OSError(errno.ENOSYS, "this system's C library has no unshare")
+  if unshare(_CLONE_NEWNET) != 0:
     uid, gid = os.getuid(), os.getgid()
-    if _libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
+    if unshare(_CLONE_NEWUSER | _CLONE_NEWNET) != 0:
       code = ctypes.get_errno()
       raise OSError(code, f"unshare: {os.strerror(code)}")
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
@@ -178,20 +194,72 @@ def _serve(outer: socket.socket, port: int) -> None:
     threading.Thread(target=_forward, args=(client, port), daemon=True).start()
 
 
-def _end_when_closed(pipe: int, worker: subprocess.Popen) -> None:
-  """Stops the worker once the other end of `pipe` is closed."""
+def _end_when_closed(pipe: int, stop) -> None:
+  """Calls `stop` once the other end of `pipe` is closed."""
   while os.read(pipe, 1):
     pass
-  worker.terminate()
+  stop()
 
 
-def _remove(listen_address: str, directory: bool) -> None:
+def _bound_socket(listen_address: str) -> "tuple[str, tuple[int, int]] | None":
+  """(path, (device, inode)) of the Unix socket this process just bound at
+  `listen_address`; None for a TCP address."""
+  if not listen_address.startswith("unix:"):
+    return None
+  path = listen_address[len("unix:"):]
+  status = os.lstat(path)
+  return path, (status.st_dev, status.st_ino)
+
+
+def _remove(bound: "tuple[str, tuple[int, int]] | None", directory: bool) -> None:
+  """Removes the Unix socket `bound` (`_bound_socket`) if the path still
+  holds that very socket, and with `directory` its directory; nothing for
+  a TCP socket."""
+  if bound is None:
+    return
+  path, identity = bound
+  if directory:
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return
+  try:
+    status = os.lstat(path)
+  except FileNotFoundError:
+    return
+  if stat.S_ISSOCK(status.st_mode) and (status.st_dev, status.st_ino) == identity:
+    os.unlink(path)
+
+
+def describe_reach(listen_address: str, port: int, shared_network: bool) -> str:
+  """Who can reach a worker served at `listen_address` whose own
+  ``worker_binary`` listens on `port`, in one line that starts with
+  `REACH_PREFIX`."""
   if listen_address.startswith("unix:"):
-    path = listen_address[len("unix:"):]
-    if directory:
-      shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    elif os.path.exists(path):
-      os.unlink(path)
+    outer = "a Unix socket of mode 0600, which only you can open"
+  else:
+    host = listen_address.rpartition(":")[0].strip("[]")
+    if host in ("::", "0.0.0.0", ""):
+      outer = ("every network interface: anyone who reaches the port can run "
+               "code as you")
+    elif host.startswith("127.") or host in ("::1", "localhost"):
+      outer = ("loopback only: every user of this machine can reach it; other "
+               "machines through an SSH tunnel")
+    else:
+      outer = f"{host}: anyone who reaches that address can run code as you"
+  if shared_network:
+    inner = (f"warning: {SHARED_NETWORK_VARIABLE}=1, so worker_binary itself "
+             f"listens on port {port} of every network interface of this "
+             "machine: anyone who reaches that port can run code as you")
+  else:
+    inner = (f"worker_binary listens on port {port} in a network namespace of "
+             "its own, out of reach of this machine's network")
+  return (f"{REACH_PREFIX}{listen_address}: plaintext, unauthenticated gRPC on "
+          f"{outer}; {inner}")
+
+
+def _keep_last_lines(stream, kept: collections.deque) -> None:
+  """Reads `stream` to its end, keeping its last lines in `kept`."""
+  for line in stream:
+    kept.append(line.decode(errors="replace").rstrip()[:1000])
 
 
 def _exit_like(returncode: int) -> None:
@@ -225,14 +293,14 @@ def main(argv=None) -> None:
   args = _parser().parse_args(argv)
   try:
     outer = listen(args.listen)
+    bound = _bound_socket(args.listen)
   except (ValueError, OSError) as e:
-    _remove(args.listen, args.remove_directory)
     sys.exit(f"cannot listen at {args.listen}: {e}")
   try:
     if not args.shared_network:
       enter_private_network()
   except OSError as e:
-    _remove(args.listen, args.remove_directory)
+    _remove(bound, args.remove_directory)
     print(f"cannot give the TFF worker a private network ({e.strerror or e}: "
           "the kernel allows no network or user namespace here); set "
           f"{SHARED_NETWORK_VARIABLE}=1 to run it on this machine's network "
@@ -240,6 +308,17 @@ def main(argv=None) -> None:
           "reaches its port can run code as you", file=sys.stderr, flush=True)
     sys.exit(EXIT_NO_PRIVATE_NETWORK)
   port = _free_port()
+  print(describe_reach(args.listen, port, args.shared_network), file=sys.stderr,
+        flush=True)
+  returncode = _run_worker(args, outer, port)
+  _remove(bound, args.remove_directory)
+  _exit_like(returncode)
+
+
+def _run_worker(args, outer: socket.socket, port: int) -> int:
+  """Runs the worker on `port`, forwarding `outer`'s connections to it, until
+  it ends; its return code. Repeats the last lines of its stderr when it
+  ends unasked with an error."""
   host = os.getpid()
 
   def worker_setup():
@@ -251,16 +330,37 @@ def main(argv=None) -> None:
       [args.worker, f"--port={port}", "--max_concurrent_computation_calls="
        f"{args.max_concurrent_computation_calls}"],
       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-      stderr=subprocess.DEVNULL, preexec_fn=worker_setup)
-  for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(signum, lambda *_: worker.terminate())
+      stderr=subprocess.PIPE, preexec_fn=worker_setup)
+  kept = collections.deque(maxlen=_STDERR_LINES_KEPT)
+  asked = threading.Event()
+
+  def stop(*_):
+    asked.set()
+    worker.terminate()
+
+  stopping = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+  for signum in stopping:
+    signal.signal(signum, stop)
+  # The threads block these signals, so that the kernel delivers them to the
+  # main thread: one that another thread took would set Python's flag but
+  # leave the main thread waiting for the worker.
+  signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
+  reader = threading.Thread(target=_keep_last_lines, args=(worker.stderr, kept),
+                            daemon=True)
+  reader.start()
   if args.parent_pipe is not None:
-    threading.Thread(target=_end_when_closed, args=(args.parent_pipe, worker),
+    threading.Thread(target=_end_when_closed, args=(args.parent_pipe, stop),
                      daemon=True).start()
   threading.Thread(target=_serve, args=(outer, port), daemon=True).start()
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
   returncode = worker.wait()
-  _remove(args.listen, args.remove_directory)
-  _exit_like(returncode)
+  reader.join(timeout=1.0)
+  if returncode != 0 and not asked.is_set() and kept:
+    how = (f"code {returncode}" if returncode > 0
+           else signal.Signals(-returncode).name)
+    print(f"worker_binary (pid {worker.pid}) ended with {how}; the last lines "
+          "it wrote on stderr:", *kept, sep="\n", file=sys.stderr, flush=True)
+  return returncode
 
 
 if __name__ == "__main__":

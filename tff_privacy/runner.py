@@ -7,7 +7,9 @@
   with HyperFL-LPM's backbone pinned by its fingerprint (model_kwargs
   `backbone_fingerprint`: a resume refuses a replaced backbone file) and
   the clients' split pinned by its SHA-256 (`split_sha256`, for a split
-  file's or ClientData's clients: a resume refuses a changed split);
+  file's or ClientData's clients: a resume refuses a changed split), and
+  the code versions that trained it (`provenance.KEY`: git commit, dirty
+  tree and diff hash, one more for each resume by other code);
 * `metrics.json`: one entry per finished round (`test_<metric>` of the
   global model on the test set for every metric of the data set's task:
   `test_accuracy` and `test_loss` for classification, `test_iou`,
@@ -24,7 +26,9 @@
   the update (not an input perturbation such as FedRE's 'pixels')
   `unperturbed_share`, the share of the round's uploads it left exactly
   unchanged, and its own measurements as `<defence>/<name>`, e.g.
-  `recupfl/zero_gradient_steps` (`client_defense_measurements`); at
+  `recupfl/zero_gradient_steps`, those it keeps per client as {client
+  index: value} of the round's clients, e.g. `fedre/tensor_epsilons`
+  (`client_defense_measurements`); at
   captured rounds the aggregate update's
   `update_cosine` and `update_relative_error` against the clients' clean
   uploads, or `update_error_unavailable` and why (`update_fidelity`), and
@@ -52,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import fcntl
 import functools
 import gc
 import json
@@ -61,6 +66,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -69,7 +75,7 @@ import tensorflow_federated as tff
 import tqdm
 
 from tff_privacy import (algorithms, data, defenses, evaluate, io, models,
-                         params, pretrained, runtime, tasks)
+                         params, pretrained, provenance, runtime, tasks)
 from tff_privacy.aggregation import wide_sum
 from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.attacks import functional
@@ -488,27 +494,34 @@ class ClientFiles:
   whatever the number of samples (`file_client_dataset`). A client's
   folder, one file per sample (its x then its y, raw bytes), is written at
   its first round, in a private temporary folder removed by `close`, when
-  this object is collected or at exit; the folders of processes that ended
-  without (killed by a signal) are removed by the next `ClientFiles`.
-  Only for workers on this machine."""
+  this object is collected or at exit.
+
+  The folder holds `LOCK`, locked (``flock``) for as long as this object
+  lives: the kernel releases the lock when the process ends in any way, so
+  the next `ClientFiles` removes the folders whose lock it can take, even
+  those of processes in other PID namespaces sharing the temporary folder
+  (containers, Bazel's sandboxes), whose PIDs say nothing here. Only for
+  workers on this machine."""
 
   PREFIX = "tff-privacy-clients-"
+  LOCK = ".lock"
 
   def __init__(self, x: np.ndarray, y: np.ndarray,
                client_indices: Sequence[np.ndarray]):
     self.x, self.y, self.client_indices = x, y, client_indices
-    _remove_orphaned_client_files(tempfile.gettempdir())
-    self._folder = tempfile.TemporaryDirectory(
-        prefix=f"{self.PREFIX}{os.getpid()}-")
+    parent = tempfile.gettempdir()
+    _remove_orphaned_client_files(parent)
+    self._folder, lock = _locked_folder(parent, self.PREFIX, self.LOCK)
+    self._finalizer = weakref.finalize(self, _remove_locked_folder, self._folder, lock)
     self._written: set[int] = set()
 
   def folder(self, client: int) -> str:
     """The folder of `client`'s samples x[indices], y[indices] (its
     `client_indices`): file k holds the k-th; written if new."""
-    folder = os.path.join(self._folder.name, f"client_{client}")
+    folder = os.path.join(self._folder, f"client_{client}")
     if client not in self._written:
       # whole or not at all; a half-written one goes with the run's folder
-      tmp = tempfile.mkdtemp(dir=self._folder.name, prefix=".tmp-")
+      tmp = tempfile.mkdtemp(dir=self._folder, prefix=".tmp-")
       for k, i in enumerate(self.client_indices[client]):
         with open(os.path.join(tmp, str(k)), "wb") as f:
           f.write(np.ascontiguousarray(self.x[i]).tobytes())
@@ -518,33 +531,47 @@ class ClientFiles:
     return folder
 
   def close(self) -> None:
-    self._folder.cleanup()
+    self._finalizer()
+
+
+def _locked_folder(parent: str, prefix: str, lock_name: str) -> tuple[str, int]:
+  """A new private folder `prefix`* in `parent` holding the file `lock_name`,
+  locked by the returned descriptor. Made under another name and renamed
+  once locked, so no cleaner ever sees one of its folders unlocked while
+  its process lives."""
+  making = tempfile.mkdtemp(dir=parent, prefix=f".{prefix}new-")
+  lock = os.open(os.path.join(making, lock_name), os.O_RDWR | os.O_CREAT, 0o600)
+  fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  folder = os.path.join(parent, prefix + os.path.basename(making)[len(f".{prefix}new-"):])
+  os.rename(making, folder)
+  return folder, lock
+
+
+def _remove_locked_folder(folder: str, lock: int) -> None:
+  shutil.rmtree(folder, ignore_errors=True)
+  os.close(lock)
 
 
 def _remove_orphaned_client_files(parent: str) -> None:
-  """Removes this user's `ClientFiles` folders in `parent` whose process
-  no longer runs."""
+  """Removes this user's `ClientFiles` folders in `parent` whose lock no
+  process holds. A folder without a lock file is left alone."""
   for name in os.listdir(parent):
-    pid = name[len(ClientFiles.PREFIX):].split("-")[0]
-    if not name.startswith(ClientFiles.PREFIX) or not pid.isdigit():
+    if not name.startswith(ClientFiles.PREFIX):
       continue
     path = os.path.join(parent, name)
     try:
-      if os.stat(path).st_uid != os.getuid() or _process_runs(int(pid)):
+      if os.stat(path).st_uid != os.getuid():
         continue
-    except FileNotFoundError:
+      lock = os.open(os.path.join(path, ClientFiles.LOCK), os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+      continue
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # its process still runs
+      os.close(lock)
       continue
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _process_runs(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's process
-    return True
-  return True
+    os.close(lock)
 
 
 def file_client_dataset(folder: str, specs: tuple[tf.TensorSpec, ...],
@@ -1091,17 +1118,18 @@ class Run:
   def _defense_class(self):
     return defenses.defense_class(self.config.defense)
 
-  def privacy_spent(self, rounds: int) -> dict[str, Any]:
+  def privacy_spent(self, rounds: int,
+                    history: Sequence[dict] = ()) -> dict[str, Any]:
     """(epsilon, delta) spent after `rounds` rounds, with the neighbouring
     relation (`dp_relation`) and the client sampling (`dp_sampling`) they
     assume. Local DP: each client's mechanism composed over every round,
     see `accounting.largest_rounds_epsilon`; pure-DP mechanisms outside
     `dp_accounting` (LDP-Fed) by the basic composition theorem, with delta
     0. Central DP-FedAvg: user-level, see `DPFedAvg.round_event`. With what
-    the method states of its privacy (`Algorithm.stated_privacy`), which
-    may also be all there is (a null epsilon and why); empty for runs
-    without a DP mechanism."""
-    stated = (self.algorithm.stated_privacy(rounds)
+    the method states of its privacy (`Algorithm.stated_privacy`, given
+    the metrics `history` of those rounds), which may also be all there is
+    (a null epsilon and why); empty for runs without a DP mechanism."""
+    stated = (self.algorithm.stated_privacy(rounds, history)
               if self.algorithm.stated_privacy else {})
     round_event = self.round_dp_event
     if round_event is None:
@@ -1179,6 +1207,7 @@ def check_config(config: RunConfig) -> None:
   if not os.path.exists(path):
     return
   old, new = io.read_json(path), config.to_json()
+  old.pop(provenance.KEY, None)  # which code trained it: not its config
   done = _rounds_done(config.out)
   sized = algorithms.method(config.method).needs_federation
   resumes = new["rounds"] > done and not sized
@@ -1228,6 +1257,18 @@ def _rounds_done(out: str) -> int:
   if not os.path.isdir(os.path.join(out, "checkpoints")):
     return 0
   return max(asyncio.run(_checkpoints(out).get_versions()) or [0])
+
+
+def _recorded_config(config: RunConfig) -> dict[str, Any]:
+  """What config.json holds: `config.to_json()` and, under
+  `provenance.KEY`, the code versions that trained the run's checkpointed
+  rounds, this process's added when it has rounds left to train."""
+  path = os.path.join(config.out, "config.json")
+  done = _rounds_done(config.out)
+  saved = io.read_json(path) if done and os.path.exists(path) else {}
+  earlier = provenance.versions_of(saved) if done else []
+  now = [provenance.code_version()] if config.rounds > done else []
+  return {**config.to_json(), provenance.KEY: provenance.merged(earlier, now)}
 
 
 def _pinned_as_saved(config: RunConfig) -> RunConfig:
@@ -1313,7 +1354,7 @@ def run(config: RunConfig, progress: bool = True,
     runtime.check_mergeable(r.process(capture).next,
                             what + (" and capture" if capture else ""))
   os.makedirs(config.out, exist_ok=True)
-  io.write_json(os.path.join(config.out, "config.json"), r.config.to_json())
+  io.write_json(os.path.join(config.out, "config.json"), _recorded_config(r.config))
   manager = _checkpoints(config.out)
   runtime.limit_concurrent_calls(r.algorithm.concurrent_clients)
   initial = r.initial_state()
@@ -1347,8 +1388,8 @@ def run(config: RunConfig, progress: bool = True,
         entry.update(r.evaluate_local(evaluator, broadcast, clients, metrics, state))
       shown = _shown_metrics(r.spec.task_object.primary_metric, entry)
     entry.update(train_measurements(metrics["client_work"]["train"]))
-    entry.update(client_defense_measurements(metrics))
-    entry.update(r.privacy_spent(round_num))
+    entry.update(client_defense_measurements(metrics, [c.index for c in clients]))
+    entry.update(r.privacy_spent(round_num, history + [entry]))
     entry.update(server_step_measurements(metrics))
     if capture:
       captured = metrics["aggregator"]["captured"]
@@ -1411,18 +1452,25 @@ def train_measurements(train) -> dict[str, float]:
           "train_accuracy": float(train["sparse_categorical_accuracy"])}
 
 
-def client_defense_measurements(metrics) -> dict:
-  """What a round's client-side defence reports, averaged over the round's
-  clients, for metrics.json: `unperturbed_share` (the share of uploads it
+def client_defense_measurements(metrics, clients: Sequence[int] = ()) -> dict:
+  """What a round's client-side defence reports, for metrics.json, averaged
+  over the round's clients: `unperturbed_share` (the share of uploads it
   left exactly as they were; only from a defence that acts on the update,
   `UpdateDefense.acts_on_update`) and its own measurements as
-  '<defence>/<name>' (`tff_privacy.algorithms.defended`)."""
+  '<defence>/<name>' (`tff_privacy.algorithms.defended`); its
+  `per_client_measurements` as '<defence>/<name>': {client index (a
+  string): its row, as a list} for each of the round's `clients`."""
   out = {}
   for name, value in (metrics["client_work"].get("defense") or {}).items():
     if isinstance(value, dict):
       out.update({f"{name}/{k}": float(v) for k, v in value.items()})
     else:
       out[name] = float(value)
+  for name, value in (metrics["client_work"].get("defense_per_client")
+                      or {}).items():
+    out.update({f"{name}/{k}": {str(c): np.asarray(rows)[c].tolist()
+                                for c in clients}
+                for k, rows in value.items()})
   return out
 
 
@@ -1457,9 +1505,11 @@ def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
               captured["upload_weights"][i], len(c.samples))
              for i, c in enumerate(clients)]
   meta = r.run_metadata()
+  defense_round = (r.client_defense.defense_round(round_num)
+                   if r.client_defense is not None else None)
   UpdateStore(os.path.join(r.config.out, "updates")).write_round(
       round_num, None if broadcast is None else list(broadcast), uploads, meta,
-      sent)
+      sent, defense_round)
   GroundTruthStore(os.path.join(r.config.out, "ground_truth")).write_round(
       round_num, [(c.index, c.x, c.y, c.attributes) for c in clients],
       {"dataset": meta["dataset"], "value_range": meta["value_range"],

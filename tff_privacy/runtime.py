@@ -38,6 +38,7 @@ the program with a message naming its process or address.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -179,10 +180,12 @@ class LocalWorker:
     self._directory = _socket_directory()
     self.address = f"unix:{os.path.join(self._directory, 'worker.sock')}"
     self._stderr = open(os.path.join(self._directory, "stderr"), "w+")
+    self._released = False
     read_end, self._pipe = os.pipe()
     args = private_worker_command(self.address, max_concurrent_computation_calls)
     args += [f"--parent-pipe={read_end}", "--remove-directory"]
-    if os.environ.get(SHARED_NETWORK_VARIABLE) == "1":
+    self.shared_network = os.environ.get(SHARED_NETWORK_VARIABLE) == "1"
+    if self.shared_network:
       args.append("--shared-network")
     try:
       # No preexec_fn: Python then spawns without fork handlers, which gRPC
@@ -218,17 +221,30 @@ class LocalWorker:
       if self._ended.is_set():
         raise WorkerError(self._startup_failure())
       if time.monotonic() > deadline:
-        self.close()
         raise WorkerError(f"the local TFF worker (pid {self.pid}) did not "
-                          "become ready in time")
+                          f"become ready in {_STARTUP_TIMEOUT_S:g} s")
       time.sleep(0.05)
     self._connected.set()
     if self._ended.wait(0) and not self._closing:
       raise WorkerError(self._startup_failure())
+    if self.shared_network:
+      print(f"tff_privacy: {self._said(reach=True)}", file=sys.stderr, flush=True)
+
+  def _said(self, reach: bool = False) -> str:
+    """What the worker's host wrote on stderr, on one line: its line on the
+    worker's reach (`reach`), or every other line."""
+    try:  # by our descriptor: the host removes the file with its directory
+      fd = self._stderr.fileno()
+      lines = os.pread(fd, os.fstat(fd).st_size, 0).decode(
+          errors="replace").splitlines()
+    except (OSError, ValueError):  # ValueError: closed by `close`
+      return ""
+    lines = [line for line in lines
+             if line.startswith(private_worker.REACH_PREFIX) == reach]
+    return " ".join(" ".join(lines).split())
 
   def _startup_failure(self) -> str:
-    self._stderr.seek(0)
-    said = " ".join(self._stderr.read().split())
+    said = self._said()
     if self.returncode == private_worker.EXIT_NO_PRIVATE_NETWORK:
       return said
     return describe_exit(self.returncode, self.pid) + " while starting" + (
@@ -243,7 +259,9 @@ class LocalWorker:
     self._ended.set()
     if self._closing:
       return
-    self.failure = describe_exit(self.returncode, self.pid)
+    said = self._said()
+    self.failure = describe_exit(self.returncode, self.pid) + (
+        f": {said}" if said else "")
     if self._connected.is_set():  # before that, `connect` reports it
       _stop_main_thread(self.failure)
 
@@ -259,6 +277,9 @@ class LocalWorker:
     self._release()
 
   def _release(self) -> None:
+    if self._released:
+      return
+    self._released = True
     os.close(self._pipe)
     self._stderr.close()
     shutil.rmtree(self._directory, ignore_errors=True)
@@ -471,12 +492,25 @@ def start(max_concurrent_computation_calls: "int | None" = None, workers: int = 
       for w in started:
         w.connect()
   except BaseException:
-    for w in started:
-      w.close()
+    with contextlib.suppress(Exception):  # the reason to stop comes first
+      _close_all(started)
     raise
   context_stack_impl.context_stack.set_default_context(_context(started))
   _workers = started
   return started[0]
+
+
+def _close_all(workers) -> None:
+  """Closes every one of `workers`, even when closing one fails; raises the
+  first such failure after."""
+  failures = []
+  for w in workers:
+    try:
+      w.close()
+    except Exception as e:  # pylint: disable=broad-except
+      failures.append(e)
+  if failures:
+    raise failures[0]
 
 
 def worker_count() -> int:
@@ -531,10 +565,9 @@ def stop() -> None:
   starts a new one."""
   global _workers
   if _workers:
-    for w in _workers:
-      w.close()
-    _workers = []
+    closing, _workers = _workers, []
     _install_lazy_context()
+    _close_all(closing)
 
 
 def renew() -> None:

@@ -27,7 +27,7 @@ plug in here without touching the runner:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import dp_accounting
 import numpy as np
@@ -131,9 +131,12 @@ class Algorithm:
     aggregates_uploads: whether the server's next model is the model
       aggregator's result (False for pFedHN, whose server turns each upload
       into a hypernetwork step; server-side defences cannot apply).
-    stated_privacy: maps the rounds done to what the method states of its
-      privacy after them, written into metrics beside the accountant's
-      epsilon (e.g. FedRE's paper epsilon by eq. 9 with simple composition).
+    stated_privacy: maps the rounds done and the metrics history of those
+      rounds (metrics.json's entries, the last one the current round's so
+      far) to what the method states of its privacy after them, written
+      into metrics beside the accountant's epsilon (e.g. FedRE's paper
+      epsilon, eq. 9 composed over the per-tensor epsilons its clients
+      recorded).
     concurrent_clients: at most this many clients' calls of one computation
       run at once on a worker (-1: no limit), for methods whose clients, or
       whose server per upload, need much memory each; the runner applies it
@@ -159,7 +162,7 @@ class Algorithm:
   pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
   private_state: Optional[PrivateState] = None
   aggregates_uploads: bool = True
-  stated_privacy: Optional[Callable[[int], dict[str, Any]]] = None
+  stated_privacy: Optional[Callable[[int, Sequence[dict]], dict[str, Any]]] = None
   concurrent_clients: int = -1
   local_model: Optional[Callable[[list[np.ndarray], Any, Any],
                                  list[np.ndarray]]] = None

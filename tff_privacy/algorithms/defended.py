@@ -12,9 +12,10 @@ measurements, the round reports under 'defense' the share of its clients
 whose update the defence left exactly as it was ('unperturbed_share', for
 a defence that acts on the update), and the defence's own measurements
 (`UpdateDefense.apply_measured`) averaged over the clients, under its
-name. The client's noise seed travels in its data (a 'seed' entry in every
-batch, see `Algorithm.client_inputs`), so a run is reproducible while every
-client and round gets fresh noise.
+name; its `per_client_measurements`, one row per client, are summed
+instead, under 'defense_per_client'. The client's noise seed travels in its
+data (a 'seed' entry in every batch, see `Algorithm.client_inputs`), so a
+run is reproducible while every client and round gets fresh noise.
 
 `compose_defended` builds the full `LearningProcess` around such a client
 work with TFF's own distributor, aggregator and optimizer finalizer, the same
@@ -44,29 +45,40 @@ def client_seed(run_seed: int, round_num: int, client: int) -> np.ndarray:
 
 
 def measured_defense(defense: UpdateDefense, update: list[tf.Tensor], seed,
-                     client=None) -> tuple[list[tf.Tensor], dict]:
-  """The defended `update` and its measurements: for a defence that acts on
-  the update (`UpdateDefense.acts_on_update`; not an input perturbation,
-  which leaves every update as it is) 'unperturbed_share' (1.0 where the
-  defence left every entry exactly as it was, else 0.0) and, under the
-  defence's name, its own (`UpdateDefense.apply_measured`)."""
+                     client=None) -> tuple[list[tf.Tensor], dict, dict]:
+  """The defended `update`, its measurements to average over clients and
+  those kept per client. The former: for a defence that acts on the update
+  (`UpdateDefense.acts_on_update`; not an input perturbation, which leaves
+  every update as it is) 'unperturbed_share' (1.0 where the defence left
+  every entry exactly as it was, else 0.0) and, under the defence's name,
+  its own (`UpdateDefense.apply_measured`) but the
+  `per_client_measurements`, which the latter holds under its name."""
   defended, own = defense.apply_measured(update, seed, client)
-  measured = collections.OrderedDict()
+  measured, per_client = collections.OrderedDict(), collections.OrderedDict()
   if defense.acts_on_update:
     same = tf.reduce_all([tf.reduce_all(tf.equal(d, u))
                           for d, u in zip(defended, update)])
     measured["unperturbed_share"] = tf.cast(same, tf.float32)
-  if own:
-    measured[defense.name] = collections.OrderedDict(
-        (k, tf.cast(v, tf.float32)) for k, v in sorted(own.items()))
-  return defended, measured
+  averaged = [k for k in own if k not in defense.per_client_measurements]
+  if averaged:
+    measured[defense.name] = _as_float32(own, averaged)
+  if defense.per_client_measurements:
+    per_client[defense.name] = _as_float32(own, defense.per_client_measurements)
+  return defended, measured, per_client
+
+
+def _as_float32(measurements: dict, names) -> collections.OrderedDict:
+  """`measurements[name]` as float32 for each of `names`, sorted by name."""
+  return collections.OrderedDict(
+      (k, tf.cast(measurements[k], tf.float32)) for k in sorted(names))
 
 
 def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
                         defense: UpdateDefense) -> tff.learning.templates.ClientWorkProcess:
   """`inner` whose clients upload `defense.apply(update, seed)`; its
   measurements also hold the clients' mean of `measured_defense`'s under
-  'defense'.
+  'defense' and, for a defence with `per_client_measurements`, their sum
+  under 'defense_per_client'.
 
   The client's seed, and the per-client inputs the defence declares in
   `client_input_types` (e.g. FedRE's region mask), travel in every batch;
@@ -122,7 +134,9 @@ def with_update_defense(inner: tff.learning.templates.ClientWorkProcess,
         update=defended[0], update_weight=output.result.update_weight))
     measurements = collections.OrderedDict(
         [(name, output.measurements[name]) for name in inner_measurements]
-        + [("defense", tff.federated_mean(defended[1]))])
+        + [("defense", tff.federated_mean(defended[1]))]
+        + ([("defense_per_client", tff.federated_sum(defended[2]))]
+           if defense.per_client_measurements else []))
     return tff.templates.MeasuredProcessOutput(
         output.state, result, tff.federated_zip(measurements))
 

@@ -88,16 +88,29 @@ with plain SGD and the defaults of `sensitivity`, `noise_calibration` and
 `eta_placement`, which concern the noise on the update.
 
 The client's total delta is the run's `dp_delta`. Privacy reported per round:
-the paper's epsilon spent so far (eq. 9 and simple composition over layers:
-epsilon sqrt(t / T) after t rounds of a budget planned over T, epsilon
-itself after T; a run longer than `budget_rounds` is refused unless
-`allow_over_budget`) and what
+the paper's epsilon spent so far, `paper_epsilon` (below), and what
 `dp_accounting` computes for the noise added under the sensitivity's
 relation (`dp_relation`): for 'paper' the bound that holds for every split
 eq. 6 can produce, for 'accountant' the exact target. Both treat the split
 as fixed in advance, which the PSI split, computed from private data, is
 not (see `tff_privacy.dp.layerwise_budget`). `privacy_guarantee` says in
 words which of them is proven: under 'sample' neither (see above).
+
+The paper's epsilon is composed from what each client spent. Every round,
+each client records the epsilon_{l,r} eq. 9 assigns to the noise sigma_l
+it added to tensor l (`fedre/tensor_epsilons` in metrics.json, {client
+index: [epsilon_{l,r} per tensor]} for the round's clients): its eq. 6
+share under 'paper' calibration; under 'accountant', eq. 9 solved for
+epsilon_l at the accountant's sigma_l (`paper_layer_epsilons` of
+`tff_privacy.dp.layerwise_budget`), so that both are priced by the same
+formula. A client's epsilon after t rounds composes eq. 9 over its rounds
+per tensor and sums the tensors (Theorem 1), sum_l sqrt(sum_{r <= t}
+epsilon_{l,r}^2 / T) (`paper_epsilon_spent`; a round it sat out adds
+nothing); `paper_epsilon` is the largest over the clients. It
+is epsilon sqrt(t / T) for a split that stays the same (the even split):
+epsilon after T rounds, more past them (a run longer than `budget_rounds`
+is refused unless `allow_over_budget`); a PSI split that changes from
+round to round spends more than that (Cauchy-Schwarz).
 
 Regions (`regions`): every client's privacy-sensitive region on its images
 (its privacy preference, Fig. 1), either boxes `x_min,y_min,x_max,y_max`
@@ -148,6 +161,11 @@ from tff_privacy.models.functional import forward
 
 MASK_KEY = "psi_mask"
 PROFILE_KEY = "public_profile"  # which public set PDA-PAM scores a client on
+CLIENT_KEY = "client_index"  # the row of a client's per-client measurements
+# the measurement of each client's per-tensor epsilons of a round, and
+# where metrics.json holds it (the runner's '<defence>/<name>')
+SPENT_KEY = "tensor_epsilons"
+METRIC_KEY = f"fedre/{SPENT_KEY}"
 BUDGET_SPLITS = ("psi", "even")
 BUDGET_UNITS = ("layer", "tensor")
 ETA_PLACEMENTS = ("server", "client")
@@ -343,7 +361,9 @@ STEPS_FIXED = {"perturbation": "gradient", "sensitivity": "sample",
 
 class FedREMechanism(UpdateDefense):
   """Steps 2-4 of FedRE's client (see the module docstring) on one update,
-  the model change w~ - w^k of `local_epochs` passes at `learning_rate`."""
+  the model change w~ - w^k of `local_epochs` passes at `learning_rate`,
+  for a federation of `num_clients` clients (the rows of its per-tensor
+  epsilons, `SPENT_KEY`)."""
 
   name = "fedre"
   needs_client_view = True
@@ -356,7 +376,8 @@ class FedREMechanism(UpdateDefense):
                learning_rate: float = 0.005, local_epochs: int = 1,
                perturbation: str = "gradient", pixel_noise: Optional[float] = None,
                seed: int = 0, noise_on: str = "update",
-               steps: Optional[local_dp_sgd.DPSGD] = None):
+               steps: Optional[local_dp_sgd.DPSGD] = None,
+               num_clients: int = 1):
     if noise_on not in NOISE_ON:
       raise ValueError(f"noise_on={noise_on!r}; choose one of {NOISE_ON}")
     if noise_on == "steps":
@@ -373,7 +394,8 @@ class FedREMechanism(UpdateDefense):
                        f"{ETA_PLACEMENTS}")
     if budget_unit not in BUDGET_UNITS:
       raise ValueError(f"budget_unit={budget_unit!r}; choose one of {BUDGET_UNITS}")
-    check_positive(learning_rate=learning_rate, local_epochs=local_epochs)
+    check_positive(learning_rate=learning_rate, local_epochs=local_epochs,
+                   num_clients=num_clients)
     self.sensitivity, self.eta_placement = sensitivity, eta_placement
     self.learning_rate, self.local_epochs = learning_rate, local_epochs
     self.dp_relation = SAMPLE_RELATION if sensitivity == "sample" else LOCAL_RELATION
@@ -386,6 +408,8 @@ class FedREMechanism(UpdateDefense):
     self.perturbation, self.pixel_noise, self.seed = perturbation, pixel_noise, seed
     # 'pixels': transform_batch; 'steps': the local steps
     self.acts_on_update = perturbation == "gradient" and noise_on == "update"
+    self.per_client_measurements = (SPENT_KEY,) if self.acts_on_update else ()
+    self.num_clients = num_clients
     self.noise_on, self.steps = noise_on, steps
     if steps is not None:
       self.dp_relation = dp_sgd.RELATION
@@ -406,7 +430,8 @@ class FedREMechanism(UpdateDefense):
     height, width = spec.input_shape[:2]
     # the profile only travels with the data, for the server's PDA-PAM
     self.client_input_types = {MASK_KEY: tff.TensorType(np.float32, [height, width]),
-                               PROFILE_KEY: tff.TensorType(np.int32)}
+                               PROFILE_KEY: tff.TensorType(np.int32),
+                               CLIENT_KEY: tff.TensorType(np.int32)}
 
   def params(self):
     if self.perturbation == "pixels":  # no update noise, no budget
@@ -493,18 +518,45 @@ class FedREMechanism(UpdateDefense):
     return 2.0 * self.local_epochs / tf.cast(tf.maximum(seen, 1), tf.float32)
 
   def apply(self, update, seed, client: Optional[ClientView] = None):
-    if self.perturbation == "pixels" or self.noise_on == "steps":
+    if not self.acts_on_update:
       return list(update)
+    return self._noised(update, seed, client)[0]
+
+  def apply_measured(self, update, seed, client: Optional[ClientView] = None):
+    """`apply`'s upload and, for noise on the update, `SPENT_KEY`: a
+    [num_clients, L] array holding, in the client's row (its `CLIENT_KEY`
+    input), the epsilon_l eq. 9 assigns to each tensor's noise this round
+    (`spent_epsilons`), zeros elsewhere."""
+    if not self.acts_on_update:
+      return list(update), {}
+    upload, spent = self._noised(update, seed, client)
+    row = tf.cast(client.inputs[CLIENT_KEY], tf.int32)
+    return upload, {SPENT_KEY: tf.scatter_nd(
+        [[row]], spent[None], [self.num_clients, self.num_layers])}
+
+  def _noised(self, update, seed, client: Optional[ClientView]):
+    """The noised upload of `apply` and its `spent_epsilons`."""
     if client is None:
       raise ValueError("fedre needs the client's data, region and model (a ClientView)")
     psi_seed, noise_seed = tf.unstack(
         tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2))
-    sigmas = self.noise_multipliers(self.layer_epsilons(client, psi_seed))
+    layer_epsilons = self.layer_epsilons(client, psi_seed)
+    sigmas = self.noise_multipliers(layer_epsilons)
     # eqs. 7-8 in gradient units, scaled by eta into the model's units
     clip = self.eta * self.clip
     query = LayerwiseGaussianQuery([clip] * self.num_layers, [1.0] * self.num_layers)
     stddevs = clip * sigmas * self.sensitivity_per_clip(client)
-    return list(run_local_query(query, list(update), noise_seed, stddevs=stddevs)[0])
+    upload = run_local_query(query, list(update), noise_seed, stddevs=stddevs)[0]
+    return list(upload), self.spent_epsilons(layer_epsilons, sigmas)
+
+  def spent_epsilons(self, layer_epsilons, sigmas) -> tf.Tensor:
+    """Each tensor's epsilon_l that eq. 9 assigns to a round's noise
+    multipliers `sigmas`: the eq. 6 shares `layer_epsilons` they came from
+    under 'paper' calibration, eq. 9 solved for epsilon_l under
+    'accountant' (whose sigmas are not eq. 9's)."""
+    if self.round_multiplier is None:
+      return tf.cast(layer_epsilons, tf.float32)
+    return budget.paper_layer_epsilons(sigmas, self.layer_delta, self.rounds)
 
   def dp_event(self, num_params: int) -> dp_accounting.DpEvent:
     """One round under `dp_relation` (the sensitivity's): exact for
@@ -763,7 +815,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       sensitivity=sensitivity, eta_placement=eta_placement,
       learning_rate=client_learning_rate, local_epochs=local_epochs,
       perturbation=perturbation, pixel_noise=pixel_noise, seed=seed,
-      noise_on=noise_on, steps=steps)
+      noise_on=noise_on, steps=steps, num_clients=len(federation.client_sizes))
   public = (public_regions(federation, regions, masks, public_samples)
             if aggregation == "pda_pam" else None)
   return Algorithm(
@@ -786,7 +838,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       client_inputs=lambda client, round_num: {
           SEED_KEY: client_seed(seed, round_num, client),
           MASK_KEY: masks[client].astype(np.float32),
-          PROFILE_KEY: np.int32(client)},
+          PROFILE_KEY: np.int32(client), CLIENT_KEY: np.int32(client)},
       # the regions are the run's public configuration: adaptive attacks
       # score and regularise them
       defense={"name": mechanism.name, **mechanism.params(), "regions": regions},
@@ -806,14 +858,33 @@ def _stated_privacy(mechanism: FedREMechanism):
   if m.perturbation == "pixels":
     return None
   if m.steps is not None:
-    return lambda rounds: {"privacy_guarantee": STEPS_GUARANTEE,
-                           **m.steps.stated_privacy()}
-  return lambda rounds: {
-      "paper_epsilon": budget.paper_epsilon_spent(m.epsilon, m.rounds, rounds),
+    return lambda rounds, history: {"privacy_guarantee": STEPS_GUARANTEE,
+                                    **m.steps.stated_privacy()}
+  return lambda rounds, history: {
+      **paper_epsilon(history, m.rounds),
       "paper_delta": m.delta,
-      "paper_accounting": "eq. 9 per tensor, simple composition over "
-      f"tensors (Theorem 1, Corollary 1), noise planned for {m.rounds} rounds",
+      "paper_accounting": "eq. 9 per tensor composed over the rounds of "
+      f"noise planned for {m.rounds}, sqrt(sum_r epsilon_(l,r)^2 / "
+      f"{m.rounds}) from {METRIC_KEY}, simple composition over tensors "
+      "(Theorem 1, Corollary 1), the largest over clients",
       "privacy_guarantee": GUARANTEES[m.sensitivity]}
+
+
+def paper_epsilon(history: Sequence[dict], planned_rounds: int) -> dict:
+  """{'paper_epsilon': the largest over clients of the paper's epsilon
+  they spent in the rounds of `history` (metrics entries), composed from
+  their recorded per-tensor epsilons (`METRIC_KEY`) by
+  `layerwise_budget.paper_epsilon_spent`}; empty where none are recorded
+  (no round has run)."""
+  spent = collections.defaultdict(list)
+  for entry in history:
+    for client, epsilons in entry.get(METRIC_KEY, {}).items():
+      spent[client].append(epsilons)
+  if not spent:
+    return {}
+  return {"paper_epsilon": float(np.max([  # NaN where a client's is
+      budget.paper_epsilon_spent(rows, planned_rounds)
+      for rows in spent.values()]))}
 
 
 METHOD = Method("fedre", PARAMETERS, algorithm,

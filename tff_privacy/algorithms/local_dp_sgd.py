@@ -211,7 +211,7 @@ def algorithm_fields(dp: DPSGD, run_seed: int) -> dict:
   return {"client_inputs": seed_inputs(run_seed),
           "dp_event": lambda num_params: dp.round_event(),
           "dp_relation": dp_sgd.RELATION,
-          "stated_privacy": lambda rounds: dp.stated_privacy()}
+          "stated_privacy": lambda rounds, history: dp.stated_privacy()}
 
 
 def local_training_client_work(

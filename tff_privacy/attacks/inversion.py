@@ -54,7 +54,7 @@ from tensorflow_probability.python.optimizer import lbfgs as tfp_lbfgs
 from tff_privacy import tasks
 from tff_privacy.attacks import functional
 from tff_privacy.attacks.labels import recover_labels
-from tff_privacy.attacks.refusal import UploadRefused
+from tff_privacy.attacks.refusal import UploadRefused, refusing_unreadable
 from tff_privacy.data import normalization
 from tff_privacy.params import Param, Params
 from tff_privacy.updates import UpdateRecord
@@ -688,6 +688,18 @@ class InvertingGradients(GradientInversion):
       best_x, best_loss = last(x, best_x, best_loss, *arguments)
       return x, m, v, best_x, best_loss
     return advance
+
+  def targets(self, records: Sequence[UpdateRecord],
+              labels: Optional[Sequence[np.ndarray]] = None) -> list[Target]:
+    """`GradientInversion.targets`, whose `upload_mask` and `region_prior`
+    are read once first: a store they cannot read is refused
+    (`refusing_unreadable`) before any search."""
+    targets = super().targets(records, labels)
+    for target in targets:
+      with refusing_unreadable(self.name, target.record):
+        self.upload_mask(target)
+        self.region_prior(target)
+    return targets
 
   def upload_mask(self, target: Target) -> list[tf.Tensor]:
     """0/1 per coordinate of the upload: 1 where the objective matches it;

@@ -81,7 +81,7 @@ import tensorflow as tf
 from tff_privacy import psi
 from tff_privacy.attacks.adaptive import check_defence
 from tff_privacy.attacks.inversion import InvertingGradients, Target
-from tff_privacy.attacks.refusal import UploadRefused
+from tff_privacy.attacks.refusal import UploadRefused, refusing_unreadable
 from tff_privacy.params import Param, Params
 from tff_privacy.updates import UpdateRecord
 
@@ -183,18 +183,24 @@ class NoiseAwareInvertingGradients(InvertingGradients):
     super().check_records(records)
     check_defence(self.name, self.DEFENDS, records)
     for record in records:
-      defense = record.metadata["defense"]
-      if defense["name"] == "fedre" and _noise_place(defense) != "update":
-        raise UploadRefused(
-            f"attack {self.name!r} answers FedRE's noise on the update; round "
-            f"{record.round_num} client {record.client_index} was uploaded "
-            f"with its noise on the {_noise_place(defense)}: use 'ig'")
-      if self.region_tv_weight > 0:
-        if defense["name"] != "fedre":
-          raise UploadRefused(f"region_tv_weight applies to FedRE runs; round "
-                              f"{record.round_num} client {record.client_index} "
-                              f"was uploaded under {defense['name']}")
-        region_pixels(record)  # refuses regions it cannot rebuild
+      with refusing_unreadable(self.name, record):
+        self._check_noise(record)
+
+  def _check_noise(self, record: UpdateRecord) -> None:
+    """Refuses a FedRE record whose noise is not on the update, and with
+    `region_tv_weight` one not of FedRE or of regions it cannot rebuild."""
+    defense = record.metadata["defense"]
+    if defense["name"] == "fedre" and _noise_place(defense) != "update":
+      raise UploadRefused(
+          f"attack {self.name!r} answers FedRE's noise on the update; round "
+          f"{record.round_num} client {record.client_index} was uploaded "
+          f"with its noise on the {_noise_place(defense)}: use 'ig'")
+    if self.region_tv_weight > 0:
+      if defense["name"] != "fedre":
+        raise UploadRefused(f"region_tv_weight applies to FedRE runs; round "
+                            f"{record.round_num} client {record.client_index} "
+                            f"was uploaded under {defense['name']}")
+      region_pixels(record)  # refuses regions it cannot rebuild
 
   def upload_mask(self, target: Target) -> list[tf.Tensor]:
     """1 / s_l on tensor l, scaled so that the least noisy tensor weighs 1;

@@ -1,6 +1,8 @@
 """Defences against gradient leakage: client-side update transforms (the
 classic ones and RECUP-FL's) and server-side aggregators."""
 
+from typing import Optional
+
 from tff_privacy.defenses.central import DPFedAvg
 from tff_privacy.defenses.ldp_fed import LDPFed
 from tff_privacy.defenses.recupfl import RecupFL
@@ -26,6 +28,15 @@ def resolve(name: str, kwargs: dict) -> dict:
   """The parameters of defence `name` from `kwargs`, checked against its
   declaration (`PARAMETERS`), defaults filled in."""
   return defense_class(name).PARAMETERS.resolve(f"defense {name!r}", kwargs)
+
+
+def encoded_bytes(name: Optional[str], kwargs: dict, upload) -> Optional[int]:
+  """The bytes of a client's `upload` in the own encoding of client-side
+  defence `name` with parameters `kwargs` (`UpdateDefense.encoded_bytes`);
+  None without a defence, for a server-side one, or one that sends dense."""
+  if name not in CLIENT_DEFENSES:
+    return None
+  return CLIENT_DEFENSES[name].encoded_bytes(resolve(name, kwargs), upload)
 
 
 def build(name: str, model_spec=None, data=None, out=None, **kwargs):

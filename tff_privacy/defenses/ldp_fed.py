@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tff_privacy.defenses.updates import (UpdateDefense, flatten,
@@ -61,7 +62,7 @@ class LDPFed(UpdateDefense):
 
   @property
   def _half_width(self) -> int:
-    return int(round(self.clip * 10 ** self.precision))
+    return _half_width(self.clip, self.precision)
 
   def _perturb(self, values: tf.Tensor, seed) -> tf.Tensor:
     """Ordinal alpha-CLDP of a flat vector of values."""
@@ -86,3 +87,20 @@ class LDPFed(UpdateDefense):
   def pure_epsilon(self, num_params: int) -> float:
     shared = math.ceil(self.fraction * num_params)
     return shared * self.alpha * 2 * self._half_width
+
+  @classmethod
+  def encoded_bytes(cls, params, upload):
+    """Each entry as its index in the output grid U, ceil(log2 |U|) bits
+    (the grid's unit and range are public parameters: no scale is sent);
+    with `fraction` < 1 the smaller of that for every entry (unshared ones
+    as 0) and (int32 flat index, code) for the shared entries only."""
+    entries = sum(int(np.size(u)) for u in upload)
+    bits = math.ceil(math.log2(2 * _half_width(params["clip"], params["precision"]) + 1))
+    shared = math.ceil(params["fraction"] * entries)
+    sparse = 4 * shared + math.ceil(shared * bits / 8)
+    return min(math.ceil(entries * bits / 8), sparse)
+
+
+def _half_width(clip: float, precision: int) -> int:
+  """c 10^rho: the output grid's largest value, in its units."""
+  return int(round(clip * 10 ** precision))

@@ -348,25 +348,43 @@ def zoo_round(round_num: int, zoo_refresh: int) -> int:
   return round_num - (round_num - 1) % zoo_refresh
 
 
-def _round_zoo(folder: str, attribute: str, round_num: int, zoo_refresh: int
-               ) -> defender_zoo.DefenderZoo:
-  """The zoo saved in `folder` if round `round_num` used it: trained at its
-  last due round (`zoo_round`) or later, up to `round_num` (a zoo missing
-  at a round that is not due is retrained there, `RecupFL.prepare_round`).
+def _round_zoo(folder: str, attribute: str, record, updates: str,
+               zoo_refresh: int) -> defender_zoo.DefenderZoo:
+  """The zoo saved in `folder` if the round of `record` (read from the
+  store in `updates`) used it: trained at its last due round (`zoo_round`)
+  or later, up to that round (a zoo missing at a round that is not due is
+  retrained there, `RecupFL.prepare_round`), with the weights whose
+  fingerprint the capture recorded (`RecupFL.defense_round`).
 
   Raises:
     ValueError: naming the folder, for a zoo of another round or one that
-      records none (written by an older version).
+      records none (written by an older version); naming the folder and
+      `updates`, for a zoo with other weights (another run's) or a round
+      captured without a fingerprint (by an older version).
   """
+  round_num = record.round_num
   trained = zoo_round(round_num, zoo_refresh)
-  found = defender_zoo.read_index(folder).get("round")
+  index = defender_zoo.read_index(folder)
+  found = index.get("round")
   if found is None or not trained <= found <= round_num:
     held = ("records no training round (written by an older version)"
             if found is None else f"holds the one of round {found}")
     raise ValueError(f"adaptive adversaries of round {round_num} need the zoo "
                      f"of {attribute!r} trained at round {trained}; {folder} "
                      f"{held}: infer during training (adaptive_adversaries)")
-  return defender_zoo.load_zoo(folder)
+  recorded = (record.metadata.get("defense_round") or {}).get(
+      "zoo_fingerprints", {}).get(attribute)
+  if recorded is None:
+    raise ValueError(f"round {round_num} of updates={updates!r} records no "
+                     f"fingerprint of the zoo of {attribute!r} (captured by an "
+                     f"older version): zoo={folder!r} cannot be checked")
+  if index.get("fingerprint") != recorded:
+    raise ValueError(f"zoo={folder!r} is not the zoo of {attribute!r} that "
+                     f"round {round_num} of updates={updates!r} was captured "
+                     "with (its weights' fingerprint differs from the one "
+                     "recorded): another run's zoo")
+  # the weights read are checked against the recorded fingerprint too
+  return defender_zoo.load_zoo(folder, index=index, fingerprint=recorded)
 
 
 def _zoo_widths(size: int) -> tuple:
@@ -482,15 +500,16 @@ class RecupFL(UpdateDefense):
     return dict(self._settings, zoo_widths=[list(w) for w in self._widths])
 
   @classmethod
-  def adaptive_copy(cls, record, run_dir, shadow_attributes, seed):
+  def adaptive_copy(cls, record, updates, shadow_attributes, seed):
     """RECUP-FL as the victims' clients applied it, on a shadow upload:
     against the zoo the server trained for the record's round (read from
-    RUN_DIR/recupfl_zoo/, where it stays until the next retraining, so the
-    adversary runs right after the round, as the runner's
-    adaptive_adversaries do), with the run's parameters and gammas, each
-    shadow upload protecting its own samples' class of each attribute (the
-    most frequent one, as a client's). The zoo's model sampling is seeded
-    per shadow upload from `seed`.
+    recupfl_zoo/ beside the store `updates`, where it stays until the next
+    retraining, so the adversary runs right after the round, as the
+    runner's adaptive_adversaries do; refused unless its weights have the
+    fingerprint the capture recorded), with the run's parameters and
+    gammas, each shadow upload protecting its own samples' class of each
+    attribute (the most frequent one, as a client's). The zoo's model
+    sampling is seeded per shadow upload from `seed`.
 
     `shadow_attributes` lists the attributes in the data set's order, in
     which the clients fold their seeds (`apply_measured`).
@@ -498,7 +517,7 @@ class RecupFL(UpdateDefense):
     Raises:
       ValueError: per-client protection settings (a JSON file: each
         client's own choice, which the server is not told), or a zoo that
-        is missing or is not the one the record's round used.
+        is missing or is not the one the record's round used (`_round_zoo`).
     """
     meta = record.metadata["defense"]
     if str(meta["protect"]).endswith(".json"):
@@ -506,8 +525,9 @@ class RecupFL(UpdateDefense):
                        f"settings; protect={meta['protect']!r} sets them per "
                        "client, which the server is not told")
     levels = client_protections(meta["protect"], 1, tuple(shadow_attributes))[0]
+    run_dir = os.path.dirname(os.path.abspath(updates))
     protections = [(a, levels[a], defender_zoo.defenders(_round_zoo(
-        os.path.join(run_dir, "recupfl_zoo", a), a, record.round_num,
+        os.path.join(run_dir, "recupfl_zoo", a), a, record, updates,
         meta["zoo_refresh"]))) for a in shadow_attributes if a in levels]
     settings = dict(epsilon=meta["perturbation_budget"],
                     pool_length=meta["pool_length"], iterations=meta["iterations"],
@@ -547,6 +567,14 @@ class RecupFL(UpdateDefense):
       inputs[f"recupfl_zoo_{a}"] = np.int64(
           defender_zoo.read_index(self.zoo_folder(a))["fingerprint"])
     return inputs
+
+  def defense_round(self, round_num):
+    """{'zoo_fingerprints': {attribute: the weights' fingerprint of the zoo
+    the round's clients perturbed against}}, from its zoo.json."""
+    del round_num  # the zoos in the folder are this round's
+    return {"zoo_fingerprints": {
+        a: int(defender_zoo.read_index(self.zoo_folder(a))["fingerprint"])
+        for a in self._names}}
 
   def _index(self, attribute):
     return defender_zoo.zoo_index(

@@ -100,6 +100,11 @@ class UpdateDefense(abc.ABC):
   PARAMETERS = Params()
   # what two inputs the reported epsilon calls neighbours
   dp_relation = LOCAL_RELATION
+  # names of `apply_measured`'s measurements that the round reports per
+  # client: each a [number of clients in the federation, ...] array holding
+  # the client's value in its row (by client index) and zeros elsewhere,
+  # summed over a round's clients instead of averaged
+  per_client_measurements: tuple[str, ...] = ()
 
   @abc.abstractmethod
   def apply(self, update: Sequence[tf.Tensor], seed,
@@ -111,7 +116,8 @@ class UpdateDefense(abc.ABC):
                      ) -> tuple[list[tf.Tensor], dict[str, tf.Tensor]]:
     """`apply`'s upload and what the defence measured of its work on it,
     {name: float32 scalar}, averaged over a round's clients into its
-    metrics. Default: no measurements."""
+    metrics, beside the `per_client_measurements`. Default: no
+    measurements."""
     return self.apply(update, seed, client), {}
 
   def transform_batch(self, batch: dict, inputs: dict) -> dict:
@@ -133,16 +139,24 @@ class UpdateDefense(abc.ABC):
     model `broadcast` they receive (RECUP-FL retrains its zoo). Default:
     none."""
 
+  def defense_round(self, round_num: int) -> dict[str, Any]:
+    """The public facts of this defence in round `round_num` that a capture
+    of the round records beside its uploads (the store's
+    metadata['defense_round']), for `adaptive_copy` to check what it
+    rebuilds against (RECUP-FL: its zoos' fingerprints). Default: none."""
+    del round_num
+    return {}
+
   @classmethod
-  def adaptive_copy(cls, record, run_dir: str, shadow_attributes: dict,
+  def adaptive_copy(cls, record, updates: str, shadow_attributes: dict,
                     seed: int) -> Callable:
     """For `adaptive_from_run` defences: the adaptive adversary's copy of
     the defence, as `tff_privacy.attacks.attribute.shadow_features`'
     `defend`, built from what the run's server holds: a victim's upload
-    `record` (the defence's parameters in its metadata), the run's folder
-    and the shadow samples' classes of each sensitive attribute
-    ({attribute: [samples]}, in the data set's order); `seed` seeds its
-    randomness.
+    `record` (the defence's parameters in its metadata), the update store's
+    folder `updates` (the run's folder holds it) and the shadow samples'
+    classes of each sensitive attribute ({attribute: [samples]}, in the
+    data set's order); `seed` seeds its randomness.
 
     Raises:
       ValueError: the copy cannot be built from them."""
@@ -162,6 +176,15 @@ class UpdateDefense(abc.ABC):
     """The pure-DP epsilon of one application, for DP mechanisms that
     `dp_accounting` does not model (composed over rounds by the basic
     theorem)."""
+    return None
+
+  @classmethod
+  def encoded_bytes(cls, params: dict[str, Any],
+                    upload: Sequence[np.ndarray]) -> Optional[int]:
+    """The bytes a client sends for `upload` (float32 arrays, as stored) in
+    the defence's own encoding at parameters `params` (resolved), for a
+    defence that compresses; None for one whose uploads go dense."""
+    del params, upload
     return None
 
 
@@ -265,6 +288,14 @@ class Sparsification(UpdateDefense):
   def apply(self, update, seed=None, client=None):
     flat = flatten(update)
     return unflatten(flat * top_fraction_mask(tf.abs(flat), 1 - self.p), update)
+
+  @classmethod
+  def encoded_bytes(cls, params, upload):
+    """The kept entries as (int32 flat index, float32 value) pairs, one per
+    nonzero entry, or the dense upload where that is smaller."""
+    del params
+    dense = sum(4 * np.size(u) for u in upload)
+    return min(dense, sum(8 * np.count_nonzero(u) for u in upload))
 
 
 DEFENSES = {cls.name: cls for cls in (LocalGaussian, LocalLaplace, ClipOnly,

@@ -36,10 +36,17 @@ sensitivity) sigma_l times `MULTIPLIER_PER_SIGMA`: 1 for 'sample', 1/2 for
 
 The paper's epsilon is then sum_l epsilon_l = epsilon by simple composition
 (Theorem 1). Over rounds, eq. 9 composes inside its square root, not by
-adding the rounds' epsilons: t rounds of noise sigma_l give eq. 9's
-epsilon_l at T = t, sqrt(2 t ln(1 / delta_l)) / sigma_l, so noise planned for
-T rounds has spent epsilon sqrt(t / T) after t of them
-(`paper_epsilon_spent`), more than epsilon past round T. What
+adding the rounds' epsilons: it is the bound epsilon_l^2 = 2 ln(1 /
+delta_l) sum_r 1 / sigma_{l,r}^2 of rounds r of noise sigma_{l,r}, T equal
+ones giving eq. 9. Round r's noise, eq. 9's for that round's share
+epsilon_{l,r} of a budget planned over T rounds (`paper_layer_epsilons`
+recovers it from any sigma), has therefore spent, after rounds 1..t,
+
+  sum_l sqrt(sum_{r <= t} epsilon_{l,r}^2 / T)    (`paper_epsilon_spent`)
+
+which is epsilon sqrt(t / T) when every round splits epsilon alike (epsilon
+at round T, more past it) and, by Cauchy-Schwarz, more than that when the
+split changes from round to round, as the PSI split does. What
 `dp_accounting` says of the same noise is `layerwise_event` composed over
 rounds. Gaussian events compose like one Gaussian whose multiplier z
 satisfies 1 / z^2 = sum_l 1 / (m sigma_l)^2 (m = `MULTIPLIER_PER_SIGMA`),
@@ -67,6 +74,7 @@ import math
 from typing import Sequence
 
 import dp_accounting
+import numpy as np
 import tensorflow as tf
 
 
@@ -114,15 +122,27 @@ def paper_noise_multipliers(layer_epsilons, layer_delta: float,
           / tf.cast(layer_epsilons, tf.float32))
 
 
-def paper_epsilon_spent(epsilon: float, planned_rounds: int,
-                        rounds: int) -> float:
-  """The paper's epsilon after `rounds` rounds of eq. 9's noise for a budget
-  `epsilon` over `planned_rounds`: eq. 9 solved for each epsilon_l at T =
-  `rounds`, summed over tensors, epsilon sqrt(rounds / planned_rounds)."""
-  if planned_rounds < 1 or rounds < 1:
-    raise ValueError(f"planned_rounds and rounds must be >= 1, got "
-                     f"{planned_rounds} and {rounds}")
-  return epsilon * math.sqrt(rounds / planned_rounds)
+def paper_layer_epsilons(noise_multipliers, layer_delta: float,
+                         rounds: int) -> tf.Tensor:
+  """Eq. 9 solved for epsilon_l: the share sqrt(2 T ln(1 / delta_l)) /
+  sigma_l of a budget planned over T = `rounds` rounds that noise
+  multipliers sigma_l spend in one round (eq. 9 is its own inverse)."""
+  return paper_noise_multipliers(noise_multipliers, layer_delta, rounds)
+
+
+def paper_epsilon_spent(layer_epsilons, planned_rounds: int) -> float:
+  """The paper's epsilon spent by rounds whose tensors' shares were
+  `layer_epsilons` ([rounds, L], row r: round r's epsilon_{l,r} of a budget
+  planned over T = `planned_rounds`; a round the client sat out is a row
+  of zeros): eq. 9 composed over the rounds per tensor, summed over tensors
+  (Theorem 1), sum_l sqrt(sum_r epsilon_{l,r}^2 / T)."""
+  if planned_rounds < 1:
+    raise ValueError(f"planned_rounds must be >= 1, got {planned_rounds}")
+  spent = np.asarray(layer_epsilons, np.float64)
+  if spent.ndim != 2:
+    raise ValueError("layer_epsilons must be [rounds, tensors], got shape "
+                     f"{spent.shape}")
+  return float(np.sqrt((spent ** 2).sum(0) / planned_rounds).sum())
 
 
 def round_multiplier(epsilon: float, delta: float, rounds: int) -> float:

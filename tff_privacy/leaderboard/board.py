@@ -11,11 +11,15 @@ emptied folder. An attack that refuses a method's uploads
 is recorded with its one-line reason instead of a number. Any other
 failure of an attack (out of memory, say) is printed to stderr and kept in
 row.json as failed, and the next run runs the row again: training resumes
-where it ended and only the attacks without a result run.
+where it ended and only the attacks without a result run. row.json records
+the code versions that made its run and attacks (`provenance.KEY`); a
+finished row is reused whichever code made it, and the report names the
+rows made by code other than the current.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import multiprocessing.util
 import os
@@ -27,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from tff_privacy import data, evaluate, io, runner
+from tff_privacy import data, defenses, evaluate, io, provenance, runner
 from tff_privacy.attacks import UploadRefused
 from tff_privacy.leaderboard import grid as grids
 from tff_privacy.leaderboard.grid import Grid, Row
@@ -48,7 +52,8 @@ def run(grid: Grid, out: str, progress: bool = True,
   each with its own TFF worker) and show no progress bars; their times per
   round are then measured while they share the machine. Given TFF
   ClientData `train_data` and `test_data`, every row trains on their
-  clients (`grid.with_client_data`; grid.json records their SHA-256).
+  clients, read with its own data options (`grid.with_client_data`;
+  grid.json records their SHA-256).
 
   Raises:
     ValueError: `out` holds a leaderboard of another protocol (other
@@ -57,9 +62,9 @@ def run(grid: Grid, out: str, progress: bool = True,
   """
   if not isinstance(jobs, int) or jobs < 1:
     raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
-  federation = None
+  federations = None
   if train_data is not None or test_data is not None:
-    grid, federation = grids.with_client_data(grid, train_data, test_data)
+    grid, federations = grids.with_client_data(grid, train_data, test_data)
   elif grid.protocol.get("partition") == data.CLIENT_DATA:
     raise ValueError(f"grid protocol partition {data.CLIENT_DATA!r}: give the "
                      "clients' ClientData as train_data and test_data")
@@ -70,42 +75,44 @@ def run(grid: Grid, out: str, progress: bool = True,
     results[row.key] = _cached(row, out)
     if results[row.key] and not failures(results[row.key]) and not set(
         row.inversion) - set(results[row.key]["inversion"]):
-      log(f"[{i}/{len(rows)}] {row.label}: cached")
+      made = provenance.note(provenance.versions_of(results[row.key]),
+                             provenance.code_version())
+      log(f"[{i}/{len(rows)}] {row.label}: cached" + (f" ({made})" if made else ""))
     else:
       pending.append((i, row))
   if jobs == 1 or len(pending) < 2:
     for i, row in pending:
       log(f"[{i}/{len(rows)}] {row.label}: running")
-      results[row.key], seconds = _timed_row(row, grid, out, progress, 1, federation)
+      results[row.key], seconds = _timed_row(row, grid, out, progress, 1, federations)
       log(f"[{i}/{len(rows)}] {row.label}: done in {seconds:.0f} s")
   else:
     log(f"running {len(pending)} rows in {min(jobs, len(pending))} processes")
     for (i, row), (result, seconds) in _in_processes(pending, grid, out, jobs,
-                                                     federation):
+                                                     federations):
       results[row.key] = result
       log(f"[{i}/{len(rows)}] {row.label}: done in {seconds:.0f} s")
   return [results[row.key] for row in rows]
 
 
 def _timed_row(row: Row, grid: Grid, out: str, progress: bool = False, jobs: int = 1,
-               federation: Optional[data.FederatedData] = None):
+               federations: Optional[dict] = None):
   from tff_privacy import runtime
   start = time.perf_counter()
-  result = (run_row(row, grid, out, progress, jobs, federation),
+  result = (run_row(row, grid, out, progress, jobs, federations),
             time.perf_counter() - start)
   runtime.renew()  # a worker's memory grows with every run it serves
   return result
 
 
 def _in_processes(pending, grid: Grid, out: str, jobs: int,
-                  federation: Optional[data.FederatedData]):
+                  federations: Optional[dict]):
   """Yields ((index, row), (result, seconds)) as rows finish in `jobs`
   spawned processes; the first failure cancels the rows not started."""
   context = multiprocessing.get_context("spawn")  # TensorFlow is not fork-safe
   with futures.ProcessPoolExecutor(min(jobs, len(pending)), mp_context=context,
                                    initializer=_start_process) as pool:
-    submitted = {pool.submit(_timed_row, row, grid, out, False, jobs, federation): (i, row)
-                 for i, row in pending}
+    submitted = {pool.submit(_timed_row, row, grid, out, False, jobs, federations):
+                 (i, row) for i, row in pending}
     try:
       for done in futures.as_completed(submitted):
         yield submitted[done], done.result()
@@ -180,16 +187,18 @@ def _cached(row: Row, out: str) -> Optional[dict[str, Any]]:
 
 
 def run_row(row: Row, grid: Grid, out: str, progress: bool = True,
-            jobs: int = 1, federation: Optional[data.FederatedData] = None
+            jobs: int = 1, federations: Optional[dict] = None
             ) -> dict[str, Any]:
-  """Trains `row` (on `federation`, the clients of a 'client_data' grid),
-  attacks its captured round, writes and returns row.json; `jobs` is how
-  many rows train at once (recorded beside the timings)."""
+  """Trains `row` (on its clients among `federations`, a 'client_data'
+  grid's, `grid.with_client_data`), attacks its captured round, writes and
+  returns row.json; `jobs` is how many rows train at once (recorded beside
+  the timings)."""
   folder = os.path.join(out, "rows", row.key)
   _claim_row(row, folder)
   attacks = grid.attacks
   capture = attacks["capture_round"]
-  config = row.run_config(os.path.join(folder, "train"), capture)
+  config, federation = _on_clients(
+      row, row.run_config(os.path.join(folder, "train"), capture), federations)
   history = runner.run(config, progress=progress, federation=federation)
   updates = os.path.join(config.out, "updates")
   victims = UpdateStore(updates).clients(capture)[:attacks["victims"]]
@@ -204,12 +213,28 @@ def run_row(row: Row, grid: Grid, out: str, progress: bool = True,
             **utility(history), "privacy": privacy(history[-1]),
             "seconds_per_round": seconds_per_round(history, capture),
             "upload_bytes": upload_bytes(updates, capture),
+            "upload_bytes_encoded": upload_bytes_encoded(
+                updates, capture, row.defense, row.defense_kwargs),
             "concurrent_rows": jobs, "inversion": inversion, "attribute": attribute}
+  # the code of its run and attacks, which may be reused from before
+  result[provenance.KEY] = provenance.merged(
+      *provenance.recorded(folder).values(), [provenance.code_version()])
   io.write_json(os.path.join(folder, ROW_FILE), result)
   for name, why in failures(result).items():
     print(f"{row.label}, {name}: failed, run again by the next run: {why}",
           file=sys.stderr, flush=True)
   return result
+
+
+def _on_clients(row: Row, config: runner.RunConfig, federations: Optional[dict]
+                ) -> tuple[runner.RunConfig, Optional[data.FederatedData]]:
+  """`config` and the clients `row` reads from `federations` (None: those
+  of the config's partition); the config then names their SHA-256, which
+  the row's data options may change (normalised samples)."""
+  if federations is None:
+    return config, None
+  federation = federations[grids.data_key(row)]
+  return dataclasses.replace(config, split_sha256=federation.sha256()), federation
 
 
 def _claim_row(row: Row, folder: str) -> None:
@@ -225,11 +250,22 @@ def _claim_row(row: Row, folder: str) -> None:
 
 def utility(history: list[dict]) -> dict[str, Any]:
   """The last round's utility: the global model's test accuracy and loss,
-  or, for a method without one, the clients' own models' mean."""
+  or, for a method without one, the clients' own models' mean.
+
+  Raises:
+    ValueError: a method without a global model whose clients have no
+      test samples, so that none of their models was tested.
+  """
   last = history[-1]
   if "test_accuracy" in last:
     return {"utility": last["test_accuracy"], "loss": last["test_loss"],
             "utility_kind": GLOBAL_UTILITY}
+  if not any(k.startswith("personal_") for k in last):
+    raise ValueError(
+        f"round {last['round']} has no personalised utility: a method without "
+        "a global model is tested on its clients' own test samples, and none "
+        f"of its clients has any ({last.get('clients_without_test_data')} "
+        "without test data); give the clients test samples")
   return {"utility": last["personal_accuracy_mean"],
           "loss": last.get("personal_loss_mean"),
           "utility_kind": "personalised accuracy"}
@@ -253,10 +289,25 @@ def seconds_per_round(history: list[dict], capture: int) -> float:
 
 def upload_bytes(updates: str, round_num: int) -> int:
   """Bytes one client uploads: its captured upload's tensors as stored
-  (dense float32; a sparse encoding would send fewer)."""
+  (dense float32; `upload_bytes_encoded` in its defence's encoding)."""
+  return int(sum(u.nbytes for u in _first_upload(updates, round_num)))
+
+
+def upload_bytes_encoded(updates: str, round_num: int, defense: Optional[str],
+                         defense_kwargs: dict) -> int:
+  """Bytes the client of `upload_bytes` sends in the own encoding of its
+  client-side `defense` (`tff_privacy.defenses.encoded_bytes`: sparse
+  indices and values, quantised codes); dense float32 without one."""
+  upload = _first_upload(updates, round_num)
+  encoded = defenses.encoded_bytes(defense, defense_kwargs, upload)
+  return int(sum(u.nbytes for u in upload) if encoded is None else encoded)
+
+
+def _first_upload(updates: str, round_num: int) -> list[np.ndarray]:
+  """The captured upload of round `round_num`'s first client."""
   store = UpdateStore(updates)
   record = store.read(round_num, store.clients(round_num)[0])
-  return int(sum(np.asarray(u).nbytes for u in record.upload))
+  return [np.asarray(u) for u in record.upload]
 
 
 def _inversion(updates: str, round_num: int, victims: list[int], name: str,

@@ -168,8 +168,10 @@ def parse(data: Any, where: str = "grid") -> Grid:
 def with_client_data(grid: Grid, train_data, test_data):
   """`grid` on the clients of TFF ClientData `train_data` and `test_data`
   (`runner.with_client_data`, samples of the protocol's data set), and
-  those clients: the protocol records partition 'client_data', their
-  number and SHA-256, so a leaderboard folder holds one federation.
+  those clients as each row reads them ({`data_key`: FederatedData}: a row
+  whose data_kwargs normalise the samples gets them normalised): the
+  protocol records partition 'client_data', their number and SHA-256 (as
+  the first row reads them), so a leaderboard folder holds one federation.
 
   Raises:
     ValueError: in one line, for an entry that sets its own clients, a
@@ -185,11 +187,24 @@ def with_client_data(grid: Grid, train_data, test_data):
   if grid.attacks["attribute"] is not None:
     raise ValueError(f"attacks attribute: {grid.attacks['attribute']!r} is not in "
                      "ClientData, which carries no sensitive attributes; set it to null")
-  first = grid.rows()[0].run_config("unused", grid.attacks["capture_round"])
-  config, federation = runner.with_client_data(first, train_data, test_data)
-  protocol = {**grid.protocol, **{k: getattr(config, k) for k in CLIENT_DATA_KEYS}}
+  federations, first = {}, None
+  for row in grid.rows():
+    if data_key(row) not in federations:
+      config, federations[data_key(row)] = runner.with_client_data(
+          row.run_config("unused", grid.attacks["capture_round"]), train_data,
+          test_data)
+      first = first or config
+  protocol = {**grid.protocol, **{k: getattr(first, k) for k in CLIENT_DATA_KEYS}}
   return parse(dataclasses.replace(grid, protocol=protocol).to_json(),
-               "grid on the ClientData"), federation
+               "grid on the ClientData"), federations
+
+
+def data_key(row: Row) -> str:
+  """The data folder and options a row reads the samples of ClientData
+  with: its federation's key in `with_client_data`'s."""
+  protocol = row.protocol
+  return json.dumps([protocol.get("data_dir"), protocol.get("data_kwargs") or {}],
+                    sort_keys=True)
 
 
 def load(path: str) -> Grid:

@@ -15,13 +15,12 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import subprocess
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from tff_privacy import attacks as inversion_attacks
-from tff_privacy import io
+from tff_privacy import io, provenance
 from tff_privacy.leaderboard.board import GLOBAL_UTILITY, failures, refusals
 from tff_privacy.leaderboard.grid import Grid
 
@@ -32,7 +31,7 @@ COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "par
            "utility", "utility_kind", "loss", "defence", "attack", "ssim", "psnr",
            "label_accuracy", "unaware_attack", "unaware_ssim", "asr_max", "chance", "balanced_asr_max",
            "balanced_chance", "epsilon", "delta", "relation",
-           "time_ratio", "upload_bytes")
+           "time_ratio", "upload_bytes", "upload_bytes_encoded")
 
 
 def leakage(result: dict, among: Optional[Sequence[str]] = None
@@ -56,6 +55,7 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
             if reference and _finite(reference["utility"]) else None)
   matched = matched_keys(results, target)
   grid_rows = {row.key: row for row in grid.rows()}
+  current = provenance.code_version()
   rows = []
   for r in results:
     worst = leakage(r) or {}
@@ -87,7 +87,10 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "time_ratio": (r["seconds_per_round"] / reference["seconds_per_round"]
                        if reference else None),
         "upload_bytes": r["upload_bytes"],
+        # None for a row run before it was measured
+        "upload_bytes_encoded": r.get("upload_bytes_encoded"),
         "concurrent_rows": r.get("concurrent_rows", 1),
+        "code_note": provenance.note(provenance.versions_of(r), current),
         "errors": refusals(r), "failures": failures(r)})
   front = pareto_front([(x["utility"], x["ssim"]) for x in rows])
   for x, on in zip(rows, front):
@@ -150,7 +153,8 @@ def write(grid: Grid, results: Sequence[dict], out: str,
       f"balanced_asr_{name}" for name in grid.attacks["adversaries"]) + tuple(
           f"{metric}_{name}" for name in attacks for metric in ("ssim", "psnr")))
   io.write_json(os.path.join(out, "leaderboard.json"),
-                {"grid": grid.to_json(), "rows": rows, "versions": versions()})
+                {"grid": grid.to_json(), "rows": rows, "versions": versions(),
+                 "code_version": provenance.code_version()})
   _tradeoff_figure(rows, os.path.join(out, "tradeoff.png"))
   _reconstruction_figure(grid, results, out, os.path.join(out, "reconstructions.png"))
   _asr_figure(rows, os.path.join(out, "asr.png"))
@@ -178,10 +182,12 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            "class do not pass for leakage) beside its chance rate; "
            "leaderboard.csv has every adversary's, and the plain rates. Time is seconds per round over the reference's "
            f"({grid.reference}){_concurrency(rows)}; the upload is one "
-           "client's, dense float32. Utility is the global model's test "
-           "accuracy, or, marked *, the mean accuracy of the clients' own "
-           "models on their own test splits (personalised methods): the two "
-           "are different measurements.", ""]
+           "client's, dense float32, and in parentheses, where it differs, in its "
+           "defence's own encoding (sparsification: an int32 index and float32 "
+           "value per nonzero entry; LDP-Fed: ceil(log2 |U|) bits per entry). "
+           "Utility is the global model's test accuracy, or, marked *, the "
+           "mean accuracy of the clients' own models on their own test splits "
+           "(personalised methods): the two are different measurements.", ""]
   if all(r["default"] for r in rows):  # one strength per entry: one table
     lines += section("Every row, each entry at its default strength (P: on the "
                      "Pareto front of utility against leakage)", rows, matched=False)
@@ -191,6 +197,7 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
   lines += _listed("Attacks that could not run", rows, "errors")
   lines += _listed("Attacks that failed (the next run of the leaderboard runs "
                    "them again)", rows, "failures")
+  lines += _other_code(rows)
   lines += ["## Figures", "",
             "- tradeoff.png: utility against leakage, one point per row; the "
             "Pareto front is the line.",
@@ -237,6 +244,17 @@ def _without_adaptive(rows: Sequence[dict]) -> list[str]:
           if items else [])
 
 
+def _other_code(rows: Sequence[dict]) -> list[str]:
+  """A section naming the rows made by code other than the current (reused
+  from earlier runs), and by which; none when there are none."""
+  items = [f"- {r['label']} (rows/{r['key']}): {r['code_note']}"
+           for r in rows if r["code_note"]]
+  return (["## Rows made by other code", "",
+           "Finished rows are reused whichever code made them; delete a "
+           "row's folder to run it again with the current code.", "", *items, ""]
+          if items else [])
+
+
 def _listed(title: str, rows: Sequence[dict], key: str) -> list[str]:
   """A section listing the rows' attacks under `key` and why; none when
   there are none."""
@@ -263,7 +281,7 @@ def section(title: str, rows: Sequence[dict], matched: bool = True) -> list[str]
         ("n/a" if r["balanced_asr_max"] is None else
          f"{r['balanced_asr_max']:.2f} ({r['balanced_chance']:.2f})"),
         "-" if r["epsilon"] is None else f"{r['epsilon']:.3g} ({r['delta']:g})",
-        _number(r["time_ratio"], 2), _bytes(r["upload_bytes"])]) + " |")
+        _number(r["time_ratio"], 2), _upload(r)]) + " |")
   return lines + [""]
 
 
@@ -275,6 +293,14 @@ def _unaware(r: dict) -> str:
   if not r["adaptive"]:
     return "="
   return f"{r['unaware_ssim']:.3f} ({r['unaware_attack']})"
+
+
+def _upload(r: dict) -> str:
+  """The dense upload's size, and its encoded size where that differs."""
+  encoded = r["upload_bytes_encoded"]
+  if encoded is None or encoded == r["upload_bytes"]:
+    return _bytes(r["upload_bytes"])
+  return f"{_bytes(r['upload_bytes'])} ({_bytes(encoded)} encoded)"
 
 
 def _concurrency(rows: Sequence[dict]) -> str:
@@ -306,20 +332,8 @@ def versions() -> dict[str, str]:
       found[name] = importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
       found[name] = "not installed"
-  commit = _git_commit()
-  if commit:
-    found["tff_privacy commit"] = commit
+  found["tff_privacy code"] = provenance.describe(provenance.code_version())
   return found
-
-
-def _git_commit() -> Optional[str]:
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  try:
-    done = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, timeout=10)
-  except (OSError, subprocess.TimeoutExpired):
-    return None
-  return done.stdout.strip() if done.returncode == 0 else None
 
 
 def _shown(rows: Sequence[dict]) -> list[dict]:

@@ -20,10 +20,11 @@ The run metadata holds the public facts of the protocol an attacker may use:
 method, upload kind, model builder and arguments, data set and its value range
 (and, for normalised data, the per-channel mean and std under 'normalize'),
 learning rates, local epochs or steps, batch size. Records are `np.savez`
-files read with `allow_pickle=False`; every read checks the SHA-256, the
-tensor names, shapes and dtypes against the manifest and names the file that
-is wrong, and reads no file outside the store (a manifest path with '..',
-an absolute one, or a symbolic link out of the store is refused).
+files read with `allow_pickle=False`; every read reads a file once and
+checks the SHA-256 of the bytes it loads, the tensor names, shapes and
+dtypes against the manifest and names the file that is wrong, and reads no
+file outside the store (a manifest path with '..', an absolute one, or a
+symbolic link out of the store is refused).
 
 The clients' true samples (for scoring attacks only), and their sensitive
 attributes where the data set has them, live in a separate
@@ -33,8 +34,10 @@ attributes where the data set has them, live in a separate
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import zipfile
+from io import BytesIO
 from typing import Any
 
 import numpy as np
@@ -136,11 +139,13 @@ class _ChecksummedDir:
     path = os.path.join(self.root, entry["file"])
     if not os.path.isfile(resolved):
       raise UpdateStoreError(f"{path}: file listed in the manifest is missing")
-    if io.sha256(resolved) != entry["sha256"]:
+    with open(resolved, "rb") as f:
+      raw = f.read()  # read once: the bytes checked are the bytes loaded
+    if hashlib.sha256(raw).hexdigest() != entry["sha256"]:
       raise UpdateStoreError(f"{path}: SHA-256 does not match the manifest "
                              "(file changed or truncated)")
     try:
-      with np.load(resolved, allow_pickle=False) as npz:
+      with np.load(BytesIO(raw), allow_pickle=False) as npz:
         arrays = {k: npz[k] for k in npz.files}
     except (ValueError, OSError, zipfile.BadZipFile) as e:
       raise UpdateStoreError(f"{path}: not a readable npz file: {e}")
@@ -180,11 +185,14 @@ class UpdateStore:
   def write_round(self, round_num: int, broadcast: list[np.ndarray] | None,
                   uploads: list[tuple[int, str, list[np.ndarray], float, int]],
                   run_metadata: dict[str, Any],
-                  sent: dict[int, list[np.ndarray]] | None = None) -> None:
+                  sent: dict[int, list[np.ndarray]] | None = None,
+                  defense_round: dict[str, Any] | None = None) -> None:
     """Writes round `round_num`: the broadcast model and, for each uploading
     client, `(client_index, client_id, tensors, weight, num_examples)`; or,
     with `broadcast` None, what each client was sent (`sent`, by client
-    index).
+    index). `defense_round`: the public facts of this round's client
+    defence (RECUP-FL's zoo fingerprints), which every record of the round
+    carries as metadata['defense_round'].
 
     Every round of a store belongs to one run: its metadata, compared after a
     JSON round-trip (tuples and lists alike), must match the manifest's."""
@@ -199,6 +207,8 @@ class UpdateStore:
                              "run (metadata differs); use a new directory")
     rdir = _round_dir(round_num)
     entry = {"clients": {}}
+    if defense_round:
+      entry["defense_round"] = defense_round
     if broadcast is not None:
       entry["broadcast"] = self._dir.put(f"{rdir}/broadcast.npz",
                                          _as_arrays(broadcast))
@@ -250,6 +260,8 @@ class UpdateStore:
     upload = _tensors(self._dir.get(client), client["file"], specs)
     metadata = dict(manifest["run"], round=round_num, client_index=client_index,
                     client_id=client["client_id"])
+    if "defense_round" in entry:
+      metadata["defense_round"] = entry["defense_round"]
     return UpdateRecord(round_num, client_index, client["client_id"], upload,
                         client["weight"], client["num_examples"], broadcast,
                         metadata)
