@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import portpicker
 import pytest
 
 from tff_privacy import private_worker
@@ -47,12 +48,12 @@ def test_a_failed_bind_leaves_the_path_alone(tmp_path, sleeper):
   path, fail without removing what is there; the first host removes its own
   socket when it ends."""
   path = str(tmp_path / "w.sock")
-  first = subprocess.Popen(_host(f"unix:{path}", sleeper), stderr=subprocess.PIPE,
-                           text=True)
+  first = subprocess.Popen(_host(f"unix:{path}", sleeper, "--shared-network"),
+                           stderr=subprocess.PIPE, text=True)
   try:
     bound = _wait_for_socket(path)
-    second = subprocess.run(_host(f"unix:{path}", sleeper), capture_output=True,
-                            text=True, timeout=60)
+    second = subprocess.run(_host(f"unix:{path}", sleeper, "--shared-network"),
+                            capture_output=True, text=True, timeout=60)
     assert second.returncode == 1 and "Address already in use" in second.stderr
     after = os.lstat(path)
     assert (after.st_dev, after.st_ino) == (bound.st_dev, bound.st_ino)
@@ -65,8 +66,8 @@ def test_a_failed_bind_leaves_the_path_alone(tmp_path, sleeper):
 
   precious = tmp_path / "precious.txt"
   precious.write_text("keep me")
-  third = subprocess.run(_host(f"unix:{precious}", sleeper), capture_output=True,
-                         text=True, timeout=60)
+  third = subprocess.run(_host(f"unix:{precious}", sleeper, "--shared-network"),
+                         capture_output=True, text=True, timeout=60)
   assert third.returncode == 1 and precious.read_text() == "keep me"
 
 
@@ -101,10 +102,38 @@ def test_the_workers_last_words_are_repeated_when_it_fails(tmp_path):
   worker = tmp_path / "broken"
   worker.write_text(f"#!/bin/sh\necho early >&2\necho '{said}' >&2\nexit 127\n")
   worker.chmod(0o700)
-  result = subprocess.run(_host(f"unix:{tmp_path / 'w.sock'}", str(worker)),
+  result = subprocess.run(_host(f"unix:{tmp_path / 'w.sock'}", str(worker),
+                                "--shared-network"),
                           capture_output=True, text=True, timeout=60)
   assert result.returncode == 127
-  lines = result.stderr.splitlines()
-  assert lines[0].startswith(private_worker.REACH_PREFIX)
-  assert lines[1].endswith("ended with code 127; the last lines it wrote on stderr:")
-  assert lines[2:] == ["early", said]
+  lines = result.stderr.splitlines()  # no reach: it never listened
+  assert lines[0].endswith("ended with code 127; the last lines it wrote on stderr:")
+  assert lines[1:] == ["early", said]
+
+
+def test_signals_without_a_name_are_named_by_number():
+  assert private_worker.signal_name(15) == "SIGTERM"
+  assert private_worker.signal_name(40) == "signal 40"  # a real-time signal
+
+
+@pytest.mark.parametrize("host,reach", [
+    ("127.0.0.1", "loopback only"), ("[::1]", "loopback only"),
+    ("0", "every network interface of this machine"),
+    ("[::]", "every network interface of this machine")])
+def test_the_reach_of_a_tcp_socket_is_read_from_its_bound_address(host, reach):
+  """By the address the kernel bound (0 is 0.0.0.0), not the text given."""
+  with private_worker.listen(f"{host}:{portpicker.pick_unused_port()}") as outer:
+    said = private_worker.describe_reach(outer, ["::"], False, 1234)
+  assert said.startswith(private_worker.REACH_PREFIX)
+  assert f"plaintext, unauthenticated gRPC on {reach}" in said
+  assert said.endswith("worker_binary listens on port 1234 (::) in a network "
+                       "namespace of its own, out of reach of this machine's network")
+
+
+def test_listening_addresses_are_the_kernels():
+  with socket.socket(socket.AF_INET) as s:
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    assert private_worker.listening_addresses(port) == ["127.0.0.1"]
+  assert private_worker.listening_addresses(port) == []

@@ -467,6 +467,12 @@ def test_client_files_are_removed_only_once_their_process_ended(tmp_path, monkey
   holder, theirs = _holder(tmp_path)
   (tmp_path / f"{runner.ClientFiles.PREFIX}unlocked").mkdir()  # no lock file
   (tmp_path / "other").mkdir()
+  # an earlier version's folders, named by their process: ended, running
+  ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                         capture_output=True, text=True).stdout.strip()
+  (tmp_path / f"{runner.ClientFiles.PREFIX}{ended}-abc").mkdir()
+  running = f"{runner.ClientFiles.PREFIX}{os.getpid()}-abc"
+  (tmp_path / running).mkdir()
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   try:
     with pytest.raises(ProcessLookupError):
@@ -479,10 +485,10 @@ def test_client_files_are_removed_only_once_their_process_ended(tmp_path, monkey
   files = runner.ClientFiles(np.zeros((1, 2)), np.zeros(1), [np.array([0])])
   mine = os.path.basename(os.path.dirname(files.folder(0)))
   assert sorted(os.listdir(tmp_path)) == sorted([
-      f"{runner.ClientFiles.PREFIX}unlocked", "other", mine])
+      f"{runner.ClientFiles.PREFIX}unlocked", "other", running, mine])
   files.close()
   assert sorted(os.listdir(tmp_path)) == sorted([
-      f"{runner.ClientFiles.PREFIX}unlocked", "other"])
+      f"{runner.ClientFiles.PREFIX}unlocked", "other", running])
 
 
 @pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1]])

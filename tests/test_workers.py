@@ -228,10 +228,11 @@ def test_a_workers_reach_message_says_what_the_kernel_shows(tmp_path, monkeypatc
   inner = int(re.search(r"worker_binary (?:itself )?listens on port (\d+)", said)[1])
   [binary] = [pid for pid in listeners if pid != server.pid]
   if shared:
-    assert "of every network interface of this machine" in said
+    assert f"port {inner} of this machine's network (::): every network " \
+        "interface of this machine" in said
     assert listeners[binary] == [("::", inner, here)]
   else:
-    assert "in a network namespace of its own" in said
+    assert f"port {inner} (::) in a network namespace of its own" in said
     [(address, found, namespace)] = listeners[binary]
     assert (address, found) == ("::", inner) and namespace != here
   if where == "socket":
@@ -248,7 +249,8 @@ def test_a_worker_serves_every_interface_only_when_asked():
                              "--port", str(port), "--listen-on-every-interface"],
                             stderr=subprocess.PIPE, text=True)
   try:
-    assert "every network interface: anyone who reaches" in server.stderr.readline()
+    assert "every network interface of this machine: anyone who reaches" in \
+        server.stderr.readline()
     deadline = time.monotonic() + 60
     while not listening_sockets(server.pid) and time.monotonic() < deadline:
       time.sleep(0.1)

@@ -19,10 +19,10 @@ allows neither, the program says so in one line on stderr and exits with code
 set to 1 asks for) then keeps the machine's network, where the worker listens
 on every interface.
 
-Once the worker starts, it states on stderr, in one line beginning with
-`REACH_PREFIX`, who can reach the worker: the listening socket, and where
-``worker_binary``'s own port is (in the private network, or on every
-interface of this machine's). It keeps the last lines that the worker writes
+Once the kernel shows the worker listening, it states on stderr, in one line
+beginning with `REACH_PREFIX`, who can reach the worker: the listening
+socket, as bound, and the addresses of ``worker_binary``'s own port, in the
+private network or, with `--shared-network`, this machine's. It keeps the last lines that the worker writes
 on stderr and repeats them when the worker exits with an error.
 
 It exits as the worker exits: with the worker's code, or killed by the same
@@ -45,6 +45,7 @@ import collections
 import ctypes
 import errno
 import fcntl
+import ipaddress
 import os
 import shutil
 import signal
@@ -59,7 +60,7 @@ import time
 SHARED_NETWORK_VARIABLE = "TFF_PRIVACY_WORKER_SHARED_NETWORK"
 EXIT_NO_PRIVATE_NETWORK = 86
 REACH_PREFIX = "TFF worker at "
-_STDERR_LINES_KEPT = 20
+_STDERR_LINES_KEPT = 10
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWUSER = 0x10000000
 _PR_SET_PDEATHSIG = 1
@@ -229,37 +230,96 @@ def _remove(bound: "tuple[str, tuple[int, int]] | None", directory: bool) -> Non
     os.unlink(path)
 
 
-def describe_reach(listen_address: str, port: int, shared_network: bool) -> str:
-  """Who can reach a worker served at `listen_address` whose own
-  ``worker_binary`` listens on `port`, in one line that starts with
+def describe_reach(outer: socket.socket, listeners: "list[str]",
+                   shared_network: bool, port: int) -> str:
+  """Who can reach a worker served on the listening socket `outer` whose own
+  ``worker_binary`` listens on `port` at the addresses `listeners` (as the
+  kernel lists them, `listening_addresses`), in one line that starts with
   `REACH_PREFIX`."""
-  if listen_address.startswith("unix:"):
-    outer = "a Unix socket of mode 0600, which only you can open"
+  if outer.family == socket.AF_UNIX:
+    served = f"unix:{outer.getsockname()}"
+    outer_reach = "a Unix socket of mode 0600, which only you can open"
   else:
-    host = listen_address.rpartition(":")[0].strip("[]")
-    if host in ("::", "0.0.0.0", ""):
-      outer = ("every network interface: anyone who reaches the port can run "
-               "code as you")
-    elif host.startswith("127.") or host in ("::1", "localhost"):
-      outer = ("loopback only: every user of this machine can reach it; other "
-               "machines through an SSH tunnel")
-    else:
-      outer = f"{host}: anyone who reaches that address can run code as you"
+    host, outer_port = outer.getsockname()[:2]
+    served = f"[{host}]:{outer_port}" if ":" in host else f"{host}:{outer_port}"
+    outer_reach = _reach_of(host, "the port")
+  where = ", ".join(listeners)
   if shared_network:
     inner = (f"warning: {SHARED_NETWORK_VARIABLE}=1, so worker_binary itself "
-             f"listens on port {port} of every network interface of this "
-             "machine: anyone who reaches that port can run code as you")
+             f"listens on port {port} of this machine's network ({where}): "
+             f"{_reach_of(_widest(listeners), 'that port')}")
   else:
-    inner = (f"worker_binary listens on port {port} in a network namespace of "
-             "its own, out of reach of this machine's network")
-  return (f"{REACH_PREFIX}{listen_address}: plaintext, unauthenticated gRPC on "
-          f"{outer}; {inner}")
+    inner = (f"worker_binary listens on port {port} ({where}) in a network "
+             "namespace of its own, out of reach of this machine's network")
+  return (f"{REACH_PREFIX}{served}: plaintext, unauthenticated gRPC on "
+          f"{outer_reach}; {inner}")
+
+
+def _reach_of(address: str, what: str) -> str:
+  """Who reaches `what` (a port) listening at IP `address`."""
+  ip = ipaddress.ip_address(address.split("%")[0])
+  if ip.is_unspecified:
+    return (f"every network interface of this machine: anyone who reaches "
+            f"{what} can run code as you")
+  if ip.is_loopback:
+    return ("loopback only: every user of this machine can reach it; other "
+            "machines through an SSH tunnel")
+  return f"{address}: anyone who reaches that address can run code as you"
+
+
+def _widest(addresses: "list[str]") -> str:
+  """An unspecified address (every interface) among `addresses` if there is
+  one, else the first."""
+  return next((a for a in addresses
+               if ipaddress.ip_address(a.split("%")[0]).is_unspecified), addresses[0])
+
+
+def listening_addresses(port: int) -> "list[str]":
+  """The addresses at which a TCP socket of this network namespace listens
+  on `port`, from the kernel's tables (/proc/self/net/tcp and tcp6)."""
+  found = []
+  for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+    try:
+      with open(f"/proc/self/net/{table}") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    except OSError:
+      continue
+    for row in rows:
+      address, hex_port = row[1].split(":")
+      if row[3] == "0A" and int(hex_port, 16) == port:  # 0A: TCP_LISTEN
+        words = bytes.fromhex(address)  # host-order 32-bit words
+        packed = b"".join(words[i:i + 4][::-1] for i in range(0, len(words), 4))
+        found.append(socket.inet_ntop(family, packed))
+  return found
+
+
+def _announce_when_listening(outer: socket.socket, port: int, shared_network: bool,
+                             worker: subprocess.Popen) -> None:
+  """Prints `describe_reach` once the kernel shows the worker listening on
+  `port`; nothing if it ends first."""
+  deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+  while worker.poll() is None and time.monotonic() < deadline:
+    listeners = listening_addresses(port)
+    if listeners:
+      print(describe_reach(outer, listeners, shared_network, port),
+            file=sys.stderr, flush=True)
+      return
+    time.sleep(0.05)
+
+
+def signal_name(number: int) -> str:
+  """The name of signal `number` (SIGTERM), or 'signal N' for one that has
+  none (the real-time signals)."""
+  try:
+    return signal.Signals(number).name
+  except ValueError:
+    return f"signal {number}"
 
 
 def _keep_last_lines(stream, kept: collections.deque) -> None:
   """Reads `stream` to its end, keeping its last lines in `kept`."""
   for line in stream:
-    kept.append(line.decode(errors="replace").rstrip()[:1000])
+    kept.append(line.decode(errors="replace").rstrip()[:500])
 
 
 def _exit_like(returncode: int) -> None:
@@ -308,8 +368,6 @@ def main(argv=None) -> None:
           "reaches its port can run code as you", file=sys.stderr, flush=True)
     sys.exit(EXIT_NO_PRIVATE_NETWORK)
   port = _free_port()
-  print(describe_reach(args.listen, port, args.shared_network), file=sys.stderr,
-        flush=True)
   returncode = _run_worker(args, outer, port)
   _remove(bound, args.remove_directory)
   _exit_like(returncode)
@@ -352,12 +410,13 @@ def _run_worker(args, outer: socket.socket, port: int) -> int:
     threading.Thread(target=_end_when_closed, args=(args.parent_pipe, stop),
                      daemon=True).start()
   threading.Thread(target=_serve, args=(outer, port), daemon=True).start()
+  threading.Thread(target=_announce_when_listening, daemon=True,
+                   args=(outer, port, args.shared_network, worker)).start()
   signal.pthread_sigmask(signal.SIG_UNBLOCK, stopping)
   returncode = worker.wait()
   reader.join(timeout=1.0)
   if returncode != 0 and not asked.is_set() and kept:
-    how = (f"code {returncode}" if returncode > 0
-           else signal.Signals(-returncode).name)
+    how = f"code {returncode}" if returncode > 0 else signal_name(-returncode)
     print(f"worker_binary (pid {worker.pid}) ended with {how}; the last lines "
           "it wrote on stderr:", *kept, sep="\n", file=sys.stderr, flush=True)
   return returncode

@@ -63,6 +63,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -538,12 +539,24 @@ def _locked_folder(parent: str, prefix: str, lock_name: str) -> tuple[str, int]:
   """A new private folder `prefix`* in `parent` holding the file `lock_name`,
   locked by the returned descriptor. Made under another name and renamed
   once locked, so no cleaner ever sees one of its folders unlocked while
-  its process lives."""
+  its process lives.
+
+  Raises:
+    OSError: the folder cannot be made or locked (a file system without
+      flock); nothing is left behind.
+  """
   making = tempfile.mkdtemp(dir=parent, prefix=f".{prefix}new-")
-  lock = os.open(os.path.join(making, lock_name), os.O_RDWR | os.O_CREAT, 0o600)
-  fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  folder = os.path.join(parent, prefix + os.path.basename(making)[len(f".{prefix}new-"):])
-  os.rename(making, folder)
+  lock = None
+  try:
+    lock = os.open(os.path.join(making, lock_name), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    folder = os.path.join(parent, prefix + os.path.basename(making)[len(f".{prefix}new-"):])
+    os.rename(making, folder)
+  except OSError:
+    if lock is not None:
+      os.close(lock)
+    shutil.rmtree(making, ignore_errors=True)
+    raise
   return folder, lock
 
 
@@ -554,16 +567,23 @@ def _remove_locked_folder(folder: str, lock: int) -> None:
 
 def _remove_orphaned_client_files(parent: str) -> None:
   """Removes this user's `ClientFiles` folders in `parent` whose lock no
-  process holds. A folder without a lock file is left alone."""
+  process holds, and those of earlier versions (named by their process id,
+  without a lock) whose process no longer runs. Any other folder without a
+  lock file is left alone."""
   for name in os.listdir(parent):
     if not name.startswith(ClientFiles.PREFIX):
       continue
     path = os.path.join(parent, name)
     try:
-      if os.stat(path).st_uid != os.getuid():
+      status = os.lstat(path)
+      if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid():
         continue
       lock = os.open(os.path.join(path, ClientFiles.LOCK), os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError, PermissionError):
+    except FileNotFoundError:
+      if _ended_unlocked(name[len(ClientFiles.PREFIX):]):
+        shutil.rmtree(path, ignore_errors=True)
+      continue
+    except OSError:
       continue
     try:
       fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -572,6 +592,23 @@ def _remove_orphaned_client_files(parent: str) -> None:
       continue
     shutil.rmtree(path, ignore_errors=True)
     os.close(lock)
+
+
+def _ended_unlocked(suffix: str) -> bool:
+  """Whether an unlocked folder named `suffix` after the prefix is an earlier
+  version's ('PID-random') whose process no longer runs."""
+  pid, dash, _ = suffix.partition("-")
+  return bool(dash) and pid.isdigit() and not _process_runs(int(pid))
+
+
+def _process_runs(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
 
 
 def file_client_dataset(folder: str, specs: tuple[tf.TensorSpec, ...],

@@ -99,7 +99,7 @@ def describe_exit(returncode: int, pid: "int | None" = None) -> str:
   worker = "the local TFF worker" + (f" (pid {pid})" if pid else "")
   if returncode >= 0:
     return f"{worker} exited with code {returncode}"
-  name = signal.Signals(-returncode).name
+  name = private_worker.signal_name(-returncode)
   hint = (" (most often the kernel's out-of-memory killer: the round needed "
           "more memory than the machine has)" if -returncode == signal.SIGKILL
           else "")
@@ -228,7 +228,20 @@ class LocalWorker:
     if self._ended.wait(0) and not self._closing:
       raise WorkerError(self._startup_failure())
     if self.shared_network:
-      print(f"tff_privacy: {self._said(reach=True)}", file=sys.stderr, flush=True)
+      self._warn_of_reach()
+
+  def _warn_of_reach(self) -> None:
+    """Relays the host's line on who can reach the worker, which it prints
+    once the kernel shows the worker listening (a moment after it serves)."""
+    deadline = time.monotonic() + 10
+    while not (said := self._said(reach=True)) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    print("tff_privacy: " + (said or f"warning: the local TFF worker (pid "
+                             f"{self.pid}) runs on this machine's network "
+                             f"({SHARED_NETWORK_VARIABLE}=1) and did not say where "
+                             "it listens: take it that anyone who reaches this "
+                             "machine can run code as you"),
+          file=sys.stderr, flush=True)
 
   def _said(self, reach: bool = False) -> str:
     """What the worker's host wrote on stderr, on one line: its line on the
