@@ -1,6 +1,7 @@
 """Attacks reconstruct undefended uploads of small models, from records only."""
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from conftest import QUICK_MODEL_KWARGS
 from conftest import record_of as _record
 
 from tff_privacy import attacks, metrics, models
-from tff_privacy.attacks import functional
+from tff_privacy.attacks import functional, refusal
 
 SPEC = models.ModelSpec("lenet", (8, 8, 1), 10)
 
@@ -446,3 +447,19 @@ def test_normalised_runs_compile_apart_from_plain_ones():
       k: v for k, v in record.metadata.items() if k != "normalize"})
   assert (attacks.Target.from_record(plain).cache_key()
           != attacks.Target.from_record(record).cache_key())
+
+
+@pytest.mark.parametrize("error, reason", [
+    (KeyError(), ", whose metadata lacks a field it reads (captured by an "
+     "older version?)"),
+    (KeyError("noise_on"), ", whose metadata has no 'noise_on' (captured by an "
+     "older version?)"),
+    (ValueError("layer='conv9' is not a layer\nof the model"),
+     ": layer='conv9' is not a layer")])
+def test_a_store_a_declaration_cannot_read_is_refused_naming_it(error, reason):
+  record = types.SimpleNamespace(round_num=3, client_index=2)
+  with pytest.raises(attacks.UploadRefused) as refused:
+    with refusal.refusing_unreadable("ig_masked", record, "upload_mask"):
+      raise error
+  assert str(refused.value) == ("attack 'ig_masked' refuses round 3 client 2: "
+                                "its upload_mask cannot read its store" + reason)

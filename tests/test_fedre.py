@@ -176,6 +176,55 @@ def test_upload_records_the_epsilons_eq_9_assigns_to_its_noise(calibration,
   assert got.shape == (3, 4) and not got[[0, 2]].any()
 
 
+def test_a_client_without_samples_fills_no_row_of_the_tensor_epsilons():
+  """A client whose data set is empty reads its inputs as the zeros the
+  round's reduce starts from, client 0's index: client 0's row must not
+  gain its epsilons, while client 0 itself fills its row with the even
+  split 20 / 4."""
+  mechanism = _mechanism(budget_split="even", num_clients=3)
+  view, _, _ = _view(SPEC.initial_weights(0))
+  empty = ClientView(view.weights, view.dataset.unbatch().take(0).batch(2),
+                     {fedre.MASK_KEY: tf.zeros([H, W]),
+                      fedre.CLIENT_KEY: tf.constant(0, tf.int32)})
+  view.inputs[fedre.CLIENT_KEY] = tf.constant(0, tf.int32)
+  update = [tf.zeros(w.shape) for w in SPEC.initial_weights(0)]
+  seed = tf.constant([1, 2], tf.int64)
+  _, measured = mechanism.apply_measured(update, seed, empty)
+  np.testing.assert_array_equal(measured[fedre.SPENT_KEY].numpy(), np.zeros((3, 4)))
+  _, measured = mechanism.apply_measured(update, seed, view)
+  np.testing.assert_allclose(measured[fedre.SPENT_KEY].numpy(),
+                             [[5.0] * 4, [0.0] * 4, [0.0] * 4], rtol=1e-6)
+
+
+def _history(rounds_with, rounds_without, epsilons):
+  """metrics.json entries: rounds recording each client's per-tensor
+  `epsilons` and rounds trained before they were recorded."""
+  entries = [{"round": r} for r in rounds_without]
+  entries += [{"round": r, fedre.METRIC_KEY: epsilons} for r in rounds_with]
+  return sorted(entries, key=lambda e: e["round"])
+
+
+def test_paper_epsilon_is_unknown_when_rounds_did_not_record_their_epsilons():
+  """T = 10 planned, even split of 500 over 4 tensors: 10 recorded rounds
+  spend sum_l sqrt(10 * 125^2 / 10) = 500; 5 recorded of 10 trained would
+  report 500 sqrt(5 / 10), too low, so a history with unrecorded rounds
+  reports no number but which rounds lack them."""
+  even = {"0": [125.0] * 4, "1": [125.0] * 4}
+  assert fedre.paper_epsilon(_history(range(1, 11), (), even), 10) == {
+      "paper_epsilon": pytest.approx(500.0, rel=1e-12)}
+  assert fedre.paper_epsilon(_history(range(1, 6), (), even), 10) == {
+      "paper_epsilon": pytest.approx(500.0 * np.sqrt(0.5), rel=1e-12)}
+  assert fedre.paper_epsilon(_history(range(6, 11), range(1, 6), even), 10) == {
+      "paper_epsilon": None, "paper_epsilon_unknown":
+      "rounds 1-5 trained by a version that did not record per-tensor "
+      "epsilons (fedre/tensor_epsilons)"}
+  unknown = fedre.paper_epsilon(_history([1, 2, 4, 6], [3, 5, 7, 8], even), 10)
+  assert unknown["paper_epsilon_unknown"].startswith("rounds 3, 5, 7-8 trained")
+  unknown = fedre.paper_epsilon(_history([1], [2], even), 10)
+  assert unknown["paper_epsilon_unknown"].startswith("round 2 trained")
+  assert fedre.paper_epsilon([], 10) == {}
+
+
 def _plain_pda_pam(updates, scores, rule, scale="linear"):
   """Eqs. 10-11 in numpy from the clients' scores [K, L], over the clients
   whose tensor and score are finite."""

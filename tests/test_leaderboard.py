@@ -426,16 +426,23 @@ def test_leakage_is_the_worst_attack_with_the_unaware_ones_beside_it(tmp_path,
           "ssim_tailored_hyperfl"} <= set(header)
 
 
-def test_a_personalised_run_without_client_test_data_is_refused_in_one_line():
-  # the last round's metrics of such a run: no personal_* entry at all
-  history = [{"round": 2, "clients_without_test_data": 5, "train_loss": 0.3}]
+@pytest.mark.parametrize("last", [
+    # a run whose clients have no test samples: no personal_* entry at all
+    {"round": 2, "clients_without_test_data": 5, "train_loss": 0.3},
+    # a task measuring no accuracy: other personal_* entries only
+    {"round": 2, "clients_without_test_data": 5, "personal_loss_mean": 0.4,
+     "personal_f_score_mean": 0.6}])
+def test_a_personalised_run_without_client_test_data_is_refused_in_one_line(last):
   with pytest.raises(ValueError) as error:
-    board.utility(history)
-  assert "none of its clients has any (5 without test data)" in str(error.value)
+    board.utility([last])
+  assert "round 2 has no personalised accuracy (personal_accuracy_mean)" in str(
+      error.value)
+  assert "(5 of its clients have no test samples)" in str(error.value)
   assert "\n" not in str(error.value)
 
 
-def test_the_upload_column_gives_a_compressing_defences_own_encoding(tmp_path):
+def test_the_upload_column_gives_a_compressing_defences_own_encoding(tmp_path,
+                                                                    monkeypatch):
   spec = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": [16]})
   broadcast = spec.initial_weights(0)
   # 64 x 16 + 16 + 16 x 10 + 10 = 1210 entries, 100 of them nonzero
@@ -444,11 +451,17 @@ def test_the_upload_column_gives_a_compressing_defences_own_encoding(tmp_path):
   updates = str(tmp_path / "updates")
   UpdateStore(updates).write_round(1, broadcast, [(0, "client_0000", upload, 1.0, 1)], {
       "method": "fedsgd", "upload_kind": "gradient", "model": spec.to_json()})
-  assert board.upload_bytes(updates, 1) == 4 * 1210
+  reads = []
+  read = UpdateStore.read
+  monkeypatch.setattr(UpdateStore, "read",
+                      lambda self, *a, **k: reads.append(a) or read(self, *a, **k))
   # an int32 index and a float32 value per nonzero entry
-  assert board.upload_bytes_encoded(updates, 1, "sparsification", {"p": 0.9}) == 8 * 100
+  assert board.upload_sizes(updates, 1, "sparsification", {"p": 0.9}) == {
+      "upload_bytes": 4 * 1210, "upload_bytes_encoded": 8 * 100}
+  assert reads == [(1, 0)]  # the record is read once for both
   for defense, kwargs in ((None, {}), ("dp_clip", {"clip": 1.0})):
-    assert board.upload_bytes_encoded(updates, 1, defense, kwargs) == 4 * 1210
+    assert board.upload_sizes(updates, 1, defense, kwargs) == {
+        "upload_bytes": 4 * 1210, "upload_bytes_encoded": 4 * 1210}
   tiny = _adaptive_grid()
   rows = {r.entry: r for r in tiny.rows()}
   results = [{**_result(rows["FedSGD"], {"ig": 0.9}), "upload_bytes": 4840,
@@ -594,6 +607,90 @@ def test_each_row_reads_the_client_data_with_its_own_data_options(tmp_path, monk
   assert normalised.split_sha256 == normalised_fed.sha256() != plain.split_sha256
 
 
+def _write_json(path, value):
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(value, f)
+
+
+def test_a_row_trained_on_other_clients_than_it_reads_runs_again(tmp_path,
+                                                                 monkeypatch):
+  """Before each row read the ClientData with its own data options, the
+  normalising rows trained on the plain samples and their config.json
+  names the plain samples' SHA-256: such a row, finished or not, runs
+  again in an emptied folder, saying why; the plain row stays cached."""
+  train_data, test_data = _digits_client_data({"a": [0, 1], "b": [2, 3]}, {"a": [0]})
+  normalise = {"data_kwargs": {"normalize": [[0.5], [0.25]]}}
+  three = grid.parse(CLIENT_DATA_GRID | {
+      "protocol": {**CLIENT_DATA_GRID["protocol"], "clients_per_round": 2},
+      "entries": [{"name": "Plain", "method": "fedsgd"},
+                  {"name": "Finished", "method": "fedsgd", "protocol": normalise},
+                  {"name": "Unfinished", "method": "fedsgd", "protocol": normalise}]})
+  on_clients, federations = grid.with_client_data(three, train_data, test_data)
+  plain, finished, unfinished = on_clients.rows()
+  old = on_clients.protocol["split_sha256"]  # the plain samples'
+  for row in (plain, finished, unfinished):
+    folder = tmp_path / "rows" / row.key
+    _write_json(folder / board.SETTINGS_FILE, row.settings())
+    _write_json(folder / "train" / "config.json", {"split_sha256": old})
+    if row is not unfinished:
+      _write_json(folder / board.ROW_FILE,
+                  {**_result(row, {"ig": 0.5}), "settings": row.settings()})
+  ran = {}
+  def timed_row(row, grid, out, progress, jobs, federations):
+    ran[row.key] = os.path.exists(os.path.join(out, "rows", row.key))
+    return _result(row, {"ig": 0.4}), 1.0
+  monkeypatch.setattr(board, "_timed_row", timed_row)
+  logged = []
+  board.run(three, str(tmp_path), progress=False, log=logged.append,
+            train_data=train_data, test_data=test_data)
+  now = federations[grid.data_key(finished)].sha256()
+  assert now != old
+  why = (f"its run trained on other clients (split_sha256 {old[:12]}; its data "
+         f"options read {now[:12]}); running it again")
+  assert logged[0].startswith("[1/3] Plain: cached")
+  assert logged[1:] == [f"[2/3] Finished: {why}", f"[3/3] Unfinished: {why}",
+                        "[2/3] Finished: running", "[2/3] Finished: done in 1 s",
+                        "[3/3] Unfinished: running", "[3/3] Unfinished: done in 1 s"]
+  assert ran == {finished.key: False, unfinished.key: False}  # folders emptied
+
+
+def test_a_rows_process_receives_only_the_clients_it_reads(monkeypatch):
+  """Each row's arguments are pickled to its process: of the federations,
+  only the one its data options read."""
+  from concurrent import futures
+  two = grid.parse(CLIENT_DATA_GRID | {"entries": [
+      {"name": "Plain", "method": "fedsgd"},
+      {"name": "Normalised", "method": "fedsgd",
+       "protocol": {"data_kwargs": {"normalize": [[0.5], [0.25]]}}}]})
+  plain, normalised = two.rows()
+  federations = {grid.data_key(plain): "plain clients",
+                 grid.data_key(normalised): "normalised clients"}
+  sent = {}
+
+  class Pool:  # runs nothing: keeps what each row's process would receive
+    def __init__(self, *args, **kwargs):
+      pass
+
+    def __enter__(self):
+      return self
+
+    def __exit__(self, *exc):
+      return False
+
+    def submit(self, fn, row, *args):
+      sent[row.key] = pickle.loads(pickle.dumps(args[-1]))
+      done = futures.Future()
+      done.set_result(({}, 0.0))
+      return done
+
+  monkeypatch.setattr(futures, "ProcessPoolExecutor", Pool)
+  list(board._in_processes([(1, plain), (2, normalised)], two, "unused", 2,
+                           federations))
+  assert sent == {plain.key: {grid.data_key(plain): "plain clients"},
+                  normalised.key: {grid.data_key(normalised): "normalised clients"}}
+
+
 def test_a_run_refuses_clients_that_its_config_does_not_name(tmp_path):
   train_data, test_data = _digits_client_data({"a": [0, 1], "b": [2]}, {"a": [0]})
   config, federation = runner.with_client_data(
@@ -644,3 +741,22 @@ def test_rows_made_by_other_code_are_named_in_the_log_and_the_report(tmp_path,
       f"- {rows[2].label} (rows/{rows[2].key}): made by an unrecorded code "
       "version; the code now is commit cccccccccccc"]
   assert "- tff_privacy code: commit cccccccccccc\n" in text
+
+
+def test_without_a_known_code_version_no_row_is_called_other_code(tmp_path,
+                                                                   monkeypatch):
+  monkeypatch.setattr(provenance, "code_version", lambda: dict(provenance.UNKNOWN))
+  tiny = grid.parse(TINY)
+  rows = tiny.rows()
+  results = [_result(row, dict.fromkeys(row.inversion, 0.5)) for row in rows]
+  results[0][provenance.KEY] = [dict(provenance.UNKNOWN)]
+  results[1][provenance.KEY] = [{"commit": "c" * 40, "dirty": False,
+                                 "diff_sha256": None}]  # results[2]: unrecorded
+  cached = {r["key"]: r for r in results}
+  monkeypatch.setattr(board, "_cached", lambda row, out: cached[row.key])
+  logged = []
+  board.run(tiny, str(tmp_path), progress=False, log=logged.append)
+  assert logged == [f"[{i}/3] {row.label}: cached" for i, row in enumerate(rows, 1)]
+  text = report.markdown(tiny, report.table_rows(tiny, results))
+  assert "## Rows made by other code" not in text
+  assert "- tff_privacy code: an unknown code version (not a git checkout)\n" in text

@@ -106,9 +106,11 @@ epsilon_l at the accountant's sigma_l (`paper_layer_epsilons` of
 formula. A client's epsilon after t rounds composes eq. 9 over its rounds
 per tensor and sums the tensors (Theorem 1), sum_l sqrt(sum_{r <= t}
 epsilon_{l,r}^2 / T) (`paper_epsilon_spent`; a round it sat out adds
-nothing); `paper_epsilon` is the largest over the clients. It
-is epsilon sqrt(t / T) for a split that stays the same (the even split):
-epsilon after T rounds, more past them (a run longer than `budget_rounds`
+nothing); `paper_epsilon` is the largest over the clients (None, and
+why in `paper_epsilon_unknown`, for a resumed run whose earlier rounds were
+trained by a version that did not record them). It is epsilon
+sqrt(t / T) for a split that stays the same (the even split): epsilon
+after T rounds, more past them (a run longer than `budget_rounds`
 is refused unless `allow_over_budget`); a PSI split that changes from
 round to round spends more than that (Cauchy-Schwarz).
 
@@ -526,13 +528,15 @@ class FedREMechanism(UpdateDefense):
     """`apply`'s upload and, for noise on the update, `SPENT_KEY`: a
     [num_clients, L] array holding, in the client's row (its `CLIENT_KEY`
     input), the epsilon_l eq. 9 assigns to each tensor's noise this round
-    (`spent_epsilons`), zeros elsewhere."""
+    (`spent_epsilons`), zeros elsewhere; all zeros for a client without
+    samples, whose inputs read as zeros (client 0's index)."""
     if not self.acts_on_update:
       return list(update), {}
     upload, spent = self._noised(update, seed, client)
     row = tf.cast(client.inputs[CLIENT_KEY], tf.int32)
-    return upload, {SPENT_KEY: tf.scatter_nd(
-        [[row]], spent[None], [self.num_clients, self.num_layers])}
+    rows = tf.scatter_nd([[row]], spent[None], [self.num_clients, self.num_layers])
+    has_data = client.dataset.take(1).reduce(tf.constant(False), lambda *_: True)
+    return upload, {SPENT_KEY: tf.where(has_data, rows, tf.zeros_like(rows))}
 
   def _noised(self, update, seed, client: Optional[ClientView]):
     """The noised upload of `apply` and its `spent_epsilons`."""
@@ -875,16 +879,35 @@ def paper_epsilon(history: Sequence[dict], planned_rounds: int) -> dict:
   they spent in the rounds of `history` (metrics entries), composed from
   their recorded per-tensor epsilons (`METRIC_KEY`) by
   `layerwise_budget.paper_epsilon_spent`}; empty where none are recorded
-  (no round has run)."""
+  (no round has run). None, with why as 'paper_epsilon_unknown', where a
+  round of `history` recorded none: a resumed run's rounds trained by a
+  version that did not record them spent a budget that is not known."""
+  unrecorded = [entry["round"] for entry in history if METRIC_KEY not in entry]
+  if unrecorded:
+    return {"paper_epsilon": None, "paper_epsilon_unknown": (
+        f"{_rounds_text(unrecorded)} trained by a version that did not record "
+        f"per-tensor epsilons ({METRIC_KEY})")}
   spent = collections.defaultdict(list)
   for entry in history:
-    for client, epsilons in entry.get(METRIC_KEY, {}).items():
+    for client, epsilons in entry[METRIC_KEY].items():
       spent[client].append(epsilons)
   if not spent:
     return {}
   return {"paper_epsilon": float(np.max([  # NaN where a client's is
       budget.paper_epsilon_spent(rows, planned_rounds)
       for rows in spent.values()]))}
+
+
+def _rounds_text(rounds: Sequence[int]) -> str:
+  """'round 3', or 'rounds 1-5, 8': consecutive rounds as ranges."""
+  spans = []
+  for r in rounds:
+    if spans and r == spans[-1][1] + 1:
+      spans[-1][1] = r
+    else:
+      spans.append([r, r])
+  text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+  return f"round {text}" if len(rounds) == 1 else f"rounds {text}"
 
 
 METHOD = Method("fedre", PARAMETERS, algorithm,

@@ -696,8 +696,9 @@ class InvertingGradients(GradientInversion):
     (`refusing_unreadable`) before any search."""
     targets = super().targets(records, labels)
     for target in targets:
-      with refusing_unreadable(self.name, target.record):
+      with refusing_unreadable(self.name, target.record, "upload_mask"):
         self.upload_mask(target)
+      with refusing_unreadable(self.name, target.record, "region_prior"):
         self.region_prior(target)
     return targets
 

@@ -183,7 +183,7 @@ class NoiseAwareInvertingGradients(InvertingGradients):
     super().check_records(records)
     check_defence(self.name, self.DEFENDS, records)
     for record in records:
-      with refusing_unreadable(self.name, record):
+      with refusing_unreadable(self.name, record, "noise check"):
         self._check_noise(record)
 
   def _check_noise(self, record: UpdateRecord) -> None:

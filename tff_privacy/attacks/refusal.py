@@ -13,23 +13,23 @@ class UploadRefused(ValueError):
 
 
 @contextlib.contextmanager
-def refusing_unreadable(attack: str, record):
-  """Runs what attack `attack` reads of `record`'s public configuration
-  (its declarations: an upload mask, noise levels), turning the `KeyError`
-  or `ValueError` of a store it cannot read (one captured by an older
-  version, without a field the attack needs) into `UploadRefused` with the
-  reason: the same store is refused on every try."""
+def refusing_unreadable(attack: str, record, declaration: str):
+  """Runs what attack `attack` reads of `record`'s public configuration for
+  its `declaration` (e.g. 'upload_mask', 'region_prior'), turning the
+  `KeyError` or `ValueError` of a store it cannot read (one captured by an
+  older version, without a field the attack needs) into `UploadRefused`
+  naming the declaration and the reason: the same store is refused on
+  every try."""
+  where = (f"attack {attack!r} refuses round {record.round_num} client "
+           f"{record.client_index}: its {declaration} cannot read its store")
   try:
     yield
   except UploadRefused:
     raise
   except KeyError as e:
-    raise UploadRefused(
-        f"attack {attack!r} refuses round {record.round_num} client "
-        f"{record.client_index}: its store's metadata has no {e.args[0]!r} "
-        "(captured by an older version?)") from None
+    lacks = f"has no {e.args[0]!r}" if e.args else "lacks a field it reads"
+    raise UploadRefused(f"{where}, whose metadata {lacks} (captured by an "
+                        "older version?)") from None
   except ValueError as e:
     reason = (str(e).splitlines() or [""])[0]
-    raise UploadRefused(
-        f"attack {attack!r} refuses round {record.round_num} client "
-        f"{record.client_index}: it cannot read its store: {reason}") from None
+    raise UploadRefused(f"{where}: {reason}") from None

@@ -5,8 +5,10 @@ made with), `train/` (the run, which resumes), one folder per inversion
 attack, `attributes/`, and `row.json`, written last: a row with row.json
 is finished and is not run again while its settings are unchanged, unless
 one of its attacks failed or the grid now attacks it with one it lacks
-(that attack then runs on the stored uploads). A row whose settings changed starts again in an
-emptied folder. An attack that refuses a method's uploads
+(that attack then runs on the stored uploads). A row whose settings
+changed starts again in an emptied folder, as does a row on ClientData
+whose run trained on other clients than its data options read now. An
+attack that refuses a method's uploads
 (`tff_privacy.attacks.UploadRefused`: it would refuse them on every try)
 is recorded with its one-line reason instead of a number. Any other
 failure of an attack (out of memory, say) is printed to stderr and kept in
@@ -71,7 +73,12 @@ def run(grid: Grid, out: str, progress: bool = True,
   _claim(grid, out)
   rows = grid.rows()
   results, pending = {}, []
+  digests = {key: f.sha256() for key, f in (federations or {}).items()}
   for i, row in enumerate(rows, start=1):
+    stale = _other_clients(row, out, digests)
+    if stale:
+      log(f"[{i}/{len(rows)}] {row.label}: {stale}; running it again")
+      shutil.rmtree(os.path.join(out, "rows", row.key))
     results[row.key] = _cached(row, out)
     if results[row.key] and not failures(results[row.key]) and not set(
         row.inversion) - set(results[row.key]["inversion"]):
@@ -111,14 +118,23 @@ def _in_processes(pending, grid: Grid, out: str, jobs: int,
   context = multiprocessing.get_context("spawn")  # TensorFlow is not fork-safe
   with futures.ProcessPoolExecutor(min(jobs, len(pending)), mp_context=context,
                                    initializer=_start_process) as pool:
-    submitted = {pool.submit(_timed_row, row, grid, out, False, jobs, federations):
-                 (i, row) for i, row in pending}
+    submitted = {pool.submit(_timed_row, row, grid, out, False, jobs,
+                             _own_clients(row, federations)): (i, row)
+                 for i, row in pending}
     try:
       for done in futures.as_completed(submitted):
         yield submitted[done], done.result()
     except BaseException:
       pool.shutdown(wait=True, cancel_futures=True)
       raise
+
+
+def _own_clients(row: Row, federations: Optional[dict]) -> Optional[dict]:
+  """The entry of `federations` that `row` reads: all its process needs."""
+  if federations is None:
+    return None
+  key = grids.data_key(row)
+  return {key: federations[key]}
 
 
 def _start_process() -> None:
@@ -212,9 +228,7 @@ def run_row(row: Row, grid: Grid, out: str, progress: bool = True,
             "is_default": row.is_default, "settings": row.settings(),
             **utility(history), "privacy": privacy(history[-1]),
             "seconds_per_round": seconds_per_round(history, capture),
-            "upload_bytes": upload_bytes(updates, capture),
-            "upload_bytes_encoded": upload_bytes_encoded(
-                updates, capture, row.defense, row.defense_kwargs),
+            **upload_sizes(updates, capture, row.defense, row.defense_kwargs),
             "concurrent_rows": jobs, "inversion": inversion, "attribute": attribute}
   # the code of its run and attacks, which may be reused from before
   result[provenance.KEY] = provenance.merged(
@@ -237,6 +251,23 @@ def _on_clients(row: Row, config: runner.RunConfig, federations: Optional[dict]
   return dataclasses.replace(config, split_sha256=federation.sha256()), federation
 
 
+def _other_clients(row: Row, out: str, digests: dict[str, str]) -> Optional[str]:
+  """Why the run in `row`'s folder must not be reused: its config.json
+  names other clients than the SHA-256 of the row's ClientData clients
+  (`digests`, by `grids.data_key`: rows from before each row read them
+  with its own data options, e.g. normalised); None where it names the
+  same, there is no run, or no ClientData."""
+  path = os.path.join(out, "rows", row.key, "train", "config.json")
+  if not digests or not os.path.exists(path):
+    return None
+  trained = io.read_json(path).get("split_sha256")
+  now = digests[grids.data_key(row)]
+  if trained == now:
+    return None
+  return (f"its run trained on other clients (split_sha256 {str(trained)[:12]}; "
+          f"its data options read {now[:12]})")
+
+
 def _claim_row(row: Row, folder: str) -> None:
   """Empties a row's folder made with other settings (its run and attacks
   would be refused or stale), then records the row's settings there."""
@@ -253,19 +284,21 @@ def utility(history: list[dict]) -> dict[str, Any]:
   or, for a method without one, the clients' own models' mean.
 
   Raises:
-    ValueError: a method without a global model whose clients have no
-      test samples, so that none of their models was tested.
+    ValueError: a method without a global model whose last round has no
+      personalised accuracy: its clients have no test samples, so that
+      none of their models was tested, or its task measures no accuracy.
   """
   last = history[-1]
   if "test_accuracy" in last:
     return {"utility": last["test_accuracy"], "loss": last["test_loss"],
             "utility_kind": GLOBAL_UTILITY}
-  if not any(k.startswith("personal_") for k in last):
+  if "personal_accuracy_mean" not in last:
     raise ValueError(
-        f"round {last['round']} has no personalised utility: a method without "
-        "a global model is tested on its clients' own test samples, and none "
-        f"of its clients has any ({last.get('clients_without_test_data')} "
-        "without test data); give the clients test samples")
+        f"round {last['round']} has no personalised accuracy "
+        "(personal_accuracy_mean): a method without a global model is "
+        "tested on its clients' own test samples, by a classification "
+        f"task's accuracy ({last.get('clients_without_test_data')} of its "
+        "clients have no test samples); give the clients test samples")
   return {"utility": last["personal_accuracy_mean"],
           "loss": last.get("personal_loss_mean"),
           "utility_kind": "personalised accuracy"}
@@ -287,20 +320,18 @@ def seconds_per_round(history: list[dict], capture: int) -> float:
   return float(np.mean(plain or [m["seconds"] for m in history]))
 
 
-def upload_bytes(updates: str, round_num: int) -> int:
-  """Bytes one client uploads: its captured upload's tensors as stored
-  (dense float32; `upload_bytes_encoded` in its defence's encoding)."""
-  return int(sum(u.nbytes for u in _first_upload(updates, round_num)))
-
-
-def upload_bytes_encoded(updates: str, round_num: int, defense: Optional[str],
-                         defense_kwargs: dict) -> int:
-  """Bytes the client of `upload_bytes` sends in the own encoding of its
+def upload_sizes(updates: str, round_num: int, defense: Optional[str],
+                 defense_kwargs: dict) -> dict[str, int]:
+  """Bytes one client uploads, from round `round_num`'s first captured
+  upload (read once): 'upload_bytes', its tensors as stored (dense
+  float32), and 'upload_bytes_encoded', in the own encoding of its
   client-side `defense` (`tff_privacy.defenses.encoded_bytes`: sparse
-  indices and values, quantised codes); dense float32 without one."""
+  indices and values, quantised codes; dense float32 without one)."""
   upload = _first_upload(updates, round_num)
+  dense = int(sum(u.nbytes for u in upload))
   encoded = defenses.encoded_bytes(defense, defense_kwargs, upload)
-  return int(sum(u.nbytes for u in upload) if encoded is None else encoded)
+  return {"upload_bytes": dense,
+          "upload_bytes_encoded": dense if encoded is None else int(encoded)}
 
 
 def _first_upload(updates: str, round_num: int) -> list[np.ndarray]:
