@@ -83,6 +83,20 @@ def test_the_denoising_step_is_a_median_kept_within_rho_max(digits):
   assert _ssim(truth, got) > _ssim(truth, perturbed) + 0.05
 
 
+@pytest.mark.parametrize("missing", ["rho_max", "norm"])
+def test_a_store_without_the_perturbation_bound_is_refused_before_the_search(
+    digits, missing):
+  """A store of an older version is a refusal (kept), not a failure after the
+  search (run again by every leaderboard)."""
+  record, _ = _fedem(digits, 0)
+  protocol = {k: v for k, v in record.metadata["protocol"].items() if k != missing}
+  old = dataclasses.replace(record, metadata={**record.metadata, "protocol": protocol})
+  with pytest.raises(attacks.UploadRefused, match=(
+      r"^attack 'ig_denoised' refuses round \d+ client \d+: its perturbation bound "
+      f"cannot read its store, whose metadata has no '{missing}'")):
+    attacks.build("ig_denoised", iterations=1)([old])
+
+
 def test_l2_projection_keeps_each_sample_within_its_ball():
   center = np.zeros((2, 1, 2, 1))
   x = np.array([[[[3.0], [4.0]]], [[[0.3], [0.4]]]])

@@ -42,6 +42,7 @@ from scipy import ndimage
 
 from tff_privacy.attacks.adaptive import check_defence
 from tff_privacy.attacks.inversion import InvertingGradients, Target
+from tff_privacy.attacks.refusal import refusing_unreadable
 from tff_privacy.params import Param, Params
 from tff_privacy.updates import UpdateRecord
 
@@ -65,6 +66,13 @@ def project_to_ball(x: np.ndarray, center: np.ndarray, radius: float,
   return center + change * np.minimum(1.0, radius / np.maximum(size, 1e-12))
 
 
+def perturbation_bound(record: UpdateRecord) -> tuple[float, str]:
+  """(rho_max, norm) of the FedEM run that captured `record`, from its
+  public protocol."""
+  protocol = record.metadata["protocol"]
+  return protocol["rho_max"], protocol["norm"]
+
+
 class DenoisedInvertingGradients(InvertingGradients):
   """Inverting Gradients, then the reconstruction median-filtered within
   FedEM's perturbation bound (see the module docstring)."""
@@ -78,15 +86,19 @@ class DenoisedInvertingGradients(InvertingGradients):
             minimum=1))
 
   def check_records(self, records: Sequence[UpdateRecord]) -> None:
+    """Also refuses, before any search, a store without the perturbation's
+    bound that `denoise` reads (one captured by an older version)."""
     super().check_records(records)
     check_defence(self.name, self.DEFENDS, records)
+    for record in records:
+      with refusing_unreadable(self.name, record, "perturbation bound"):
+        perturbation_bound(record)
 
   def denoise(self, target: Target, x: np.ndarray) -> np.ndarray:
     """`x` median-filtered, then moved back within the perturbation's bound
     (rho_max in its norm, from the run's public protocol) of `x`."""
-    protocol = target.record.metadata["protocol"]
     return project_to_ball(median_filter(x, self.median_size), x,
-                           protocol["rho_max"], protocol["norm"])
+                           *perturbation_bound(target.record))
 
   def _reconstruction(self, target, x, labels, objective):
     return super()._reconstruction(target, self.denoise(target, x), labels,
