@@ -386,6 +386,56 @@ def _result(row, ssims, utility=0.9):
           "upload_bytes": 4}
 
 
+def test_per_victim_scores_average_each_victims_samples():
+  samples = [{"client": 5, "ssim": 0.2, "psnr": 10.0}, {"client": 2, "ssim": 0.9, "psnr": 30.0},
+             {"client": 5, "ssim": 0.4, "psnr": 20.0}]
+  got = board.per_victim(samples)
+  assert got["clients"] == [5, 2] and got["psnr"] == [15.0, 30.0]
+  assert got["ssim"] == pytest.approx([0.3, 0.9])
+
+
+def test_every_number_of_a_row_carries_its_interval():
+  """Utility by Wilson over the test samples (scipy's binomtest called
+  here), leakage by the worst-case bootstrap over the victims, the best
+  adversary's ASR by attribute inference's own intervals; none where none
+  can be computed."""
+  import scipy.stats
+  from tff_privacy.metrics import intervals
+  tiny = _adaptive_grid()
+  rows = {r.entry: r for r in tiny.rows()}
+  sparse = _result(rows["Sparse"], {"ig": 0.3, "ig_masked": 0.7}, 0.85)
+  victims = {"ig": [0.2, 0.4, 0.3], "ig_masked": [0.6, 0.8, 0.7]}
+  for name, ssims in victims.items():
+    sparse["inversion"][name]["victims"] = {
+        "clients": [4, 5, 6], "ssim": ssims, "psnr": [10 * v for v in ssims]}
+  sparse["samples_tested"] = 200
+  sparse["attribute"] = {
+      "asr": {"svm": 0.6, "rf": 0.7}, "asr_ci": {"svm": [0.1, 0.2], "rf": [0.3, 0.4]},
+      "balanced_asr": {"svm": 0.65, "rf": 0.55},
+      "balanced_asr_ci": {"svm": [0.5, 0.6], "rf": [0.7, 0.8]},
+      "chance": 0.5, "balanced_chance": 0.5}
+  old = _result(rows["Clip"], {"ig": 0.2}, 0.5)  # made before intervals were kept
+  table = {r["entry"]: r for r in report.table_rows(tiny, [sparse, old])}
+  row = table["Sparse"]
+  wilson = scipy.stats.binomtest(170, 200).proportion_ci(0.95, method="wilson")
+  np.testing.assert_allclose(row["utility_ci"], [wilson.low, wilson.high])
+  assert row["victims"] == 3
+  # ig_masked is the worst on every victim: every resample chooses it
+  assert row["ssim_ci"] == intervals.worst_case_interval(
+      {"ig_masked": victims["ig_masked"]})
+  assert 0.6 <= row["ssim_ci"][0] <= 0.7 <= row["ssim_ci"][1] <= 0.8 + 1e-12
+  assert row["psnr_ci"] == pytest.approx([10 * v for v in row["ssim_ci"]])
+  assert row["unaware_ssim_ci"] == intervals.worst_case_interval({"ig": victims["ig"]})
+  assert (row["asr_max_ci"], row["balanced_asr_max_ci"]) == ([0.3, 0.4], [0.5, 0.6])
+  assert [table["Clip"][k] for k in ("victims", "ssim_ci", "psnr_ci", "utility_ci")
+          ] == [None] * 4
+  text = report.markdown(tiny, list(table.values()))
+  low, high = row["ssim_ci"]
+  assert f"0.700 [{low:.3f}, {high:.3f}] (ig_masked)" in text
+  assert f"0.8500 [{wilson.low:.4f}, {wilson.high:.4f}]" in text
+  assert "0.65 [0.50, 0.60] (0.50)" in text and "3 victims attacked per row" in text
+
+
 def test_leakage_is_the_worst_attack_with_the_unaware_ones_beside_it(tmp_path,
                                                                      monkeypatch):
   from tff_privacy.metrics import report as metrics_report

@@ -4,7 +4,7 @@ from skimage import metrics as skm
 
 from conftest import fake_lpips_weights
 from tff_privacy import metrics
-from tff_privacy.metrics import report
+from tff_privacy.metrics import intervals, report
 
 
 def test_scores_match_scikit_image_and_clip_to_range():
@@ -194,3 +194,57 @@ def test_fidelity_without_a_weighed_client_or_finite_aggregate_is_undefined():
   with pytest.raises(UndefinedFidelity,
                      match="the defended aggregate update is not finite"):
     aggregate_fidelity(clean, infinite, [1, 1])
+
+
+def _wilson(successes, trials, z=1.959963984540054):
+  """The Wilson score interval written out (Wilson 1927)."""
+  p = successes / trials
+  centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+  half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (
+      1 + z * z / trials)
+  return [centre - half, centre + half]
+
+
+@pytest.mark.parametrize("successes,trials", [(7, 10), (0, 5), (412, 500)])
+def test_a_proportions_interval_is_wilsons(successes, trials):
+  np.testing.assert_allclose(intervals.proportion_interval(successes, trials),
+                             _wilson(successes, trials), atol=1e-9)
+
+
+def test_a_proportion_out_of_range_is_refused():
+  with pytest.raises(ValueError, match="successes and trials"):
+    intervals.proportion_interval(3, 2)
+
+
+def _plain_worst_case(chosen_by, reported, resamples, seed):
+  """The worst-case bootstrap written as a loop: draw victims, take the
+  attack with the highest mean of `chosen_by`, keep its mean of `reported`."""
+  rng = np.random.default_rng(seed)
+  names = list(chosen_by)
+  n = len(chosen_by[names[0]])
+  values = []
+  for _ in range(resamples):
+    drawn = rng.integers(0, n, n)
+    worst = max(names, key=lambda a: np.mean(np.asarray(chosen_by[a])[drawn]))
+    values.append(np.mean(np.asarray(reported[worst])[drawn]))
+  return np.percentile(values, [2.5, 97.5])
+
+
+def test_the_worst_case_interval_chooses_the_attack_inside_each_resample():
+  rng = np.random.default_rng(0)
+  # two attacks of equal mean that win on different victims: the worst of
+  # the two is higher than either, which an interval of one attack misses
+  ssim = {"a": rng.uniform(0.2, 0.8, 16), "b": rng.uniform(0.2, 0.8, 16)}
+  psnr = {"a": 30 * ssim["a"], "b": 10 + 20 * ssim["b"]}
+  got = intervals.worst_case_interval(ssim, resamples=4000)
+  np.testing.assert_allclose(got, _plain_worst_case(ssim, ssim, 20000, 1), atol=0.02)
+  got = intervals.worst_case_interval(ssim, psnr, resamples=4000)
+  np.testing.assert_allclose(got, _plain_worst_case(ssim, psnr, 20000, 1), atol=0.6)
+
+
+def test_the_worst_case_interval_needs_two_victims_and_the_same_ones():
+  assert intervals.worst_case_interval({"a": [0.5]}) is None
+  with pytest.raises(ValueError, match="the same victims"):
+    intervals.worst_case_interval({"a": [0.5, 0.6], "b": [0.5]})
+  with pytest.raises(ValueError, match="the same attacks"):
+    intervals.worst_case_interval({"a": [0.5, 0.6]}, {"b": [1.0, 2.0]})

@@ -14,7 +14,7 @@
   global model on the test set for every metric of the data set's task:
   `test_accuracy` and `test_loss` for classification, `test_iou`,
   `test_precision`, `test_recall`, `test_f_score` and `test_loss` for
-  segmentation; `personal_<metric>_mean` for every metric, with
+  segmentation, and `samples_tested`, how many test samples they score; `personal_<metric>_mean` for every metric, with
   `personal_<primary metric>_std` / `_min`, of each client's own model on
   its own test split, over the clients that have test samples, and
   `clients_without_test_data`, how many were left out; with evaluate
@@ -1068,6 +1068,8 @@ class Run:
       entry.update({f"test_{k}": v for k, v in evaluator.scores(
           self.server_weights(state), source.x_test, source.y_test,
           indices=self.fed.test_indices).items()})
+      entry["samples_tested"] = len(source.y_test if self.fed.test_indices is None
+                                  else self.fed.test_indices)
     if self.personalized:
       weights = self.personal_weights(state)
       per_client = [evaluator.scores(weights[c], *self.fed.client_test_arrays(c))

@@ -291,7 +291,7 @@ def utility(history: list[dict]) -> dict[str, Any]:
   last = history[-1]
   if "test_accuracy" in last:
     return {"utility": last["test_accuracy"], "loss": last["test_loss"],
-            "utility_kind": GLOBAL_UTILITY}
+            "utility_kind": GLOBAL_UTILITY, "samples_tested": last.get("samples_tested")}
   if "personal_accuracy_mean" not in last:
     raise ValueError(
         f"round {last['round']} has no personalised accuracy "
@@ -353,12 +353,21 @@ def _inversion(updates: str, round_num: int, victims: list[int], name: str,
       return _failed(e)
   result = io.read_json(path)
   return {"ssim": result["mean"]["ssim"], "psnr": result["mean"]["psnr"],
-          "mse": result["mean"]["mse"],
+          "mse": result["mean"]["mse"], "victims": per_victim(result["samples"]),
           "label_accuracy": result["mean"]["label_accuracy"],
           "seconds": result["seconds"], "value_range": result["value_range"],
           # relative to the leaderboard's folder (OUT/rows/KEY/ATTACK)
           "folder": os.path.relpath(out, os.path.dirname(os.path.dirname(
               os.path.dirname(out))))}
+
+
+def per_victim(samples: list[dict]) -> dict[str, list]:
+  """{'clients': the victims in order, 'ssim' and 'psnr': each one's mean
+  over its reconstructed samples}, from an attack result's samples."""
+  clients = list(dict.fromkeys(s["client"] for s in samples))
+  return {"clients": clients, **{
+      metric: [float(np.mean([s[metric] for s in samples if s["client"] == c]))
+               for c in clients] for metric in ("ssim", "psnr")}}
 
 
 def _attribute(updates: str, round_num: int, attacks: dict, out: str,
@@ -373,7 +382,8 @@ def _attribute(updates: str, round_num: int, attacks: dict, out: str,
   except Exception as e:  # noqa: BLE001 -- recorded, see `_failed`
     return _failed(e)
   return {"attribute": attacks["attribute"], "asr": result["asr"],
-          "balanced_asr": result["balanced_asr"], "chance": result["chance"],
+          "balanced_asr": result["balanced_asr"], "asr_ci": result.get("asr_ci"),
+          "balanced_asr_ci": result.get("balanced_asr_ci"), "chance": result["chance"],
           "balanced_chance": result["balanced_chance"], "victims": result["victims"]}
 
 

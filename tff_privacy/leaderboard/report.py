@@ -23,13 +23,16 @@ from tff_privacy import attacks as inversion_attacks
 from tff_privacy import io, provenance
 from tff_privacy.leaderboard.board import GLOBAL_UTILITY, failures, refusals
 from tff_privacy.leaderboard.grid import Grid
+from tff_privacy.metrics import intervals
 
 FIGURES = ("tradeoff.png", "reconstructions.png", "asr.png")
 PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
             "tensorflow-privacy", "dp-accounting", "scikit-learn", "numpy")
 COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "pareto",
-           "utility", "utility_kind", "loss", "defence", "attack", "ssim", "psnr",
-           "label_accuracy", "unaware_attack", "unaware_ssim", "asr_max", "chance", "balanced_asr_max",
+           "utility", "utility_ci", "utility_kind", "loss", "defence", "victims",
+           "attack", "ssim", "ssim_ci", "psnr", "psnr_ci", "label_accuracy",
+           "unaware_attack", "unaware_ssim", "unaware_ssim_ci", "asr_max", "asr_max_ci",
+           "chance", "balanced_asr_max", "balanced_asr_max_ci",
            "balanced_chance", "epsilon", "delta", "relation",
            "time_ratio", "upload_bytes", "upload_bytes_encoded")
 
@@ -48,6 +51,51 @@ def leakage(result: dict, among: Optional[Sequence[str]] = None
   return {"attack": name, **best}
 
 
+def leakage_intervals(result: dict, among: Optional[Sequence[str]] = None
+                      ) -> dict[str, Any]:
+  """{'victims': how many victims the row's inversion attacks (those
+  `among`) scored, 'ssim_ci' and 'psnr_ci': the 95% intervals of the worst
+  attack's mean SSIM and its PSNR, the victims resampled and the worst
+  attack chosen inside each resample (`intervals.worst_case_interval`)}.
+  The intervals are None where they cannot be computed: fewer than two
+  victims, attacks that scored different victims, or a row made before
+  per-victim scores were kept."""
+  scored = {name: r for name, r in result["inversion"].items()
+            if "error" not in r and _finite(r["ssim"])
+            and (among is None or name in among)}
+  per_victim = [r.get("victims") for r in scored.values()]
+  if not scored or None in per_victim or len(
+      {tuple(v["clients"]) for v in per_victim}) != 1:
+    return {"victims": None, "ssim_ci": None, "psnr_ci": None}
+  ssim = {name: r["victims"]["ssim"] for name, r in scored.items()}
+  psnr = {name: r["victims"]["psnr"] for name, r in scored.items()}
+  return {"victims": len(per_victim[0]["clients"]),
+          "ssim_ci": intervals.worst_case_interval(ssim),
+          "psnr_ci": intervals.worst_case_interval(ssim, psnr)}
+
+
+def utility_interval(result: dict) -> Optional[list[float]]:
+  """The 95% Wilson interval of the global model's test accuracy over the
+  test samples it scored; None for another utility (a personalised mean,
+  a segmentation score) or a row made before their number was kept."""
+  count = result.get("samples_tested")
+  if result["utility_kind"] != GLOBAL_UTILITY or not count or not _finite(
+      result["utility"]):
+    return None
+  return intervals.proportion_interval(round(result["utility"] * count), count)
+
+
+def best_adversary_intervals(attribute: dict) -> dict[str, Any]:
+  """The intervals over victims (as attribute inference computed them) of
+  the best adversary's plain and balanced success rates."""
+  found = {}
+  for rate in ("asr", "balanced_asr"):
+    values, cis = attribute.get(rate), attribute.get(f"{rate}_ci")
+    best = max(values, key=values.get) if values else None
+    found[f"{rate}_max_ci"] = cis.get(best) if cis and best else None
+  return found
+
+
 def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
   """One flat dict per finished row: the report's and the CSV's columns."""
   reference = _reference(grid, results)
@@ -60,7 +108,8 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
   for r in results:
     worst = leakage(r) or {}
     row = grid_rows[r["key"]]
-    unaware = leakage(r, [a for a in r["inversion"] if a not in row.adaptive]) or {}
+    unaware_names = [a for a in r["inversion"] if a not in row.adaptive]
+    unaware = leakage(r, unaware_names) or {}
     attribute = r.get("attribute") or {}
     asr, balanced = attribute.get("asr"), attribute.get("balanced_asr")
     strength = r["settings"]["strength"]
@@ -68,7 +117,11 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "key": r["key"], "label": r["label"], "entry": r["entry"],
         "parameter": r["settings"]["parameter"], "strength": strength,
         "default": r["is_default"], "matched": r["key"] in matched,
-        "utility": r["utility"], "utility_kind": r["utility_kind"], "loss": r["loss"],
+        "utility": r["utility"], "utility_ci": utility_interval(r),
+        "utility_kind": r["utility_kind"], "loss": r["loss"],
+        **leakage_intervals(r), "unaware_ssim_ci": leakage_intervals(
+            r, unaware_names)["ssim_ci"],
+        **best_adversary_intervals(attribute),
         "defence": row.defence, "adaptive": list(row.adaptive),
         "attack": worst.get("attack"), "ssim": worst.get("ssim"),
         "psnr": worst.get("psnr"), "label_accuracy": worst.get("label_accuracy"),
@@ -187,7 +240,13 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            "value per nonzero entry; LDP-Fed: ceil(log2 |U|) bits per entry). "
            "Utility is the global model's test accuracy, or, marked *, the "
            "mean accuracy of the clients' own models on their own test splits "
-           "(personalised methods): the two are different measurements.", ""]
+           "(personalised methods): the two are different measurements. "
+           "Brackets hold 95% intervals: utility's over the test samples "
+           "(Wilson), leakage's over the victims (a bootstrap that chooses the "
+           "worst attack inside each resample, so it covers that choice too), "
+           "ASR's over the victims; a value without one has none that can be "
+           f"computed here (one victim, a personalised mean, a row made before "
+           f"they were kept). One seed per row{_victims(rows)}.", ""]
   if all(r["default"] for r in rows):  # one strength per entry: one table
     lines += section("Every row, each entry at its default strength (P: on the "
                      "Pareto front of utility against leakage)", rows, matched=False)
@@ -273,13 +332,16 @@ def section(title: str, rows: Sequence[dict], matched: bool = True) -> list[str]
                     if on)
     lines.append("| " + " | ".join([
         r["label"] + (f" [{marks}]" if marks else ""),
-        _number(r["utility"], 4) + ("*" if r["utility_kind"] != GLOBAL_UTILITY else ""),
+        _with_interval(r["utility"], r["utility_ci"], 4)
+        + ("*" if r["utility_kind"] != GLOBAL_UTILITY else ""),
         _number(r["loss"], 4),
-        "n/a" if r["ssim"] is None else f"{r['ssim']:.3f} ({r['attack']})",
-        _number(r["psnr"], 2), _number(r["label_accuracy"], 2),
+        "n/a" if r["ssim"] is None else
+        f"{_with_interval(r['ssim'], r['ssim_ci'], 3)} ({r['attack']})",
+        _with_interval(r["psnr"], r["psnr_ci"], 2), _number(r["label_accuracy"], 2),
         _unaware(r),
         ("n/a" if r["balanced_asr_max"] is None else
-         f"{r['balanced_asr_max']:.2f} ({r['balanced_chance']:.2f})"),
+         f"{_with_interval(r['balanced_asr_max'], r['balanced_asr_max_ci'], 2)} "
+         f"({r['balanced_chance']:.2f})"),
         "-" if r["epsilon"] is None else f"{r['epsilon']:.3g} ({r['delta']:g})",
         _number(r["time_ratio"], 2), _upload(r)]) + " |")
   return lines + [""]
@@ -292,7 +354,8 @@ def _unaware(r: dict) -> str:
     return "n/a"
   if not r["adaptive"]:
     return "="
-  return f"{r['unaware_ssim']:.3f} ({r['unaware_attack']})"
+  return (f"{_with_interval(r['unaware_ssim'], r['unaware_ssim_ci'], 3)} "
+          f"({r['unaware_attack']})")
 
 
 def _upload(r: dict) -> str:
@@ -303,10 +366,24 @@ def _upload(r: dict) -> str:
   return f"{_bytes(r['upload_bytes'])} ({_bytes(encoded)} encoded)"
 
 
+def _victims(rows: Sequence[dict]) -> str:
+  counts = sorted({r["victims"] for r in rows if r["victims"] is not None})
+  return (f"; {', '.join(map(str, counts))} victims attacked per row"
+          if counts else "")
+
+
 def _concurrency(rows: Sequence[dict]) -> str:
   jobs = max((r.get("concurrent_rows") or 1 for r in rows), default=1)
   return ("" if jobs == 1 else f", measured while up to {jobs} rows trained at "
           "once (--jobs 1 for clean timings)")
+
+
+def _with_interval(value, interval: Optional[Sequence[float]], digits: int) -> str:
+  """`value` and, where there is one, its 95% interval in brackets."""
+  if value is None or interval is None:
+    return _number(value, digits)
+  low, high = interval
+  return f"{_number(value, digits)} [{_number(low, digits)}, {_number(high, digits)}]"
 
 
 def _number(value, digits: int) -> str:

@@ -1,0 +1,79 @@
+"""95% intervals of the leaderboard's numbers, from the unit that varies.
+
+- A proportion over independent trials (a model's accuracy over test
+  samples, an adversary's success over victims): the Wilson score interval
+  (scipy's ``binomtest(...).proportion_ci``).
+- The worst case over attacks of a mean over victims (a row's leakage): a
+  percentile bootstrap that resamples the victims, the same victims for every
+  attack, and takes the worst attack inside each resample, so that the
+  interval covers the choice of the attack as well as the victims drawn.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+import scipy.stats
+
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+
+
+def proportion_interval(successes: int, trials: int,
+                        confidence: float = CONFIDENCE) -> list[float]:
+  """[low, high]: the Wilson score interval of `successes` in `trials`.
+
+  Raises:
+    ValueError: trials < 1, or successes outside 0..trials.
+  """
+  if trials < 1 or not 0 <= successes <= trials:
+    raise ValueError(f"successes and trials: need 0 <= successes <= trials and "
+                     f"trials >= 1, got {successes} and {trials}")
+  interval = scipy.stats.binomtest(int(successes), int(trials)).proportion_ci(
+      confidence, method="wilson")
+  return [float(interval.low), float(interval.high)]
+
+
+def worst_case_interval(chosen_by: Mapping[str, Sequence[float]],
+                        reported: Optional[Mapping[str, Sequence[float]]] = None,
+                        seed: int = 0, resamples: int = RESAMPLES,
+                        confidence: float = CONFIDENCE) -> Optional[list[float]]:
+  """[low, high]: the percentile bootstrap interval of the worst attack's
+  mean over victims. `chosen_by` maps each attack to its score of every
+  victim (the victims in the same order for every attack); the worst attack
+  is the one whose mean of those is highest, and the interval is of its
+  mean of `reported` (same layout; default `chosen_by`: the leakage SSIM,
+  or with `reported` the PSNR of the attack with the highest SSIM). A
+  resample draws victims with replacement and keeps each one's scores
+  under every attack (scipy's `bootstrap`, paired), and chooses the worst
+  attack in itself. None with fewer than two victims, whom no resample can
+  vary.
+
+  Raises:
+    ValueError: no attack, attacks scored on different numbers of victims,
+      or `reported` naming other attacks.
+  """
+  reported = chosen_by if reported is None else reported
+  if not chosen_by or set(reported) != set(chosen_by):
+    raise ValueError("chosen_by and reported: the same attacks, at least one, "
+                     f"got {sorted(chosen_by)} and {sorted(reported)}")
+  names = list(chosen_by)
+  columns = ([np.asarray(chosen_by[n], np.float64) for n in names]
+             + [np.asarray(reported[n], np.float64) for n in names])
+  if len({len(c) for c in columns}) != 1:
+    raise ValueError("chosen_by and reported: every attack must score the same "
+                     f"victims, got lengths {[len(c) for c in columns]}")
+  if len(columns[0]) < 2:
+    return None
+
+  def statistic(*resampled, axis=-1):
+    means = np.stack([np.mean(c, axis=axis) for c in resampled])
+    worst = np.argmax(means[:len(names)], axis=0)
+    return np.take_along_axis(means[len(names):], worst[None], axis=0)[0]
+
+  interval = scipy.stats.bootstrap(
+      columns, statistic, paired=True, n_resamples=resamples,
+      confidence_level=confidence, method="percentile",
+      random_state=np.random.default_rng(seed)).confidence_interval
+  return [float(interval.low), float(interval.high)]
