@@ -102,6 +102,19 @@ def test_the_pareto_front_by_hand():
   assert report.pareto_front(points) == [True, True, False, True, False, True]
 
 
+def test_with_intervals_only_a_row_better_beyond_them_on_both_axes_dominates():
+  points = [(0.90, 0.50), (0.80, 0.20), (0.70, 0.30), (0.60, 0.60)]
+  # B's utility interval overlaps C's: tied there, so C is not dominated;
+  # A and B both beat D beyond their intervals
+  cis = [([0.88, 0.92], [0.45, 0.55]), ([0.74, 0.86], [0.15, 0.25]),
+         ([0.65, 0.75], [0.28, 0.32]), ([0.58, 0.62], [0.58, 0.62])]
+  assert report.pareto_front(points, cis) == [True, True, True, False]
+  # without intervals, each point is its own: B beats C on both axes
+  assert report.pareto_front(points, [(None, None)] * 4) == [True, True, False, False]
+  # equal utility: tied, whatever the leakage
+  assert report.pareto_front([(0.8, 0.2), (0.8, 0.3)], [(None, None)] * 2) == [True, True]
+
+
 def test_rows_without_a_finite_utility_or_leakage_are_off_the_front():
   nan = float("nan")
   # the NaN points would dominate nothing and be dominated by nothing

@@ -6,8 +6,9 @@ its defence and the adaptive ones that know it: the attack with the highest
 SSIM. Beside it the report gives the worst of the unaware attacks alone (what
 a defence looks like to an attacker who ignores it), and leaderboard.csv
 every attack's SSIM and PSNR. A row is on the Pareto front when no other row
-has at least its utility and at most its (worst-case) leakage, one of them
-strictly.
+has higher utility and lower (worst-case) leakage, each beyond the two rows'
+95% intervals: rows whose intervals overlap on an axis are tied there, not
+ordered.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "concurrent_rows": r.get("concurrent_rows", 1),
         "code_note": provenance.note(provenance.versions_of(r), current),
         "errors": refusals(r), "failures": failures(r)})
-  front = pareto_front([(x["utility"], x["ssim"]) for x in rows])
+  front = pareto_front([(x["utility"], x["ssim"]) for x in rows],
+                       [(x["utility_ci"], x["ssim_ci"]) for x in rows])
   for x, on in zip(rows, front):
     x["pareto"] = on
   return rows
@@ -177,17 +179,34 @@ def _finite(value) -> bool:
   return value is not None and bool(np.isfinite(value))
 
 
-def pareto_front(points: Sequence[tuple[float, Optional[float]]]) -> list[bool]:
-  """Which (utility, leakage) points no other point dominates (higher or
-  equal utility and lower or equal leakage, one strictly). Points without
-  a finite utility and leakage are not on the front."""
+def pareto_front(points: Sequence[tuple[float, Optional[float]]],
+                 intervals: Optional[Sequence[tuple]] = None) -> list[bool]:
+  """Which (utility, leakage) points no other point dominates. Without
+  `intervals`: higher or equal utility and lower or equal leakage, one
+  strictly. With them (per point, (utility interval, leakage interval),
+  either None for none): higher utility and lower leakage each beyond the
+  intervals (the other's utility interval wholly above, its leakage
+  interval wholly below), so that points whose intervals overlap on an axis
+  are tied there, not ordered. Points without a finite utility and leakage
+  are not on the front."""
   scored = [_finite(u) and _finite(s) for u, s in points]
-  front = []
-  for i, (u, s) in enumerate(points):
-    front.append(scored[i] and not any(
-        scored[j] and j != i and v >= u and t <= s and (v > u or t < s)
-        for j, (v, t) in enumerate(points)))
-  return front
+  bounds = [(_bounds(u, cu), _bounds(s, cs)) for (u, s), (cu, cs) in zip(
+      points, intervals or [(None, None)] * len(points))]
+
+  def beats(j: int, i: int) -> bool:
+    if intervals is None:
+      return (points[j][0] >= points[i][0] and points[j][1] <= points[i][1]
+              and points[j] != points[i])
+    return bounds[j][0][0] > bounds[i][0][1] and bounds[j][1][1] < bounds[i][1][0]
+
+  return [scored[i] and not any(scored[j] and j != i and beats(j, i)
+                                for j in range(len(points)))
+          for i in range(len(points))]
+
+
+def _bounds(value, interval) -> tuple:
+  """(low, high) of `value`'s interval, (value, value) without one."""
+  return tuple(interval) if interval is not None else (value, value)
 
 
 def write(grid: Grid, results: Sequence[dict], out: str,
@@ -246,7 +265,10 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            "worst attack inside each resample, so it covers that choice too), "
            "ASR's over the victims; a value without one has none that can be "
            f"computed here (one victim, a personalised mean, a row made before "
-           f"they were kept). One seed per row{_victims(rows)}.", ""]
+           f"they were kept). One seed per row{_victims(rows)}. A row is on "
+           "the Pareto front (P) unless another has higher utility and lower "
+           "leakage, each beyond the two rows' intervals: rows whose intervals "
+           "overlap are tied, not ordered.", ""]
   if all(r["default"] for r in rows):  # one strength per entry: one table
     lines += section("Every row, each entry at its default strength (P: on the "
                      "Pareto front of utility against leakage)", rows, matched=False)
@@ -444,8 +466,9 @@ def _tradeoff_figure(rows: Sequence[dict], path: str) -> None:
   for entry, colour in zip(entries, colours):
     mine = [r for r in rows if r["entry"] == entry and r["ssim"] is not None]
     if mine:
-      ax.plot([r["ssim"] for r in mine], [r["utility"] for r in mine], "o-",
-              color=colour, label=entry, alpha=0.85)
+      ax.errorbar([r["ssim"] for r in mine], [r["utility"] for r in mine],
+                  xerr=_error_bars(mine, "ssim"), yerr=_error_bars(mine, "utility"),
+                  fmt="o-", color=colour, label=entry, alpha=0.85, capsize=2)
   front = sorted((r["ssim"], r["utility"]) for r in rows if r["pareto"])
   if front:
     ax.step(*zip(*front), where="post", color="black", lw=1.2, ls="--",
@@ -458,6 +481,13 @@ def _tradeoff_figure(rows: Sequence[dict], path: str) -> None:
   ax.legend(fontsize=7, loc="best")
   ax.set_title("Utility against leakage, one point per strength")
   _save(fig, path)
+
+
+def _error_bars(rows: Sequence[dict], field: str) -> np.ndarray:
+  """[[below], [above]] of each row's `field` to its interval's ends (0
+  where it has none), for matplotlib's errorbar."""
+  return np.array([[r[field] - r[f"{field}_ci"][0], r[f"{field}_ci"][1] - r[field]]
+                   if r[f"{field}_ci"] else [0.0, 0.0] for r in rows]).T.clip(0)
 
 
 def _reconstruction_figure(grid: Grid, results: Sequence[dict], out: str,
