@@ -168,6 +168,11 @@ def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
     assert set(r["attribute"]["asr"]) == {"svm", "rf"}
     assert r["inversion"]["ig"]["label_accuracy"] >= 0
   assert first[0]["privacy"] is None
+  for row in report.table_rows(tiny, first):  # every number with its interval
+    assert row["victims"] == 2
+    for field in ("utility", "ssim", "psnr", "balanced_asr_max"):
+      low, high = row[f"{field}_ci"]
+      assert low <= row[field] + 1e-9 and row[field] - 1e-9 <= high, (field, row)
   for r in first:  # its run, attack and attribute inference each name their code
     recorded = provenance.recorded(os.path.join(out, "rows", r["key"]))
     assert {"train/config.json", *(f"{a}/attack.json" for a in r["inversion"])} < set(
