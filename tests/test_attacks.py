@@ -463,3 +463,25 @@ def test_a_store_a_declaration_cannot_read_is_refused_naming_it(error, reason):
       raise error
   assert str(refused.value) == ("attack 'ig_masked' refuses round 3 client 2: "
                                 "its upload_mask cannot read its store" + reason)
+
+
+def test_a_search_keeps_what_it_found_at_a_quarter_a_half_and_the_end(digits):
+  """Chunks end at every checkpoint; a search alone and in a group keep
+  the same snapshots, the last being the reconstruction, and a longer
+  search's quarter is a shorter one's end (the same seeded iterates)."""
+  x, y = digits
+  records = [dataclasses.replace(_record(x[i:i + 1], y[i:i + 1], seed=i),
+                                 client_index=i) for i in range(2)]
+  attack = attacks.InvertingGradients(iterations=300)
+  assert attack.checkpoints() == [75, 150, 300]
+  assert list(attack._chunks()) == [(0, 75), (75, 75), (150, 100), (250, 50)]
+  alone = attacks.InvertingGradients(iterations=12)([records[0]], seed=3)[0]
+  grouped = attacks.InvertingGradients(iterations=12, group_size=2)(records, seed=3)[0]
+  for found in (alone, grouped):
+    assert sorted(found.snapshots) == [3, 6, 12]
+    np.testing.assert_allclose(found.snapshots[12], found.x)
+  for k in (3, 6):
+    np.testing.assert_allclose(alone.snapshots[k], grouped.snapshots[k], atol=1e-5)
+  shorter = attacks.InvertingGradients(iterations=3, lr_decay=False)([records[0]], seed=3)[0]
+  longer = attacks.InvertingGradients(iterations=12, lr_decay=False)([records[0]], seed=3)[0]
+  np.testing.assert_allclose(longer.snapshots[3], shorter.x, atol=1e-6)

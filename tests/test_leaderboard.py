@@ -168,8 +168,12 @@ def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
     assert set(r["attribute"]["asr"]) == {"svm", "rf"}
     assert r["inversion"]["ig"]["label_accuracy"] >= 0
   assert first[0]["privacy"] is None
+  for r in first:  # what the attack had after 1, 2 and all 4 iterations
+    by_iterations = r["inversion"]["ig"]["ssim_by_iterations"]
+    assert sorted(by_iterations, key=int) == ["1", "2", "4"]
+    assert by_iterations["4"] == pytest.approx(r["inversion"]["ig"]["ssim"])
   for row in report.table_rows(tiny, first):  # every number with its interval
-    assert row["victims"] == 2
+    assert row["victims"] == 2 and row["attack_converged"] is not None
     for field in ("utility", "ssim", "psnr", "balanced_asr_max"):
       low, high = row[f"{field}_ci"]
       assert low <= row[field] + 1e-9 and row[field] - 1e-9 <= high, (field, row)
@@ -828,3 +832,27 @@ def test_without_a_known_code_version_no_row_is_called_other_code(tmp_path,
   text = report.markdown(tiny, report.table_rows(tiny, results))
   assert "## Rows made by other code" not in text
   assert "- tff_privacy code: an unknown code version (not a git checkout)\n" in text
+
+
+@pytest.mark.parametrize("by_iterations,converged", [
+    ({"75": 0.50, "150": 0.60, "300": 0.63}, False),  # +0.03 over the last half
+    ({"75": 0.50, "150": 0.60, "300": 0.615}, True),
+    ({"3": 0.2, "6": 0.9, "12": 0.9}, True), (None, None)])
+def test_an_attack_still_improving_over_its_last_half_has_not_converged(
+    by_iterations, converged):
+  assert report.attack_converged(by_iterations) is converged
+
+
+def test_rows_whose_attack_had_not_converged_are_named_as_lower_bounds():
+  tiny = _adaptive_grid()
+  rows = {r.entry: r for r in tiny.rows()}
+  still = _result(rows["FedSGD"], {"ig": 0.63})
+  still["inversion"]["ig"]["ssim_by_iterations"] = {"75": 0.5, "150": 0.6, "300": 0.63}
+  done = _result(rows["Clip"], {"ig": 0.2})
+  done["inversion"]["ig"]["ssim_by_iterations"] = {"75": 0.2, "150": 0.2, "300": 0.2}
+  table = report.table_rows(tiny, [still, done])
+  assert [r["attack_converged"] for r in table] == [False, True]
+  text = report.markdown(tiny, table)
+  lower = text.split("## Leakage that is a lower bound")[1].split("##")[0]
+  assert "- FedSGD, ig: SSIM 0.500 after 75, 0.600 after 150, 0.630 after 300" in lower
+  assert "Clip" not in lower

@@ -156,6 +156,9 @@ class Reconstruction:
   x: np.ndarray           # reconstructed inputs, clipped to `Target.bounds`
   labels: np.ndarray      # recovered or optimised labels
   objective: float        # the attack's own objective at the kept iterate
+  # {iterations: inputs kept after that many} at a quarter, a half and all
+  # of the search's iterations (`GradientInversion.checkpoints`), `x` last
+  snapshots: dict = dataclasses.field(default_factory=dict)
 
 
 def l2_distance(a: Sequence[tf.Tensor], b: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -401,25 +404,44 @@ class GradientInversion(abc.ABC):
       self._functions[key] = tf.function(fn) if self.compiled else fn
     return self._functions[key]
 
+  def checkpoints(self) -> list[int]:
+    """The iteration counts after which a search keeps what it has found
+    (`Reconstruction.snapshots`): a quarter, a half and all of them, so
+    that a search still improving when it stopped can be told."""
+    return sorted({max(1, self.iterations // 4), max(1, self.iterations // 2),
+                   self.iterations})
+
+  def _chunks(self):
+    """(done, steps) of the compiled calls of one search: at most `CHUNK`
+    iterations each, ending at every checkpoint."""
+    done, ends = 0, self.checkpoints()
+    while done < self.iterations:
+      steps = min(self.CHUNK, next(e for e in ends if e > done) - done)
+      yield done, steps
+      done += steps
+
   def reconstruct(self, target: Target, seed: int,
                   on_steps: Callable[[int], Any] = lambda n: None) -> Reconstruction:
-    """The best of `restarts` searches for `target`'s inputs."""
+    """The best of `restarts` searches for `target`'s inputs, with that
+    search's snapshots at the `checkpoints`."""
     best = None
     for restart in range(self.restarts):
       state = self._start(target, self.rng(target, seed, restart))
-      done = 0
-      while done < self.iterations:
-        steps = min(self.CHUNK, self.iterations - done)
+      snapshots = {}
+      for done, steps in self._chunks():
         state, stop = self._advance(target, state, done, steps)
-        done += steps
         on_steps(steps)
-        if stop:
-          on_steps(self.iterations - done)
+        if stop:  # converged: what it has is what it would keep
+          on_steps(self.iterations - done - steps)
+          found = self._finish(target, state)
+          snapshots.update({e: found[0] for e in self.checkpoints() if e > done})
           break
-      x, labels, objective = self._finish(target, state)
-      if best is None or objective < best[2]:
-        best = (x, labels, objective)
-    return self._reconstruction(target, *best)
+        if done + steps in self.checkpoints():
+          found = self._finish(target, state)
+          snapshots[done + steps] = found[0]
+      if best is None or found[2] < best[0][2]:
+        best = (found, snapshots)
+    return self._reconstruction(target, *best[0], best[1])
 
   def reconstruct_group(self, targets: Sequence[Target], seed: int,
                         on_steps: Callable[[int], Any] = lambda n: None
@@ -432,17 +454,19 @@ class GradientInversion(abc.ABC):
     for restart in range(self.restarts):
       state = self._stack([self._start(t, self.rng(t, seed, restart))
                            for t in targets])
-      done = 0
-      while done < self.iterations:
-        steps = min(self.CHUNK, self.iterations - done)
+      snapshots: list = [{} for _ in targets]
+      for done, steps in self._chunks():
         state = self._advance_group(targets, state, done, steps)
-        done += steps
         on_steps(steps * len(targets))
-      for i, target in enumerate(targets):
-        found = self._finish(target, {k: v[i] for k, v in state.items()})
-        if best[i] is None or found[2] < best[i][2]:
-          best[i] = found
-    return [self._reconstruction(t, *b) for t, b in zip(targets, best)]
+        if done + steps in self.checkpoints():
+          found = [self._finish(t, {k: v[i] for k, v in state.items()})
+                   for i, t in enumerate(targets)]
+          for kept, f in zip(snapshots, found):
+            kept[done + steps] = f[0]
+      for i, f in enumerate(found):
+        if best[i] is None or f[2] < best[i][0][2]:
+          best[i] = (f, snapshots[i])
+    return [self._reconstruction(t, *b[0], b[1]) for t, b in zip(targets, best)]
 
   @staticmethod
   def _stack(states: Sequence[dict]) -> dict:
@@ -456,11 +480,13 @@ class GradientInversion(abc.ABC):
     raise NotImplementedError(f"attack {self.name!r} attacks one record at a time")
 
   @staticmethod
-  def _reconstruction(target: Target, x, labels, objective) -> Reconstruction:
+  def _reconstruction(target: Target, x, labels, objective,
+                      snapshots: Optional[dict] = None) -> Reconstruction:
     lo, hi = target.bounds
     return Reconstruction(target.record.round_num, target.record.client_index,
                           np.clip(x, lo, hi), np.asarray(labels, np.int32),
-                          objective)
+                          objective, {k: np.clip(v, lo, hi)
+                                      for k, v in (snapshots or {}).items()})
 
   @abc.abstractmethod
   def _start(self, target: Target, rng: np.random.Generator) -> dict:

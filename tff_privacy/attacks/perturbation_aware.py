@@ -100,6 +100,7 @@ class DenoisedInvertingGradients(InvertingGradients):
     return project_to_ball(median_filter(x, self.median_size), x,
                            *perturbation_bound(target.record))
 
-  def _reconstruction(self, target, x, labels, objective):
-    return super()._reconstruction(target, self.denoise(target, x), labels,
-                                   objective)
+  def _reconstruction(self, target, x, labels, objective, snapshots=None):
+    return super()._reconstruction(
+        target, self.denoise(target, x), labels, objective,
+        {k: self.denoise(target, v) for k, v in (snapshots or {}).items()})

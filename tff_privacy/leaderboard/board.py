@@ -354,6 +354,7 @@ def _inversion(updates: str, round_num: int, victims: list[int], name: str,
   result = io.read_json(path)
   return {"ssim": result["mean"]["ssim"], "psnr": result["mean"]["psnr"],
           "mse": result["mean"]["mse"], "victims": per_victim(result["samples"]),
+          "ssim_by_iterations": ssim_by_iterations(result["samples"]),
           "label_accuracy": result["mean"]["label_accuracy"],
           "seconds": result["seconds"], "value_range": result["value_range"],
           # relative to the leaderboard's folder (OUT/rows/KEY/ATTACK)
@@ -368,6 +369,16 @@ def per_victim(samples: list[dict]) -> dict[str, list]:
   return {"clients": clients, **{
       metric: [float(np.mean([s[metric] for s in samples if s["client"] == c]))
                for c in clients] for metric in ("ssim", "psnr")}}
+
+
+def ssim_by_iterations(samples: list[dict]) -> Optional[dict[str, float]]:
+  """{iterations: the mean SSIM over the samples of what the attack had
+  found after so many}, from an attack result's samples; None for a result
+  that kept no snapshots."""
+  if not samples or "ssim_by_iterations" not in samples[0]:
+    return None
+  return {k: float(np.mean([s["ssim_by_iterations"][k] for s in samples]))
+          for k in samples[0]["ssim_by_iterations"]}
 
 
 def _attribute(updates: str, round_num: int, attacks: dict, out: str,

@@ -32,7 +32,7 @@ PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
 COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "pareto",
            "utility", "utility_ci", "utility_kind", "loss", "defence", "victims",
            "attack", "ssim", "ssim_ci", "psnr", "psnr_ci", "label_accuracy",
-           "unaware_attack", "unaware_ssim", "unaware_ssim_ci", "asr_max", "asr_max_ci",
+           "attack_converged", "unaware_attack", "unaware_ssim", "unaware_ssim_ci", "asr_max", "asr_max_ci",
            "chance", "balanced_asr_max", "balanced_asr_max_ci",
            "balanced_chance", "epsilon", "delta", "relation",
            "time_ratio", "upload_bytes", "upload_bytes_encoded")
@@ -73,6 +73,22 @@ def leakage_intervals(result: dict, among: Optional[Sequence[str]] = None
   return {"victims": len(per_victim[0]["clients"]),
           "ssim_ci": intervals.worst_case_interval(ssim),
           "psnr_ci": intervals.worst_case_interval(ssim, psnr)}
+
+
+CONVERGENCE_TOLERANCE = 0.02  # SSIM gained over the last half of a search
+
+
+def attack_converged(ssim_by_iterations: Optional[dict[str, float]]) -> Optional[bool]:
+  """Whether the worst attack's mean SSIM rose by at most
+  `CONVERGENCE_TOLERANCE` over the last half of its iterations (False: it
+  was still improving, and the row's leakage is a lower bound); None where
+  no snapshots were kept."""
+  if not ssim_by_iterations or len(ssim_by_iterations) < 2:
+    return None
+  steps = sorted(ssim_by_iterations, key=int)
+  half = next(k for k in steps if int(k) >= int(steps[-1]) // 2)
+  return bool(ssim_by_iterations[steps[-1]] - ssim_by_iterations[half]
+              <= CONVERGENCE_TOLERANCE)
 
 
 def utility_interval(result: dict) -> Optional[list[float]]:
@@ -125,6 +141,8 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         **best_adversary_intervals(attribute),
         "defence": row.defence, "adaptive": list(row.adaptive),
         "attack": worst.get("attack"), "ssim": worst.get("ssim"),
+        "ssim_by_iterations": worst.get("ssim_by_iterations"),
+        "attack_converged": attack_converged(worst.get("ssim_by_iterations")),
         "psnr": worst.get("psnr"), "label_accuracy": worst.get("label_accuracy"),
         "unaware_attack": unaware.get("attack"), "unaware_ssim": unaware.get("ssim"),
         **{f"{metric}_{name}": cell.get(metric)
@@ -275,6 +293,7 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
   else:
     lines += _strength_sections(grid, rows)
   lines += _without_adaptive(rows)
+  lines += _unconverged(rows)
   lines += _listed("Attacks that could not run", rows, "errors")
   lines += _listed("Attacks that failed (the next run of the leaderboard runs "
                    "them again)", rows, "failures")
@@ -322,6 +341,20 @@ def _without_adaptive(rows: Sequence[dict]) -> list[str]:
   return (["## Defences without a known adaptive attack", "",
            "Their leakage is the unaware attacks' only: a lower bound on what "
            "an attacker who knows them recovers.", "", *items, ""]
+          if items else [])
+
+
+def _unconverged(rows: Sequence[dict]) -> list[str]:
+  """A section naming the rows whose worst attack was still improving when
+  it stopped; none when there are none."""
+  items = [f"- {r['label']}, {r['attack']}: SSIM " + ", ".join(
+      f"{v:.3f} after {k}" for k, v in sorted(r["ssim_by_iterations"].items(),
+                                            key=lambda kv: int(kv[0])))
+           for r in rows if r["attack_converged"] is False]
+  return (["## Leakage that is a lower bound", "",
+           "The worst attack of these rows gained more than "
+           f"{CONVERGENCE_TOLERANCE} SSIM over the last half of its iterations: "
+           "it was still improving when it stopped.", "", *items, ""]
           if items else [])
 
 

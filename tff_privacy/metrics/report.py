@@ -63,9 +63,12 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
     whole_model = record.upload_kind in WHOLE_MODEL_UPLOADS
     inside = (region_scores(x_true, x_rec, region, value_range)
               if region is not None else None)
+    by_iterations = _ssim_by_iterations(rec, record, x_true, value_range)
     for i, s in enumerate(image_scores(x_true, x_rec, value_range)):
       if inside is not None:
         s.update({f"region_{k}": v for k, v in inside[i].items()})
+      if by_iterations:
+        s["ssim_by_iterations"] = {k: v[i] for k, v in by_iterations.items()}
       s["feature_mse"] = (feature_mse(model, record.broadcast, inputs[i:i + 1],
                                       np.clip(x_in[i:i + 1], in_lo, in_hi))
                           if whole_model else float("nan"))
@@ -74,6 +77,19 @@ def score(reconstructions: Sequence[Any], records: Sequence[Any],
                    "attack_objective": rec.objective})
       pairs.append((x_true[i], x_rec[i]))
   return rows, pairs
+
+
+def _ssim_by_iterations(rec, record, x_true: np.ndarray, value_range
+                        ) -> dict[str, list[float]]:
+  """{iterations: each true sample's SSIM} of the reconstruction's
+  snapshots, each matched to the true samples by MSE on its own."""
+  lo, hi = value_range
+  found = {}
+  for iterations, x in sorted(rec.snapshots.items()):
+    x = np.clip(normalization.to_pixels(x, record.metadata), lo, hi)
+    x = x[match_by_mse(x_true, x)]
+    found[str(iterations)] = [s["ssim"] for s in image_scores(x_true, x, value_range)]
+  return found
 
 
 def _label_scores(recovered: np.ndarray, true: np.ndarray) -> dict[str, Any]:
