@@ -299,8 +299,8 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
                    "them again)", rows, "failures")
   lines += _other_code(rows)
   lines += ["## Figures", "",
-            "- tradeoff.png: utility against leakage, one point per row; the "
-            "Pareto front is the line.",
+            "- tradeoff.png: utility against leakage, one point per row with "
+            "its intervals as bars; the rows on the Pareto front are ringed.",
             "- reconstructions.png: the same originals (top) and each entry's "
             "reconstruction at its matched (else default) strength.",
             "- asr.png: each adversary's balanced attack success rate per entry "
@@ -502,10 +502,10 @@ def _tradeoff_figure(rows: Sequence[dict], path: str) -> None:
       ax.errorbar([r["ssim"] for r in mine], [r["utility"] for r in mine],
                   xerr=_error_bars(mine, "ssim"), yerr=_error_bars(mine, "utility"),
                   fmt="o-", color=colour, label=entry, alpha=0.85, capsize=2)
-  front = sorted((r["ssim"], r["utility"]) for r in rows if r["pareto"])
-  if front:
-    ax.step(*zip(*front), where="post", color="black", lw=1.2, ls="--",
-            label="Pareto front")
+  front = [(r["ssim"], r["utility"]) for r in rows if r["pareto"]]
+  if front:  # rows tied within their intervals make no staircase: ringed
+    ax.scatter(*zip(*front), s=150, facecolors="none", edgecolors="black",
+               linewidths=1.2, label="Pareto front (within the intervals)")
   ax.set_xlabel("leakage: worst inversion SSIM (lower is more private)")
   kinds = list(dict.fromkeys(r["utility_kind"] for r in rows))
   ax.set_ylabel("utility: " + (f"{kinds[0]}" if len(kinds) == 1 else
