@@ -213,6 +213,13 @@ def test_the_command_writes_the_same_rates(adult_run, tmp_path):
   assert result["balanced_asr_ci"]["rf"] == entry["balanced_asr_ci/sex/rf"]
   assert result["victims"] == 40 and result["classes"] == ["Female", "Male"]
   assert result["shadow_pool"] == "train"
+  # each victim's guess and truth, kept for pooling runs, give its rates
+  from sklearn.metrics import balanced_accuracy_score
+  truth, guesses = result["truth"], result["guesses"]["rf"]
+  assert len(truth) == len(guesses) == 40
+  assert result["asr"]["rf"] == pytest.approx(np.mean(np.equal(truth, guesses)))
+  assert result["balanced_asr"]["rf"] == pytest.approx(
+      balanced_accuracy_score(truth, guesses))
   assert cli.main(["infer-attributes", "--updates",
                    os.path.join(adult_run.out, "updates"), "--round", "1",
                    "--attribute", "sex", "--adversaries", "rf",

@@ -204,6 +204,7 @@ def test_hyperfl_run_keeps_state_private_and_resumes_exactly(tmp_path):
       logits = forward(spec.keras(), [tf.constant(a) for a in w], tf.constant(x))
       accs.append(np.mean(np.argmax(logits, 1) == y))
   assert entry["personal_accuracy_mean"] == pytest.approx(np.mean(accs), abs=1e-6)
+  assert entry["personal_accuracy_by_client"] == pytest.approx(accs, abs=1e-6)
 
 
 def test_fedavg_is_evaluated_per_client_with_its_global_model(tmp_path):

@@ -38,6 +38,8 @@ TINY = {
          "defense_kwargs": {"clip": 1.0}, "sweep": {"noise_multiplier": [0.01, 1.0]},
          "default": 1.0},
     ],
+    # no equal-epsilon rows (their calibration: test_calibration.py)
+    "equal_epsilon": None,
 }
 
 
@@ -70,6 +72,18 @@ def _with(**changes):
      "(FedSGD): clients_per_round must be in [1, clients=40]"),
     (_with(attacks={"capture_round": 3}), "capture_rounds must lie in [1, rounds=2]"),
     (_with(attacks={"shadow_samples": 1}), "shadow_samples: an integer >= 2"),
+    (_with(equal_epsilon=8), "grid equal_epsilon: a JSON object of the target"),
+    (_with(equal_epsilon={"eps": 8}), "equal_epsilon: unknown keys ['eps']"),
+    (_with(equal_epsilon={"epsilon": 0}), "equal_epsilon epsilon: a number > 0, got 0"),
+    (_with(equal_epsilon={"epsilon": True}), "equal_epsilon epsilon: a number > 0"),
+    (_with(equal_epsilon={"delta": 1}), "equal_epsilon delta: a number in (0, 1), got 1"),
+    (_with(seeds=0), "grid seeds: an integer >= 1, got 0"),
+    (_with(protocols=[]), "grid protocols: a non-empty list of protocol changes"),
+    (_with(protocols=[{"model": "cnn"}]), "protocols[0] name: a non-empty name"),
+    (_with(protocols=[{"name": "A", "colour": 1}]), "protocols[0]: unknown keys ['colour']"),
+    (_with(protocols=[{"name": "A b"}, {"name": "a-B"}]), "protocols: names must differ"),
+    (_with(protocols=[{"name": "big", "clients_per_round": 50}]),
+     "(FedSGD): clients_per_round must be in [1, clients=40]"),
 ])
 def test_a_wrong_grid_is_refused_in_one_line(data, message):
   with pytest.raises(ValueError) as error:
@@ -326,8 +340,21 @@ def test_the_cli_refuses_a_bad_config_and_an_empty_folder(tmp_path, capsys):
 
 def test_the_built_in_grids_parse():
   for scale in leaderboard.defaults.GRIDS:
-    rows = grid.parse(leaderboard.defaults.grid(scale)).rows()
+    parsed = grid.parse(leaderboard.defaults.grid(scale))
+    rows = parsed.rows()
     assert len({r.key for r in rows}) == len(rows)
+    assert parsed.equal_epsilon == {"epsilon": 8.0, "delta": 1e-5}
+
+
+def test_equal_epsilon_is_8_at_1e_5_unless_given_and_null_turns_it_off():
+  default = {k: v for k, v in TINY.items() if k != "equal_epsilon"}
+  assert grid.parse(default).equal_epsilon == {"epsilon": 8.0, "delta": 1e-5}
+  assert grid.parse(_with(equal_epsilon={"epsilon": 2})).equal_epsilon == {
+      "epsilon": 2.0, "delta": 1e-5}
+  off = grid.parse(TINY)
+  assert off.equal_epsilon is None and grid.parse(off.to_json()) == off
+  # nothing calibrated yet: no equal-epsilon rows, whatever the target
+  assert grid.parse(default).rows() == off.rows()
 
 
 def test_a_pools_processes_and_workers_end_with_the_leaderboard():
@@ -456,6 +483,34 @@ def test_every_number_of_a_row_carries_its_interval():
   assert f"0.700 [{low:.3f}, {high:.3f}] (ig_masked)" in text
   assert f"0.8500 [{wilson.low:.4f}, {wilson.high:.4f}]" in text
   assert "0.65 [0.50, 0.60] (0.50)" in text and "3 victims attacked per row" in text
+
+
+def test_a_personalised_rows_utility_interval_is_over_its_tested_clients():
+  """The last round's per-client accuracies travel into the row; the
+  interval is the bootstrap's over clients. By hand: the mean of 4 draws
+  from {1, 2, 3, 4}/4 is S/16, S a sum of 4 four-sided dice, P(S <= 5) =
+  5/256 < 2.5% < P(S <= 6) = 15/256 and symmetrically P(S >= 14) = 15/256,
+  so the interval is [6/16, 14/16]."""
+  accuracies = [0.5, 1.0, 0.25, 0.75]
+  history = [{"round": 1, "personal_accuracy_mean": 0.1,
+              "personal_accuracy_by_client": [0.1, 0.1]},
+             {"round": 2, "personal_accuracy_mean": 0.625, "personal_loss_mean": 0.8,
+              "personal_accuracy_by_client": accuracies}]
+  assert board.utility(history) == {
+      "utility": 0.625, "loss": 0.8, "utility_kind": "personalised accuracy",
+      "utility_by_client": accuracies}
+  made_before = [{"round": 2, "personal_accuracy_mean": 0.625}]
+  assert board.utility(made_before)["utility_by_client"] is None
+  tiny = _adaptive_grid()
+  hyperfl = {r.entry: r for r in tiny.rows()}["HyperFL"]
+  result = {**_result(hyperfl, {"ig_hyperfl": 0.3}), **board.utility(history)}
+  row = report.table_rows(tiny, [result])[0]
+  assert row["utility_ci"] == [0.375, 0.875]
+  assert "0.6250 [0.3750, 0.8750]*" in report.markdown(tiny, [row])
+  # one tested client, or a row made before the accuracies were kept: none
+  assert report.utility_interval({**result, "utility_by_client": [0.625]}) is None
+  old = {k: v for k, v in result.items() if k != "utility_by_client"}
+  assert report.utility_interval(old) is None
 
 
 def test_leakage_is_the_worst_attack_with_the_unaware_ones_beside_it(tmp_path,
@@ -856,3 +911,159 @@ def test_rows_whose_attack_had_not_converged_are_named_as_lower_bounds():
   lower = text.split("## Leakage that is a lower bound")[1].split("##")[0]
   assert "- FedSGD, ig: SSIM 0.500 after 75, 0.600 after 150, 0.630 after 300" in lower
   assert "Clip" not in lower
+
+
+def test_the_equal_epsilon_rows_have_one_table_per_unit_their_epsilon_protects():
+  """Rows calibrated to epsilon 8 leave the main tables, the Pareto front
+  and the utility match for tables of their own, one per unit protected,
+  naming each row's relation; an entry no strength brings to epsilon 8,
+  and a model below 0.9 x the reference's utility (0.9 x 0.9 = 0.81), say
+  so."""
+  upload = "local DP: any two uploads of one client are neighbours"
+  client = "central DP, user level: replacing one client's data"
+  laplace = "entry 'LDP Laplace': no strength in [1e-10, 1e+10] reaches epsilon 8"
+  parsed = grid.parse(_with(equal_epsilon={"epsilon": 8}, entries=[
+      *TINY["entries"],
+      {"name": "DP-FedAvg", "method": "fedavg", "defense": "dp_fedavg",
+       "defense_kwargs": {"clip": 1.0}, "sweep": {"noise_multiplier": [1.0]}},
+      {"name": "LDP Laplace", "method": "fedsgd", "defense": "ldp_laplace",
+       "defense_kwargs": {"clip": 1.0}, "sweep": {"noise_multiplier": [1.0]}}]))
+  calibrated = dataclasses.replace(parsed, calibration={
+      "LDP Gaussian": {"strength": 5.7, "epsilon": 8.01, "delta": 1e-5, "relation": upload},
+      "DP-FedAvg": {"strength": 1.5, "epsilon": 8.0, "delta": 1e-5, "relation": client},
+      "LDP Laplace": {"strength": None, "error": laplace, "relation": upload}})
+  # (utility, SSIM): the equal-epsilon DP-FedAvg row would dominate every
+  # other row and be the utility match of its entry (|0.95 - 0.81| < |0.6 - 0.81|)
+  made = {"fedsgd": (0.9, 0.9), "ldp-gaussian__noise-multiplier-0.01": (0.85, 0.8),
+          "ldp-gaussian__noise-multiplier-1": (0.5, 0.3),
+          "dp-fedavg__noise-multiplier-1": (0.6, 0.4),
+          "ldp-laplace__noise-multiplier-1": (0.3, 0.2),
+          "ldp-gaussian__eps-8": (0.7, 0.25), "dp-fedavg__eps-8": (0.95, 0.05)}
+  rows = {r.key: r for r in calibrated.rows()}
+  assert list(rows) == list(made)
+  results = []
+  for key, (utility, ssim) in made.items():
+    results.append(_result(rows[key], {"ig": ssim}, utility))
+    if rows[key].equal_epsilon:
+      entry = calibrated.calibration[rows[key].entry]
+      results[-1]["privacy"] = {k: entry[k] for k in ("epsilon", "delta", "relation")}
+  table = {r["key"]: r for r in report.table_rows(calibrated, results)}
+  assert {k for k, r in table.items() if r["equal_epsilon"] == 8.0} == {
+      "ldp-gaussian__eps-8", "dp-fedavg__eps-8"}
+  assert all(table[k]["equal_delta"] is None for k in list(made)[:5])
+  assert {"equal_epsilon", "equal_delta"} < set(report.COLUMNS)
+  assert [k for k, r in table.items() if r["pareto"]] == list(made)[:5]
+  assert [k for k, r in table.items() if r["matched"]] == [
+      "ldp-gaussian__noise-multiplier-0.01", "dp-fedavg__noise-multiplier-1",
+      "ldp-laplace__noise-multiplier-1"]
+
+  text = report.markdown(calibrated, list(table.values()))
+  main, equal = text.split("## At equal privacy: epsilon 8 (delta 1e-05)\n")
+  assert "at epsilon 8" not in main
+  upload_part, client_part = equal.split("### Protecting a client's data\n")
+  assert "### Protecting one upload\n" in upload_part
+  assert ("| LDP Gaussian | noise_multiplier=5.7 | 8.01 (1e-05) | R1 | 0.7000 | "
+          "0.250 (ig) | n/a | not usable (utility below 0.8100) |") in upload_part
+  assert f"- R1: {upload}\n" in upload_part
+  assert f"- LDP Laplace: no row at epsilon 8: {laplace}\n" in upload_part
+  assert ("| DP-FedAvg | noise_multiplier=1.5 | 8 (1e-05) | R1 | 0.9500 | "
+          "0.050 (ig) | n/a | usable |") in client_part
+  assert f"- R1: {client}\n" in client_part and "LDP" not in client_part.split("##")[0]
+
+
+def test_an_attack_searches_its_victims_together_where_one_search_serves_all():
+  attacks = {"iterations": 300}
+  assert board.attack_settings("ig", attacks, [1] * 16) == {"iterations": 300,
+                                                           "group_size": 16}
+  assert board.attack_settings("ig_masked", attacks, [8, 8]) == {"iterations": 300,
+                                                                "group_size": 2}
+  # uploads of different sizes would need one compiled search each
+  assert board.attack_settings("ig", attacks, [20, 25]) == {"iterations": 300}
+  # an attack that searches one record at a time
+  assert board.attack_settings("ig_hyperfl", attacks, [1, 1]) == {"iterations": 300}
+
+
+def test_source_iterations_leave_each_attack_its_own_default():
+  from tff_privacy import attacks as attacks_package
+  from tff_privacy.leaderboard import defaults
+  full = grid.parse(defaults.grid("full"))
+  assert full.attacks["iterations"] == "source"
+  assert board.attack_settings("ig", full.attacks, [1, 2]) == {}
+  # the attacks' documented source counts: inversefed's 4,800 and DLG's
+  # 300 steps of up to 20 L-BFGS iterations
+  assert attacks_package.attack_class("ig").PARAMETERS["iterations"].default == 4800
+  assert attacks_package.attack_class("idlg").PARAMETERS["iterations"].default == 6000
+  with pytest.raises(ValueError, match="iterations: an integer >= 1 or 'source'"):
+    grid.parse({"attacks": {"iterations": "many"},
+                "entries": [{"name": "FedSGD", "method": "fedsgd"}]})
+
+
+def test_every_row_trains_under_each_protocol_with_each_seed():
+  two = grid.parse(_with(seeds=2, protocols=[
+      {"name": "CNN, batch 8", "model": "cnn", "model_kwargs": {}, "batch_size": 8},
+      {"name": "MLP"}]))
+  rows = {r.key: r for r in two.rows()}
+  first = rows["cnn-batch-8__fedsgd"]
+  assert first.protocol["model"] == "cnn" and first.protocol["batch_size"] == 8
+  assert first.protocol["seed"] == 1 and first.protocol_name == "CNN, batch 8"
+  second = rows["cnn-batch-8__fedsgd__seed-1"]
+  assert second.protocol["seed"] == 2 and second.replicate == 1
+  assert second.base_key == first.key and second.label == first.label
+  # the grid's own protocol where a change leaves it
+  assert rows["mlp__fedsgd"].protocol == {**TINY["protocol"]}
+  # 2 protocols x 3 rows x 2 seeds
+  assert len(rows) == 12
+  assert second.settings() != first.settings()
+  # one protocol, one seed: the folders of before
+  assert [r.key for r in grid.parse(TINY).rows()] == [
+      "fedsgd", "ldp-gaussian__noise-multiplier-0.01", "ldp-gaussian__noise-multiplier-1"]
+
+
+def test_the_built_in_protocols_are_the_analytic_regime_and_a_cnn_at_batch_1_and_8():
+  from tff_privacy.leaderboard import defaults
+  assert grid.parse(defaults.grid("compact")).protocols is None
+  cnn = grid.parse(defaults.grid("cnn"))
+  assert [(p["model"], p["batch_size"]) for p in cnn.protocols] == [("cnn", 1), ("cnn", 8)]
+  full = grid.parse(defaults.grid("full"))
+  assert [(p["model"], p["batch_size"]) for p in full.protocols] == [
+      ("mlp", 1), ("cnn", 1), ("cnn", 8)]
+  assert full.seeds == 3
+
+
+def test_entries_can_be_chosen_and_the_reference_stays():
+  tiny = grid.parse(TINY)
+  kept = grid.only(tiny, ["LDP Gaussian"])
+  assert [e["name"] for e in kept.entries] == ["FedSGD", "LDP Gaussian"]
+  assert [e["name"] for e in grid.only(tiny, ["FedSGD"]).entries] == ["FedSGD"]
+  with pytest.raises(ValueError, match="--entries: 'Nope' is not an entry"):
+    grid.only(tiny, ["Nope"])
+
+
+def test_a_rows_seeds_are_one_row_of_the_report_with_pooled_numbers():
+  two = grid.parse(_with(seeds=2, protocols=[{"name": "A"}, {"name": "B"}]))
+  rows = {r.key: r for r in two.rows()}
+  results = []
+  for key, ssims, utility in (("a__fedsgd", [0.2, 0.4], 0.8),
+                              ("a__fedsgd__seed-1", [0.6, 0.8], 0.6),
+                              ("b__fedsgd", [0.1, 0.3], 0.9)):
+    r = _result(rows[key], {"ig": float(np.mean(ssims))}, utility)
+    r["inversion"]["ig"]["victims"] = {"clients": [0, 1], "ssim": ssims,
+                                       "psnr": [10 * v for v in ssims]}
+    r["samples_tested"] = 100
+    results.append(r)
+  table = report.table_rows(two, results)
+  assert [(x["protocol"], x["key"], x["seeds"]) for x in table] == [
+      ("A", "a__fedsgd", 2), ("B", "b__fedsgd", 1)]
+  pooled = table[0]
+  # 80 + 60 right of 200; the four victims' mean SSIM
+  assert pooled["utility"] == pytest.approx(0.7)
+  assert pooled["ssim"] == pytest.approx(0.5) and pooled["victims"] == 4
+  assert pooled["ssim_ci"][0] <= 0.5 <= pooled["ssim_ci"][1]
+  # each protocol is its own reference and its own Pareto front
+  assert table[0]["pareto"] and table[1]["pareto"]
+  text = report.markdown(two, table)
+  assert "## Protocol: A" in text and "## Protocol: B" in text
+  assert "2 seeds per row" in text
+  assert report.ANALYTIC_REGIME not in text  # batch 2 is not the analytic regime
+  analytic = grid.parse(_with(protocol={**TINY["protocol"], "batch_size": 1}))
+  assert report.ANALYTIC_REGIME in report.markdown(analytic, [])

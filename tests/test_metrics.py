@@ -248,3 +248,44 @@ def test_the_worst_case_interval_needs_two_victims_and_the_same_ones():
     intervals.worst_case_interval({"a": [0.5, 0.6], "b": [0.5]})
   with pytest.raises(ValueError, match="the same attacks"):
     intervals.worst_case_interval({"a": [0.5, 0.6]}, {"b": [1.0, 2.0]})
+
+
+def test_the_mean_interval_is_the_percentile_bootstrap_over_the_units():
+  rng = np.random.default_rng(0)
+  accuracies = rng.uniform(0.3, 0.9, 20)
+  # the bootstrap written as a loop: draw units, keep the mean of the draw
+  draws = np.random.default_rng(1).integers(0, 20, (20000, 20))
+  plain = np.percentile(accuracies[draws].mean(axis=1), [2.5, 97.5])
+  np.testing.assert_allclose(intervals.mean_interval(accuracies, resamples=4000),
+                             plain, atol=0.01)
+
+
+def test_the_mean_interval_needs_two_units():
+  assert intervals.mean_interval([0.5]) is None
+  assert intervals.mean_interval([]) is None
+
+
+def test_the_seeded_interval_spans_seeds_that_disagree():
+  # within each seed every unit agrees, so only the seeds vary: of two
+  # seeds drawn with replacement, both are seed 0 a quarter of the time
+  # (mean 0) and both seed 1 a quarter (mean 1), so the 2.5th and 97.5th
+  # percentiles are 0 and 1
+  per_seed = [[np.zeros(8)], [np.ones(8)]]
+  assert intervals.seeded_interval(per_seed, np.mean) == [0.0, 1.0]
+
+
+def test_the_seeded_interval_of_one_seed_is_the_units_bootstrap():
+  import scipy.stats
+  values = np.random.default_rng(4).normal(size=40)
+  reference = scipy.stats.bootstrap((values,), np.mean, n_resamples=4000,
+                                    method="percentile",
+                                    random_state=np.random.default_rng(1))
+  found = intervals.seeded_interval([[values]], np.mean, resamples=4000)
+  assert found == pytest.approx([reference.confidence_interval.low,
+                                 reference.confidence_interval.high], abs=0.03)
+
+
+def test_the_seeded_interval_refuses_ragged_columns():
+  with pytest.raises(ValueError, match="per_seed"):
+    intervals.seeded_interval([[np.zeros(3), np.zeros(4)]], np.mean)
+  assert intervals.seeded_interval([[np.zeros(1)]], np.mean) is None

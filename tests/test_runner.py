@@ -1022,6 +1022,7 @@ def test_clients_without_test_data_are_left_out_of_personal_metrics(tmp_path,
   values = [s[primary] for s in scores]
   assert last[f"personal_{primary}_min"] == pytest.approx(min(values), abs=1e-5)
   assert last[f"personal_{primary}_std"] == pytest.approx(np.std(values), abs=1e-5)
+  assert last[f"personal_{primary}_by_client"] == pytest.approx(values, abs=1e-5)
   assert last["clients_without_test_data"] == config.clients - len(tested) > 0
 
 

@@ -524,8 +524,14 @@ def _leaderboard_parser(sub) -> None:
                      "same data and protocol, attack every run alike, and write "
                      "OUT/report.md; a rerun resumes")
   p.add_argument("--out", required=True)
-  p.add_argument("--scale", choices=("compact", "full"), default="compact",
-                 help="the built-in grid: compact (minutes on 2 cores) or full")
+  p.add_argument("--scale", choices=("compact", "cnn", "full"), default="compact",
+                 help="the built-in grid: compact (minutes on 2 cores; an MLP at "
+                 "batch 1, the analytic regime), cnn (the same under a CNN at "
+                 "batches of 1 and 8) or full (every strength, all three "
+                 "protocols, 3 seeds)")
+  p.add_argument("--entries", type=_names,
+                 help="comma-separated names of the grid's entries to run (the "
+                 "reference entry runs too, since every row is compared with it)")
   p.add_argument("--config", help="a JSON grid instead of the built-in one "
                  "(see tff_privacy.leaderboard.grid)")
   p.add_argument("--jobs", type=_positive_int, default=min(2, os.cpu_count() or 1),
@@ -540,11 +546,15 @@ def _leaderboard(args) -> int:
   grid = (leaderboard.grid.load(args.config) if args.config else
           leaderboard.grid.parse(leaderboard.defaults.grid(args.scale),
                                  f"--scale {args.scale}"))
+  if args.entries:
+    grid = leaderboard.grid.only(grid, args.entries)
   runtime.start()
   start = time.perf_counter()
   results = leaderboard.board.run(grid, args.out, progress=not args.quiet,
                                   jobs=args.jobs)
-  code = _print_report(grid, results, args.out, ["tff-privacy", *sys.argv[1:]])
+  # the grid with its equal-epsilon rows, as the run calibrated them
+  code = _print_report(leaderboard.board.calibrated(grid, args.out), results, args.out,
+                       ["tff-privacy", *sys.argv[1:]])
   print(f"{len(results)} rows in {time.perf_counter() - start:.0f} s")
   return code
 
@@ -574,6 +584,13 @@ def _print_report(grid, results, out, command) -> int:
   print(f"report: {path} (figures: "
         f"{', '.join(leaderboard.report.FIGURES)}; leaderboard.csv, leaderboard.json)")
   return 0
+
+
+def _names(text: str) -> list[str]:
+  names = [n.strip() for n in text.split(",") if n.strip()]
+  if not names:
+    raise argparse.ArgumentTypeError(f"takes comma-separated names, got {text!r}")
+  return names
 
 
 def _positive_int(text: str) -> int:

@@ -16,7 +16,9 @@
   `test_precision`, `test_recall`, `test_f_score` and `test_loss` for
   segmentation, and `samples_tested`, how many test samples they score; `personal_<metric>_mean` for every metric, with
   `personal_<primary metric>_std` / `_min`, of each client's own model on
-  its own test split, over the clients that have test samples, and
+  its own test split, over the clients that have test samples,
+  `personal_<primary metric>_by_client`, the list of each of those
+  clients' own values in client order (not a TensorBoard scalar), and
   `clients_without_test_data`, how many were left out; with evaluate
   'local-after-training', the same `local_after_training_<metric>_mean`,
   `_std` and `_min` of the round's clients' models after their local
@@ -1056,11 +1058,11 @@ class Run:
     return [self.algorithm.private_state.personal_weights(weights, own)
             for own in state["clients"]]
 
-  def evaluate(self, evaluator: Evaluator, state) -> dict[str, float]:
+  def evaluate(self, evaluator: Evaluator, state) -> dict[str, Any]:
     """Personalised evaluation (each client's own model on its own test
     split: mean, spread and minimum over the clients that have test samples,
-    and how many have none) and, for methods with one global model, that
-    model on the whole test set."""
+    the primary metric of each of them, and how many have none) and, for
+    methods with one global model, that model on the whole test set."""
     entry = {}
     tested = [c for c, idx in enumerate(self.fed.client_test_indices) if len(idx)]
     if not self.personalized:
@@ -1080,8 +1082,10 @@ class Run:
           self.server_weights(state), self.fed.source.x_test,
           self.fed.source.y_test, groups, num_clients, indices=flat)
       per_client = [by_client[c] for c in tested]
+    primary = evaluator.task.primary_metric
     entry["clients_without_test_data"] = self.config.clients - len(tested)
-    entry.update(_spread("personal", evaluator.task.primary_metric, per_client))
+    entry.update(_spread("personal", primary, per_client))
+    entry[f"personal_{primary}_by_client"] = [s[primary] for s in per_client]
     return entry
 
   def evaluate_local(self, evaluator: Evaluator, broadcast, clients, metrics,

@@ -313,7 +313,9 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
     bootstrap over victims, `recall_interval` where that has zero width),
     'chance': most frequent class share,
     'balanced_chance': 1 / classes present, 'victims', 'shadow_uploads',
-    'samples_per_upload'}.
+    'samples_per_upload', 'truth': each victim's attribute class and
+    'guesses': {adversary: each victim's inferred class}, in record order,
+    which let results of several runs be pooled}.
 
   Raises:
     UploadRefused: the records upload something other than a gradient or
@@ -358,4 +360,6 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
           "chance": chance_rate(victim_attributes),
           "balanced_chance": 1.0 / len(np.unique(victim_attributes)),
           "victims": len(records), "shadow_uploads": len(features),
-          "samples_per_upload": group}
+          "samples_per_upload": group,
+          "truth": [int(a) for a in victim_attributes],
+          "guesses": {n: [int(a) for a in p] for n, p in guessed.items()}}

@@ -10,7 +10,8 @@
   the rounds, through the accountant that suits it, under the neighbouring
   relation the event is stated in (`RoundEvent`).
 
-Every reported epsilon names its neighbouring relation: local mechanisms
+Every reported epsilon names its neighbouring relation (`protected`: what
+that relation protects, for comparing epsilons): local mechanisms
 treat any two uploads of one client as neighbours (a clipped upload's
 sensitivity is twice the clip; the defences fold that factor into their
 events' noise multipliers), central DP-FedAvg adds or removes one client
@@ -47,6 +48,20 @@ class RoundEvent:
   relation: str
   sampling: str
   neighboring_relation: NeighborRel = NeighborRel.ADD_OR_REMOVE_ONE
+
+
+# What an epsilon protects, by how its relation's words begin (as the
+# mechanisms' `dp_relation`s do)
+PROTECTED = (("sample-level", "one record"), ("central DP, user level", "a client's data"),
+             ("local DP", "one upload"))
+
+
+def protected(relation: str) -> str:
+  """What an epsilon under the neighbouring relation `relation` (a run's
+  `dp_relation`) protects: 'one record', "a client's data" or 'one upload'
+  (`PROTECTED`); the relation itself where it begins otherwise."""
+  return next((unit for start, unit in PROTECTED if relation.startswith(start)),
+              relation)
 
 
 def _check(delta: float) -> None:

@@ -27,20 +27,24 @@ import multiprocessing.util
 import os
 import shutil
 import sys
+import tempfile
 import time
 from concurrent import futures
 from typing import Any, Callable, Optional
 
 import numpy as np
 
+from tff_privacy import attacks as inversion_attacks
 from tff_privacy import data, defenses, evaluate, io, provenance, runner
 from tff_privacy.attacks import UploadRefused
+from tff_privacy.dp import calibration
 from tff_privacy.leaderboard import grid as grids
 from tff_privacy.leaderboard.grid import Grid, Row
 from tff_privacy.updates import UpdateStore
 
 ROW_FILE = "row.json"
 SETTINGS_FILE = "settings.json"
+CALIBRATION_FILE = "equal_epsilon.json"
 GLOBAL_UTILITY = "test accuracy"
 
 
@@ -55,7 +59,8 @@ def run(grid: Grid, out: str, progress: bool = True,
   round are then measured while they share the machine. Given TFF
   ClientData `train_data` and `test_data`, every row trains on their
   clients, read with its own data options (`grid.with_client_data`;
-  grid.json records their SHA-256).
+  grid.json records their SHA-256). The grid's equal-epsilon rows are
+  calibrated first (`calibrate`) and run after the others.
 
   Raises:
     ValueError: `out` holds a leaderboard of another protocol (other
@@ -71,6 +76,7 @@ def run(grid: Grid, out: str, progress: bool = True,
     raise ValueError(f"grid protocol partition {data.CLIENT_DATA!r}: give the "
                      "clients' ClientData as train_data and test_data")
   _claim(grid, out)
+  grid = calibrate(grid, out, federations, log)
   rows = grid.rows()
   results, pending = {}, []
   digests = {key: f.sha256() for key, f in (federations or {}).items()}
@@ -152,9 +158,105 @@ def read(out: str) -> tuple[Grid, list[dict[str, Any]]]:
   if not os.path.exists(path):
     raise ValueError(f"{out}: no leaderboard here (grid.json is missing); run "
                      "'tff-privacy leaderboard --out DIR' first")
-  grid = grids.load(path)
+  grid = calibrated(grids.load(path), out)
   results = [r for r in (_cached(row, out) for row in grid.rows()) if r]
   return grid, results
+
+
+def calibrate(grid: Grid, out: str, federations: Optional[dict] = None,
+              log: Callable[[str], None] = print) -> Grid:
+  """`grid` calibrated to its `equal_epsilon` target (`Grid.calibration`,
+  recorded in OUT/equal_epsilon.json), per swept entry: {'strength': the
+  strength at which its run's own accounting spends the target epsilon at
+  the target delta (`calibration.strength_for_epsilon`), 'epsilon',
+  'delta' and 'relation': what that run reports}; {'strength': None,
+  'error': why no strength does, 'relation'}; or {'strength': None} for a
+  run without a DP guarantee at the entry's default strength. The runs
+  are configured, not trained, on their clients among `federations` (a
+  'client_data' grid's). A record whose entry and target are unchanged is
+  reused."""
+  if grid.equal_epsilon is None:
+    return grid
+  found = _recorded(grid, out)
+  for name, variant, entry in _swept(grid):
+    key = grids.calibration_key(name, entry)
+    if key not in found:
+      found[key] = _calibration(variant, entry, federations, log, key)
+  io.write_json(os.path.join(out, CALIBRATION_FILE), found)
+  return dataclasses.replace(grid, calibration=found)
+
+
+def calibrated(grid: Grid, out: str) -> Grid:
+  """`grid` with the calibration recorded in `out` by `calibrate` (its
+  entries that are unchanged)."""
+  if grid.equal_epsilon is None:
+    return grid
+  return dataclasses.replace(grid, calibration=_recorded(grid, out))
+
+
+def _swept(grid: Grid) -> list[tuple[Optional[str], Grid, dict]]:
+  """(protocol name, the grid under it, entry) of every swept entry under
+  each of the grid's protocols (`Grid.variants`)."""
+  return [(name, variant, entry) for name, variant in grid.variants()
+          for entry in variant.entries if entry["sweep"] is not None]
+
+
+def _recorded(grid: Grid, out: str) -> dict[str, dict]:
+  """The records of OUT/equal_epsilon.json made for `grid`'s swept entries
+  as they are now."""
+  path = os.path.join(out, CALIBRATION_FILE)
+  recorded = io.read_json(path) if os.path.exists(path) else {}
+  keys = {grids.calibration_key(name, e): _calibrated_for(variant, e)
+          for name, variant, e in _swept(grid)}
+  return {key: recorded[key] for key, made_for in keys.items()
+          if recorded.get(key, {}).get("for") == made_for}
+
+
+def _calibrated_for(grid: Grid, entry: dict) -> dict:
+  """What an entry's calibration depends on: its equal-epsilon row's
+  settings at the default strength and the target epsilon."""
+  return io.canonical({
+      "settings": grids.equal_epsilon_row(entry, grid, entry["default"]).settings(),
+      "epsilon": grid.equal_epsilon["epsilon"]})
+
+
+def _calibration(grid: Grid, entry: dict, federations: Optional[dict],
+                 log: Callable[[str], None], name: str) -> dict[str, Any]:
+  """`calibrate`'s record of one swept entry, called `name` in the log."""
+  start, spent = time.perf_counter(), {}
+
+  def epsilon_at(strength: float) -> Optional[float]:
+    if strength not in spent:
+      spent[strength] = privacy_at(grids.equal_epsilon_row(entry, grid, strength),
+                                   grid.attacks["capture_round"], federations)
+    return spent[strength].get("epsilon")
+
+  record = {"for": _calibrated_for(grid, entry), "strength": None}
+  if epsilon_at(entry["default"]) is None:
+    return record
+  target = grid.equal_epsilon["epsilon"]
+  try:
+    strength = calibration.strength_for_epsilon(epsilon_at, target, entry["default"],
+                                                f"entry {name!r}")
+  except ValueError as e:
+    log(f"{e}; no row at epsilon {target:g}")
+    return {**record, "error": str(e), "relation": spent[entry["default"]]["dp_relation"]}
+  at = spent[strength]
+  log(f"{name}: {next(iter(entry['sweep']))}={strength:.4g} spends epsilon "
+      f"{at['epsilon']:.4g} (calibrated in {time.perf_counter() - start:.1f} s)")
+  return {**record, "strength": strength, "epsilon": at["epsilon"],
+          "delta": at["delta"], "relation": at["dp_relation"]}
+
+
+def privacy_at(row: Row, capture_round: int, federations: Optional[dict] = None
+               ) -> dict[str, Any]:
+  """What `row`'s run reports of its privacy after its last round
+  (`runner.Run.privacy_spent`), from its configuration, without training;
+  on its clients among `federations` (None: its partition's)."""
+  with tempfile.TemporaryDirectory() as folder:
+    config, federation = _on_clients(row, row.run_config(folder, capture_round),
+                                     federations)
+    return runner.Run(config, federation).privacy_spent(config.rounds)
 
 
 def _claim(grid: Grid, out: str) -> None:
@@ -281,7 +383,10 @@ def _claim_row(row: Row, folder: str) -> None:
 
 def utility(history: list[dict]) -> dict[str, Any]:
   """The last round's utility: the global model's test accuracy and loss,
-  or, for a method without one, the clients' own models' mean.
+  with how many test samples it scored, or, for a method without one, the
+  clients' own models' mean, with each tested client's accuracy
+  (`utility_by_client`; None for a run made before they were kept): what
+  the utility's interval is computed over.
 
   Raises:
     ValueError: a method without a global model whose last round has no
@@ -301,7 +406,8 @@ def utility(history: list[dict]) -> dict[str, Any]:
         "clients have no test samples); give the clients test samples")
   return {"utility": last["personal_accuracy_mean"],
           "loss": last.get("personal_loss_mean"),
-          "utility_kind": "personalised accuracy"}
+          "utility_kind": "personalised accuracy",
+          "utility_by_client": last.get("personal_accuracy_by_client")}
 
 
 def privacy(last: dict) -> Optional[dict[str, Any]]:
@@ -347,7 +453,8 @@ def _inversion(updates: str, round_num: int, victims: list[int], name: str,
   if not os.path.exists(path):
     try:
       evaluate.attack_round(updates, round_num, out, name, clients=victims,
-                            attack_kwargs={"iterations": attacks["iterations"]},
+                            attack_kwargs=attack_settings(
+                                name, attacks, _examples(updates, round_num, victims)),
                             seed=seed, progress=progress)
     except Exception as e:  # noqa: BLE001 -- recorded, see `_failed`
       return _failed(e)
@@ -360,6 +467,30 @@ def _inversion(updates: str, round_num: int, victims: list[int], name: str,
           # relative to the leaderboard's folder (OUT/rows/KEY/ATTACK)
           "folder": os.path.relpath(out, os.path.dirname(os.path.dirname(
               os.path.dirname(out))))}
+
+
+def attack_settings(name: str, attacks: dict, examples: list[int]) -> dict[str, Any]:
+  """Attack `name`'s parameters in a row whose victims' uploads stand for
+  `examples` samples each: the grid's iterations (none for 'source': the
+  attack's own default, its source's count), and, for an attack that
+  batches its searches (`group_size`), every victim in one group where all
+  uploads stand for as many samples, so that one compiled search serves
+  them. A group searches each victim as alone (to float rounding); on 2
+  cores it took 0.6x the time of one at a time for 15 single-image
+  uploads, and 1.4x for uploads of different sizes, which need one
+  compiled search per size."""
+  settings = ({} if attacks["iterations"] == grids.SOURCE_ITERATIONS
+              else {"iterations": attacks["iterations"]})
+  if ("group_size" in inversion_attacks.attack_class(name).PARAMETERS
+      and len(set(examples)) == 1):
+    settings["group_size"] = len(examples)
+  return settings
+
+
+def _examples(updates: str, round_num: int, victims: list[int]) -> list[int]:
+  """How many samples each victim's upload of `round_num` stands for."""
+  store = UpdateStore(updates)
+  return [store.read(round_num, c).num_examples for c in victims]
 
 
 def per_victim(samples: list[dict]) -> dict[str, list]:
@@ -395,7 +526,9 @@ def _attribute(updates: str, round_num: int, attacks: dict, out: str,
   return {"attribute": attacks["attribute"], "asr": result["asr"],
           "balanced_asr": result["balanced_asr"], "asr_ci": result.get("asr_ci"),
           "balanced_asr_ci": result.get("balanced_asr_ci"), "chance": result["chance"],
-          "balanced_chance": result["balanced_chance"], "victims": result["victims"]}
+          "balanced_chance": result["balanced_chance"], "victims": result["victims"],
+          # None in a result made before they were kept
+          "truth": result.get("truth"), "guesses": result.get("guesses")}
 
 
 def _failed(error: Exception) -> dict[str, Any]:

@@ -24,9 +24,18 @@ whose utility is closest to it. An entry may name its own inversion attacks
 ("attacks": ["tailored_hyperfl"]) where the common ones cannot read its
 uploads.
 
+`equal_epsilon` ({"epsilon": 8, "delta": 1e-5} unless given; null: none)
+puts every swept entry whose run has a DP guarantee at one target: the
+leaderboard calibrates the swept strength at which the run's own accounting
+spends that epsilon at that delta (`tff_privacy.dp.calibration`), and the
+grid gets one more row per entry at that strength (`equal_epsilon_rows`).
+
 Every row is also attacked by the adaptive attacks of its defence (its
 client-side defence, else its method where the method is a defence, e.g.
 FedRE; `tff_privacy.attacks.adaptive_attacks`): the attacks that know it.
+`iterations` "source" runs each attack for its own default, the iteration
+count at which its source reports results (`--scale full` does).
+
 Which attacks run is not one of a row's settings: adding one attacks the
 stored uploads again without retraining.
 """
@@ -53,6 +62,10 @@ CLIENT_DATA_KEYS = ("partition", "clients", "split_sha256")
 ATTACK_DEFAULTS = {"inversion": ["ig"], "iterations": 200, "victims": 4,
                    "attribute": "parity", "adversaries": list(attribute_inference.ADVERSARIES),
                    "shadow_samples": 200, "capture_round": 1}
+EQUAL_EPSILON = {"epsilon": 8.0, "delta": 1e-5}
+# `iterations` that runs each attack for its own default, the iteration
+# count at which its source reports results (see each attack's docstring)
+SOURCE_ITERATIONS = "source"
 ENTRY_KEYS = ("name", "method", "method_kwargs", "defense", "defense_kwargs",
               "sweep", "default", "protocol", "attacks")
 
@@ -72,12 +85,24 @@ class Row:
   parameter: Optional[str] = None  # the swept parameter
   strength: Any = None
   is_default: bool = True
+  # the target {"epsilon", "delta"} of a row calibrated to it, else None
+  equal_epsilon: Optional[dict] = None
+  protocol_name: Optional[str] = None  # of the grid's `protocols`, if it has them
+  replicate: int = 0  # which of the grid's `seeds` the row trains with
+
+  @property
+  def base_key(self) -> str:
+    """The key of the row's first seed: the rows of one (protocol, entry,
+    strength) share it, and the report pools them."""
+    return self.key.split(SEED_SEPARATOR)[0]
 
   @property
   def label(self) -> str:
     if self.parameter is None:
       return self.entry
-    return f"{self.entry} ({self.parameter}={_shown(self.strength)})"
+    at = (f" at epsilon {self.equal_epsilon['epsilon']:g}" if self.equal_epsilon
+          else "")
+    return f"{self.entry}{at} ({self.parameter}={_shown(self.strength)})"
 
   @property
   def defence(self) -> Optional[str]:
@@ -103,7 +128,8 @@ class Row:
     """What makes the row's results; a cached row with other settings is
     not reused."""
     return io.canonical({k: v for k, v in dataclasses.asdict(self).items()
-                         if k not in ("entry", "key", "is_default", "inversion")})
+                         if k not in ("entry", "key", "is_default", "inversion",
+                                      "equal_epsilon", "protocol_name", "replicate")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +139,34 @@ class Grid:
   reference: str
   utility_target: float
   entries: tuple
+  equal_epsilon: Optional[dict]  # the target {"epsilon", "delta"}, or None
+  # per swept entry (`calibration_key`), the leaderboard's calibration to
+  # `equal_epsilon` (`board.calibrate`); None before it
+  calibration: Optional[dict] = None
+  # named changes of `protocol`, every row trained under each; None: one
+  protocols: Optional[tuple] = None
+  seeds: int = 1  # every row trained with seeds seed, seed + 1, ...
+
+  def variants(self) -> list[tuple[Optional[str], "Grid"]]:
+    """(name, grid) per protocol of `protocols` (the grid itself, named
+    None, without them): each its protocol changed, with one seed."""
+    if self.protocols is None:
+      return [(None, dataclasses.replace(self, seeds=1))]
+    return [(p["name"], dataclasses.replace(
+        self, protocol={**self.protocol, **{k: v for k, v in p.items() if k != "name"}},
+        protocols=None, seeds=1)) for p in self.protocols]
 
   def rows(self) -> list[Row]:
-    return [row for entry in self.entries for row in _expand(entry, self)]
+    rows = []
+    for name, variant in self.variants():
+      rows += [_named(row, name) for row in
+               [r for entry in variant.entries for r in _expand(entry, variant)]
+               + equal_epsilon_rows(variant, name)]
+    return [_seeded(row, i) for row in rows for i in range(self.seeds)]
 
   def to_json(self) -> dict:
-    return io.canonical(dataclasses.asdict(self))
+    return io.canonical({k: v for k, v in dataclasses.asdict(self).items()
+                         if k != "calibration"})
 
 
 def parse(data: Any, where: str = "grid") -> Grid:
@@ -130,10 +178,12 @@ def parse(data: Any, where: str = "grid") -> Grid:
   if not isinstance(data, dict):
     raise ValueError(f"{where}: a grid is a JSON object, got {type(data).__name__}")
   unknown = sorted(set(data) - {"protocol", "attacks", "reference",
-                                "utility_target", "entries"})
+                                "utility_target", "equal_epsilon", "protocols",
+                                "seeds", "entries"})
   if unknown:
     raise ValueError(f"{where}: unknown keys {unknown}; a grid has protocol, "
-                     "attacks, reference, utility_target and entries")
+                     "attacks, reference, utility_target, equal_epsilon, "
+                     "protocols, seeds and entries")
   protocol = _protocol(data.get("protocol", {}), f"{where} protocol")
   attacks = _attacks(data.get("attacks", {}), f"{where} attacks")
   entries = data.get("entries")
@@ -151,7 +201,14 @@ def parse(data: Any, where: str = "grid") -> Grid:
   if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
     raise ValueError(f"{where} utility_target: a fraction of the reference's "
                      f"utility in (0, 1], got {target!r}")
-  grid = Grid(protocol, attacks, reference, float(target), entries)
+  seeds = data.get("seeds", 1)
+  if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+    raise ValueError(f"{where} seeds: an integer >= 1, got {seeds!r}")
+  grid = Grid(protocol, attacks, reference, float(target), entries,
+              _equal_epsilon(data.get("equal_epsilon", EQUAL_EPSILON),
+                             f"{where} equal_epsilon"),
+              protocols=_protocols(data.get("protocols"), f"{where} protocols"),
+              seeds=seeds)
   for row in grid.rows():
     try:
       row.run_config("unused", attacks["capture_round"])
@@ -163,6 +220,22 @@ def parse(data: Any, where: str = "grid") -> Grid:
                      f"({sorted(k for k in keys if keys.count(k) > 1)[0]}); "
                      "rename an entry")
   return grid
+
+
+def only(grid: Grid, names: list[str]) -> Grid:
+  """`grid` with the entries `names` and its reference entry only.
+
+  Raises:
+    ValueError: a name that is not an entry's, in one line with the names.
+  """
+  known = [e["name"] for e in grid.entries]
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"--entries: {', '.join(map(repr, unknown))} is not an entry of "
+                     f"the grid; choose from {', '.join(known)}")
+  kept = {*names, grid.reference}
+  return dataclasses.replace(grid, entries=tuple(e for e in grid.entries
+                                                 if e["name"] in kept))
 
 
 def with_client_data(grid: Grid, train_data, test_data):
@@ -237,8 +310,12 @@ def _attacks(attacks: Any, where: str) -> dict:
   for key, least in (("iterations", 1), ("victims", 1), ("shadow_samples", 2),
                      ("capture_round", 1)):
     value = merged[key]
+    if key == "iterations" and value == SOURCE_ITERATIONS:
+      continue
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-      raise ValueError(f"{where} {key}: an integer >= {least}, got {value!r}")
+      raise ValueError(f"{where} {key}: an integer >= {least}"
+                       + (f" or {SOURCE_ITERATIONS!r}" if key == "iterations" else "")
+                       + f", got {value!r}")
   wrong = sorted(set(merged["adversaries"]) - set(attribute_inference.ADVERSARIES))
   if wrong or not merged["adversaries"]:
     raise ValueError(f"{where} adversaries: choose from "
@@ -247,6 +324,43 @@ def _attacks(attacks: Any, where: str) -> dict:
   if merged["attribute"] is not None and not isinstance(merged["attribute"], str):
     raise ValueError(f"{where} attribute: a sensitive attribute's name or null")
   return merged
+
+
+def _protocols(protocols: Any, where: str) -> Optional[tuple]:
+  """The named protocol changes, checked; None for none."""
+  if protocols is None:
+    return None
+  if not isinstance(protocols, list) or not protocols:
+    raise ValueError(f"{where}: a non-empty list of protocol changes, each with a "
+                     "name, e.g. [{\"name\": \"CNN, batch 8\", \"model\": \"cnn\", "
+                     "\"batch_size\": 8}], or null")
+  checked = []
+  for i, change in enumerate(protocols):
+    change = _object(change, f"{where}[{i}]", ("name", *PROTOCOL_KEYS),
+                     "a protocol's name and run settings")
+    if not isinstance(change.get("name"), str) or not _slug(change["name"]):
+      raise ValueError(f"{where}[{i}] name: a non-empty name with a letter or digit")
+    checked.append(change)
+  names = [_slug(c["name"]) for c in checked]
+  if len(set(names)) != len(names):
+    raise ValueError(f"{where}: names must differ in their letters and digits, "
+                     f"got {[c['name'] for c in checked]}")
+  return tuple(checked)
+
+
+def _equal_epsilon(target: Any, where: str) -> Optional[dict]:
+  """The target of the equal-epsilon rows, defaults filled in; None for none."""
+  if target is None:
+    return None
+  target = {**EQUAL_EPSILON, **_object(target, where, EQUAL_EPSILON,
+                                       "the target epsilon and delta, or null")}
+  epsilon, delta = target["epsilon"], target["delta"]
+  if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not (
+      0 < epsilon < float("inf")):
+    raise ValueError(f"{where} epsilon: a number > 0, got {epsilon!r}")
+  if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 < delta < 1:
+    raise ValueError(f"{where} delta: a number in (0, 1), got {delta!r}")
+  return {"epsilon": float(epsilon), "delta": float(delta)}
 
 
 def _check_inversion(names: Any, where: str) -> None:
@@ -325,20 +439,83 @@ def _resolve(entry: dict, strength: Any, where: str) -> tuple[dict, dict]:
 
 
 def _expand(entry: dict, grid: Grid) -> list[Row]:
-  rows = []
+  return [_row(entry, grid, strength) for strength in _strengths(entry)]
+
+
+def _row(entry: dict, grid: Grid, strength: Any) -> Row:
+  """The entry's row at `strength` (None: the entry is not swept)."""
   parameter = None if entry["sweep"] is None else next(iter(entry["sweep"]))
-  for strength in _strengths(entry):
-    method_kwargs, defense_kwargs = _resolve(entry, strength, entry["name"])
-    key = _slug(entry["name"]) + ("" if strength is None else
-                                  f"__{_slug(parameter)}-{_slug(_shown(strength))}")
-    rows.append(Row(
-        entry=entry["name"], key=key, method=entry["method"],
-        method_kwargs=method_kwargs, defense=entry["defense"],
-        defense_kwargs=defense_kwargs,
-        protocol={**grid.protocol, **entry["protocol"]},
-        inversion=_with_adaptive(entry, grid), parameter=parameter,
-        strength=strength, is_default=strength is None or strength == entry["default"]))
-  return rows
+  method_kwargs, defense_kwargs = _resolve(entry, strength, entry["name"])
+  key = _slug(entry["name"]) + ("" if strength is None else
+                                f"__{_slug(parameter)}-{_slug(_shown(strength))}")
+  return Row(
+      entry=entry["name"], key=key, method=entry["method"],
+      method_kwargs=method_kwargs, defense=entry["defense"],
+      defense_kwargs=defense_kwargs,
+      protocol={**grid.protocol, **entry["protocol"]},
+      inversion=_with_adaptive(entry, grid), parameter=parameter,
+      strength=strength, is_default=strength is None or strength == entry["default"])
+
+
+def equal_epsilon_row(entry: dict, grid: Grid, strength: Any) -> Row:
+  """The swept `entry`'s equal-epsilon row at `strength`: its run reports
+  epsilon at the target delta; folder <entry>__eps-<target epsilon>.
+
+  Raises:
+    ValueError: in one line, a strength the entry's parameter refuses.
+  """
+  target, row = grid.equal_epsilon, _row(entry, grid, strength)
+  return dataclasses.replace(
+      row, key=f"{_slug(entry['name'])}__eps-{_slug(_shown(target['epsilon']))}",
+      protocol={**row.protocol, "dp_delta": target["delta"]}, is_default=False,
+      equal_epsilon=dict(target))
+
+
+def equal_epsilon_rows(grid: Grid, protocol_name: Optional[str] = None) -> list[Row]:
+  """The equal-epsilon rows of a grid's variant (`Grid.variants`): one per
+  entry that `grid.calibration` gives a strength (none before the
+  leaderboard calibrated it)."""
+  if grid.equal_epsilon is None:
+    return []
+  found = grid.calibration or {}
+  keys = {e["name"]: calibration_key(protocol_name, e) for e in grid.entries}
+  return [equal_epsilon_row(entry, grid, found[keys[entry["name"]]]["strength"])
+          for entry in grid.entries
+          if found.get(keys[entry["name"]], {}).get("strength") is not None]
+
+
+def calibration_key(protocol_name: Optional[str], entry: dict) -> str:
+  """An entry's key in `Grid.calibration`: its name, after its protocol's
+  where the grid has several."""
+  return entry["name"] if protocol_name is None else f"{protocol_name}/{entry['name']}"
+
+
+SEED_SEPARATOR = "__seed-"
+
+
+def _named(row: Row, protocol_name: Optional[str]) -> Row:
+  """`row` under the grid's protocol `protocol_name` (None: the only one),
+  its folder prefixed with the protocol's."""
+  if protocol_name is None:
+    return row
+  return dataclasses.replace(row, key=f"{_slug(protocol_name)}__{row.key}",
+                             protocol_name=protocol_name)
+
+
+def _seeded(row: Row, replicate: int) -> Row:
+  """`row` trained with the grid's seed + `replicate`; the first keeps the
+  row's folder, so that a grid given more seeds reuses its rows."""
+  if replicate == 0:
+    return row
+  return dataclasses.replace(
+      row, key=f"{row.key}{SEED_SEPARATOR}{replicate}", replicate=replicate,
+      protocol={**row.protocol, "seed": _seed(row.protocol) + replicate})
+
+
+def _seed(protocol: dict) -> int:
+  """The seed of a run with `protocol` (the runner's default unless set)."""
+  from tff_privacy import runner
+  return protocol.get("seed", runner.RunConfig.__dataclass_fields__["seed"].default)
 
 
 def _with_adaptive(entry: dict, grid: Grid) -> tuple:

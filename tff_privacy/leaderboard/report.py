@@ -22,19 +22,22 @@ import numpy as np
 
 from tff_privacy import attacks as inversion_attacks
 from tff_privacy import io, provenance
+from tff_privacy.dp import accounting
+from tff_privacy.leaderboard import pooling
 from tff_privacy.leaderboard.board import GLOBAL_UTILITY, failures, refusals
-from tff_privacy.leaderboard.grid import Grid
+from tff_privacy.leaderboard.grid import SOURCE_ITERATIONS, Grid, calibration_key
 from tff_privacy.metrics import intervals
 
 FIGURES = ("tradeoff.png", "reconstructions.png", "asr.png")
 PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
             "tensorflow-privacy", "dp-accounting", "scikit-learn", "numpy")
-COLUMNS = ("label", "entry", "parameter", "strength", "default", "matched", "pareto",
+COLUMNS = ("label", "protocol", "seeds", "entry", "parameter", "strength", "default", "matched", "pareto",
            "utility", "utility_ci", "utility_kind", "loss", "defence", "victims",
            "attack", "ssim", "ssim_ci", "psnr", "psnr_ci", "label_accuracy",
            "attack_converged", "unaware_attack", "unaware_ssim", "unaware_ssim_ci", "asr_max", "asr_max_ci",
            "chance", "balanced_asr_max", "balanced_asr_max_ci",
-           "balanced_chance", "epsilon", "delta", "relation",
+           "balanced_chance", "epsilon", "delta", "relation", "equal_epsilon",
+           "equal_delta",
            "time_ratio", "upload_bytes", "upload_bytes_encoded")
 
 
@@ -64,6 +67,8 @@ def leakage_intervals(result: dict, among: Optional[Sequence[str]] = None
   scored = {name: r for name, r in result["inversion"].items()
             if "error" not in r and _finite(r["ssim"])
             and (among is None or name in among)}
+  if scored and len(result.get("seeds", ())) > 1:
+    return pooling.leakage_intervals(result, list(scored))
   per_victim = [r.get("victims") for r in scored.values()]
   if not scored or None in per_victim or len(
       {tuple(v["clients"]) for v in per_victim}) != 1:
@@ -92,14 +97,20 @@ def attack_converged(ssim_by_iterations: Optional[dict[str, float]]) -> Optional
 
 
 def utility_interval(result: dict) -> Optional[list[float]]:
-  """The 95% Wilson interval of the global model's test accuracy over the
-  test samples it scored; None for another utility (a personalised mean,
-  a segmentation score) or a row made before their number was kept."""
-  count = result.get("samples_tested")
-  if result["utility_kind"] != GLOBAL_UTILITY or not count or not _finite(
-      result["utility"]):
+  """The 95% interval of a row's utility: the global model's test accuracy's
+  Wilson interval over the test samples it scored, or the personalised mean
+  accuracy's percentile bootstrap interval over the tested clients; None
+  for a utility that is not finite, one tested client, or a row made before
+  the samples' number or the clients' accuracies were kept."""
+  if not _finite(result["utility"]):
     return None
-  return intervals.proportion_interval(round(result["utility"] * count), count)
+  if len(result.get("seeds", ())) > 1:
+    return pooling.utility_interval(result)
+  if result["utility_kind"] != GLOBAL_UTILITY:
+    return intervals.mean_interval(result.get("utility_by_client") or [])
+  count = result.get("samples_tested")
+  return (intervals.proportion_interval(round(result["utility"] * count), count)
+          if count else None)
 
 
 def best_adversary_intervals(attribute: dict) -> dict[str, Any]:
@@ -114,12 +125,35 @@ def best_adversary_intervals(attribute: dict) -> dict[str, Any]:
 
 
 def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
-  """One flat dict per finished row: the report's and the CSV's columns."""
+  """One flat dict per finished row: the report's and the CSV's columns;
+  the rows of one protocol (of the grid's `protocols`) together, each
+  compared with that protocol's reference, the seeds of a row pooled
+  (`pooling.pooled`)."""
+  grid_rows = {row.key: row for row in grid.rows()}
+  rows = []
+  for name, _ in grid.variants():
+    mine = [r for r in results if grid_rows[r["key"]].protocol_name == name]
+    rows += _protocol_rows(grid, _by_seed(mine, grid_rows), grid_rows, name)
+  return rows
+
+
+def _by_seed(results: Sequence[dict], grid_rows: dict) -> list[dict]:
+  """One result per row of the grid, its finished seeds pooled, in order."""
+  seeds: dict[str, list] = {}
+  for r in sorted(results, key=lambda r: grid_rows[r["key"]].replicate):
+    seeds.setdefault(grid_rows[r["key"]].base_key, []).append(r)
+  return [{**pooling.pooled(found), "key": key, "seeds_done": len(found)}
+          for key, found in seeds.items()]
+
+
+def _protocol_rows(grid: Grid, results: Sequence[dict], grid_rows: dict,
+                   protocol_name: Optional[str]) -> list[dict[str, Any]]:
+  """`table_rows` of one protocol's results."""
   reference = _reference(grid, results)
   target = (grid.utility_target * reference["utility"]
             if reference and _finite(reference["utility"]) else None)
-  matched = matched_keys(results, target)
-  grid_rows = {row.key: row for row in grid.rows()}
+  matched = matched_keys([r for r in results if not grid_rows[r["key"]].equal_epsilon],
+                         target)
   current = provenance.code_version()
   rows = []
   for r in results:
@@ -132,6 +166,7 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
     strength = r["settings"]["strength"]
     rows.append({
         "key": r["key"], "label": r["label"], "entry": r["entry"],
+        "protocol": protocol_name, "seeds": r["seeds_done"],
         "parameter": r["settings"]["parameter"], "strength": strength,
         "default": r["is_default"], "matched": r["key"] in matched,
         "utility": r["utility"], "utility_ci": utility_interval(r),
@@ -156,6 +191,9 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "epsilon": (r["privacy"] or {}).get("epsilon"),
         "delta": (r["privacy"] or {}).get("delta"),
         "relation": (r["privacy"] or {}).get("relation"),
+        # the target of a row calibrated to it (`grid.equal_epsilon_rows`)
+        "equal_epsilon": (row.equal_epsilon or {}).get("epsilon"),
+        "equal_delta": (row.equal_epsilon or {}).get("delta"),
         "time_ratio": (r["seconds_per_round"] / reference["seconds_per_round"]
                        if reference else None),
         "upload_bytes": r["upload_bytes"],
@@ -164,10 +202,12 @@ def table_rows(grid: Grid, results: Sequence[dict]) -> list[dict[str, Any]]:
         "concurrent_rows": r.get("concurrent_rows", 1),
         "code_note": provenance.note(provenance.versions_of(r), current),
         "errors": refusals(r), "failures": failures(r)})
-  front = pareto_front([(x["utility"], x["ssim"]) for x in rows],
-                       [(x["utility_ci"], x["ssim_ci"]) for x in rows])
-  for x, on in zip(rows, front):
-    x["pareto"] = on
+  plain = [x for x in rows if x["equal_epsilon"] is None]  # the main tables'
+  front = pareto_front([(x["utility"], x["ssim"]) for x in plain],
+                       [(x["utility_ci"], x["ssim_ci"]) for x in plain])
+  on_front = {x["key"] for x, on in zip(plain, front) if on}
+  for x in rows:
+    x["pareto"] = x["key"] in on_front
   return rows
 
 
@@ -245,7 +285,8 @@ def write(grid: Grid, results: Sequence[dict], out: str,
   io.write_json(os.path.join(out, "leaderboard.json"),
                 {"grid": grid.to_json(), "rows": rows, "versions": versions(),
                  "code_version": provenance.code_version()})
-  _tradeoff_figure(rows, os.path.join(out, "tradeoff.png"))
+  _tradeoff_figure([r for r in rows if r["equal_epsilon"] is None],
+                   os.path.join(out, "tradeoff.png"))
   _reconstruction_figure(grid, results, out, os.path.join(out, "reconstructions.png"))
   _asr_figure(rows, os.path.join(out, "asr.png"))
   path = os.path.join(out, "report.md")
@@ -259,7 +300,7 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            f"Protocol: {_settings(protocol)}. Every row is attacked on round "
            f"{attacks['capture_round']}'s uploads of its first {attacks['victims']} "
            f"clients: {', '.join(sorted({a for r in grid.rows() for a in r.inversion}))} "
-           f"({attacks['iterations']} iterations; the adaptive ones only on the "
+           f"({_iterations(attacks)}; the adaptive ones only on the "
            "rows of the defences they know), and attribute inference of "
            f"'{attacks['attribute']}' by {', '.join(attacks['adversaries'])} "
            f"(trained on {attacks['shadow_samples']} clean shadow samples).", "",
@@ -279,19 +320,18 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
            "mean accuracy of the clients' own models on their own test splits "
            "(personalised methods): the two are different measurements. "
            "Brackets hold 95% intervals: utility's over the test samples "
-           "(Wilson), leakage's over the victims (a bootstrap that chooses the "
+           "(Wilson), or for a personalised mean over the clients (a "
+           "bootstrap), leakage's over the victims (a bootstrap that chooses the "
            "worst attack inside each resample, so it covers that choice too), "
            "ASR's over the victims; a value without one has none that can be "
-           f"computed here (one victim, a personalised mean, a row made before "
-           f"they were kept). One seed per row{_victims(rows)}. A row is on "
+           f"computed here (one victim or tested client, a row made before "
+           f"they were kept). {_seeds(grid)}{_victims(rows)}. A row is on "
            "the Pareto front (P) unless another has higher utility and lower "
            "leakage, each beyond the two rows' intervals: rows whose intervals "
            "overlap are tied, not ordered.", ""]
-  if all(r["default"] for r in rows):  # one strength per entry: one table
-    lines += section("Every row, each entry at its default strength (P: on the "
-                     "Pareto front of utility against leakage)", rows, matched=False)
-  else:
-    lines += _strength_sections(grid, rows)
+  for name, variant in grid.variants():
+    lines += _protocol_sections(variant, [r for r in rows if r["protocol"] == name],
+                                name)
   lines += _without_adaptive(rows)
   lines += _unconverged(rows)
   lines += _listed("Attacks that could not run", rows, "errors")
@@ -312,20 +352,147 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _strength_sections(grid: Grid, rows: Sequence[dict]) -> list[str]:
+ANALYTIC_REGIME = (
+    "This protocol is the analytic regime: at batch 1 the gradient of a dense "
+    "first layer hands the image over exactly (each row of its weight "
+    "gradient divided by that unit's bias gradient), so a defence that "
+    "leaves the first layer's gradient intact leaks there whatever it does "
+    "to later layers; gradient-inversion papers and the defences' own "
+    "evaluations use CNNs at batches of 1 to 8 (the `cnn` grid, and "
+    "`--scale full`).")
+
+
+def _protocol_sections(grid: Grid, rows: Sequence[dict],
+                       name: Optional[str]) -> list[str]:
+  """The tables and verdicts of one protocol's rows (`grid`: the grid under
+  it, `Grid.variants`), headed by its name where the grid has several."""
+  lines = ([f"## Protocol: {name}", "", f"{_settings(grid.protocol)}.", ""]
+           if name else [])
+  if _analytic(grid.protocol):
+    lines += [ANALYTIC_REGIME, ""]
+  main = [r for r in rows if r["equal_epsilon"] is None]
+  if all(r["default"] for r in main):  # one strength per entry: one table
+    lines += section(_titled("Every row, each entry at its default strength (P: on "
+                             "the Pareto front of utility against leakage)", name),
+                     main, matched=False)
+  else:
+    lines += _strength_sections(grid, main, name)
+  lines += _equal_epsilon_sections(grid, rows, name)
+  from tff_privacy.leaderboard import verdicts  # deferred: it formats with this module
+  found = verdicts.verdicts(rows, grid.reference)
+  under = f"Under {name}: " if name else ""
+  return lines + ([f"## {_titled('Verdicts', name)}", "",
+                   "Written from the numbers and their 95% intervals, "
+                   f"{_seeds(grid).lower()}: where two intervals overlap the rows "
+                   "are tied, not ordered.", "", *(f"- {under}{v}" for v in found), ""]
+                  if found else [])
+
+
+def _titled(title: str, protocol_name: Optional[str]) -> str:
+  return f"{title} ({protocol_name})" if protocol_name else title
+
+
+def _analytic(protocol: dict) -> bool:
+  """Whether `protocol` trains an MLP on batch-1 gradients."""
+  return protocol.get("model") == "mlp" and protocol.get("batch_size") == 1
+
+
+def _seeds(grid: Grid) -> str:
+  if grid.seeds == 1:
+    return "One seed per row"
+  return (f"{grid.seeds} seeds per row (seed {grid.protocol.get('seed', 0)} on), "
+          "pooled: each number is over every seed's victims, test samples or "
+          "clients, and its interval resamples the seeds and, inside each, "
+          "those units, so it holds the seed-to-seed spread")
+
+
+def _strength_sections(grid: Grid, rows: Sequence[dict],
+                       name: Optional[str] = None) -> list[str]:
   """The tables of a grid that sweeps strengths: at the defaults, matched
   in utility to the reference, and every row."""
-  lines = section("At each entry's default strength", [r for r in rows if r["default"]])
+  lines = section(_titled("At each entry's default strength", name),
+                  [r for r in rows if r["default"]])
   reference = next((r for r in rows if r["entry"] == grid.reference and r["default"]),
                    None)
   if reference and _finite(reference["utility"]):
-    lines += section(
+    lines += section(_titled(
         f"Utility-matched: the strength closest to {grid.utility_target:g} x "
         f"the reference's {reference['utility_kind']} "
-        f"({grid.utility_target * reference['utility']:.4f})",
+        f"({grid.utility_target * reference['utility']:.4f})", name),
         [r for r in rows if r["matched"]])
-  return lines + section("Every row (P: on the Pareto front of utility against "
-                         "leakage)", rows)
+  return lines + section(_titled("Every row (P: on the Pareto front of utility "
+                                 "against leakage)", name), rows)
+
+
+def _equal_epsilon_sections(grid: Grid, rows: Sequence[dict],
+                            protocol_name: Optional[str] = None) -> list[str]:
+  """The rows calibrated to the grid's equal-epsilon target, one table per
+  unit their epsilon protects (`accounting.protected`), each followed by
+  the entries protecting it that no strength brings to the target; none
+  without a target or any such row or entry. `grid` is the grid under
+  protocol `protocol_name` (`Grid.variants`)."""
+  target = grid.equal_epsilon
+  calibrated = [r for r in rows if r["equal_epsilon"] is not None]
+  mine = {calibration_key(protocol_name, e): e["name"] for e in grid.entries}
+  failed = {mine[key]: c for key, c in (grid.calibration or {}).items()
+            if key in mine and c.get("error")}
+  if target is None or not (calibrated or failed):
+    return []
+  usable = _usable_utility(grid, rows)
+  lines = [f"## {_titled('At equal privacy', protocol_name)}: epsilon "
+           f"{target['epsilon']:g} (delta {target['delta']:g})",
+           "", "Each swept entry with a DP guarantee, run once more at the strength "
+           "of its swept parameter at which its run's own accounting spends epsilon "
+           f"{target['epsilon']:g} at delta {target['delta']:g} (calibrated with "
+           "dp_accounting before training, within 1%; a pure-DP mechanism spends "
+           "it at delta 0). An epsilon means what its neighbouring "
+           "relation protects (one record, a client's data, one upload), so rows are "
+           "compared only within one such unit: one table each, naming each row's "
+           "relation. "
+           + ("A model is usable when its utility is at least "
+              f"{grid.utility_target:g} x the reference's ({usable:.4f}), the "
+              "utility-matched table's target." if usable is not None else
+              "Without the reference's utility no model is judged usable or not."),
+           ""]
+  for unit in dict.fromkeys(accounting.protected(x["relation"]) for x in
+                            calibrated + list(failed.values())):
+    mine = [r for r in calibrated if accounting.protected(r["relation"]) == unit]
+    unreached = [f"- {name}: no row at epsilon {target['epsilon']:g}: {c['error']}"
+                 for name, c in failed.items()
+                 if accounting.protected(c["relation"]) == unit]
+    lines += ([f"### Protecting {unit}", ""]
+              + (_equal_epsilon_table(mine, usable) if mine else [])
+              + (unreached + [""] if unreached else []))
+  return lines
+
+
+def _usable_utility(grid: Grid, rows: Sequence[dict]) -> Optional[float]:
+  """The least utility of a usable model: `utility_target` x the reference
+  row's utility (the utility-matched table's target); None without it."""
+  reference = next((r for r in rows if r["entry"] == grid.reference and r["default"]),
+                   None)
+  if reference is None or not _finite(reference["utility"]):
+    return None
+  return grid.utility_target * reference["utility"]
+
+
+def _equal_epsilon_table(rows: Sequence[dict], usable: Optional[float]) -> list[str]:
+  """A table of equal-epsilon rows: strength, epsilon spent under which
+  relation (Rn, listed below it), utility, leakage, ASR and whether the
+  model is usable (utility >= `usable`)."""
+  head = ("| entry | calibrated strength | epsilon spent (delta) | relation | utility | "
+          "leakage SSIM (attack) | balanced ASR (chance) | model |")
+  lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+  relations = list(dict.fromkeys(r["relation"] for r in rows))
+  for r in rows:
+    model = ("n/a" if usable is None or not _finite(r["utility"]) else
+             "usable" if r["utility"] >= usable else f"not usable (utility below {usable:.4f})")
+    lines.append("| " + " | ".join([
+        r["entry"], f"{r['parameter']}={r['strength']:.4g}",
+        "n/a" if r["epsilon"] is None else f"{r['epsilon']:.4g} ({r['delta']:g})",
+        f"R{relations.index(r['relation']) + 1}", _utility_cell(r), _leakage_cell(r),
+        _asr_cell(r), model]) + " |")
+  return lines + [""] + [f"- R{i}: {words}" for i, words in enumerate(relations, 1)] + [""]
 
 
 def _without_adaptive(rows: Sequence[dict]) -> list[str]:
@@ -386,20 +553,34 @@ def section(title: str, rows: Sequence[dict], matched: bool = True) -> list[str]
     marks = "".join(m for m, on in (("P", r["pareto"]), ("M", matched and r["matched"]))
                     if on)
     lines.append("| " + " | ".join([
-        r["label"] + (f" [{marks}]" if marks else ""),
-        _with_interval(r["utility"], r["utility_ci"], 4)
-        + ("*" if r["utility_kind"] != GLOBAL_UTILITY else ""),
-        _number(r["loss"], 4),
-        "n/a" if r["ssim"] is None else
-        f"{_with_interval(r['ssim'], r['ssim_ci'], 3)} ({r['attack']})",
+        r["label"] + (f" [{marks}]" if marks else ""), _utility_cell(r),
+        _number(r["loss"], 4), _leakage_cell(r),
         _with_interval(r["psnr"], r["psnr_ci"], 2), _number(r["label_accuracy"], 2),
-        _unaware(r),
-        ("n/a" if r["balanced_asr_max"] is None else
-         f"{_with_interval(r['balanced_asr_max'], r['balanced_asr_max_ci'], 2)} "
-         f"({r['balanced_chance']:.2f})"),
+        _unaware(r), _asr_cell(r),
         "-" if r["epsilon"] is None else f"{r['epsilon']:.3g} ({r['delta']:g})",
         _number(r["time_ratio"], 2), _upload(r)]) + " |")
   return lines + [""]
+
+
+def _utility_cell(r: dict) -> str:
+  """The utility with its interval; * marks a personalised mean."""
+  return (_with_interval(r["utility"], r["utility_ci"], 4)
+          + ("*" if r["utility_kind"] != GLOBAL_UTILITY else ""))
+
+
+def _leakage_cell(r: dict) -> str:
+  """The worst attack's SSIM with its interval, and the attack."""
+  if r["ssim"] is None:
+    return "n/a"
+  return f"{_with_interval(r['ssim'], r['ssim_ci'], 3)} ({r['attack']})"
+
+
+def _asr_cell(r: dict) -> str:
+  """The best adversary's balanced ASR with its interval, and chance."""
+  if r["balanced_asr_max"] is None:
+    return "n/a"
+  return (f"{_with_interval(r['balanced_asr_max'], r['balanced_asr_max_ci'], 2)} "
+          f"({r['balanced_chance']:.2f})")
 
 
 def _unaware(r: dict) -> str:
@@ -419,6 +600,12 @@ def _upload(r: dict) -> str:
   if encoded is None or encoded == r["upload_bytes"]:
     return _bytes(r["upload_bytes"])
   return f"{_bytes(r['upload_bytes'])} ({_bytes(encoded)} encoded)"
+
+
+def _iterations(attacks: dict) -> str:
+  if attacks["iterations"] == SOURCE_ITERATIONS:
+    return "each for the iterations at which its source reports results"
+  return f"{attacks['iterations']} iterations"
 
 
 def _victims(rows: Sequence[dict]) -> str:

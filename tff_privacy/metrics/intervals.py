@@ -7,6 +7,11 @@
   percentile bootstrap that resamples the victims, the same victims for every
   attack, and takes the worst attack inside each resample, so that the
   interval covers the choice of the attack as well as the victims drawn.
+- A mean over clients (a personalised method's mean accuracy of the clients'
+  own models): a percentile bootstrap that resamples the clients.
+- Any of these over several training runs (seeds): a two-level bootstrap
+  that resamples the seeds and, inside each, its units, so that the
+  interval holds the seed-to-seed spread.
 """
 
 from __future__ import annotations
@@ -77,3 +82,53 @@ def worst_case_interval(chosen_by: Mapping[str, Sequence[float]],
       confidence_level=confidence, method="percentile",
       random_state=np.random.default_rng(seed)).confidence_interval
   return [float(interval.low), float(interval.high)]
+
+
+def mean_interval(values: Sequence[float], seed: int = 0,
+                  resamples: int = RESAMPLES,
+                  confidence: float = CONFIDENCE) -> Optional[list[float]]:
+  """[low, high]: the percentile bootstrap interval of the mean of `values`
+  (one per unit, e.g. each client's accuracy), resampling the units with
+  replacement (scipy's `bootstrap`). None with fewer than two values, which
+  no resample can vary."""
+  if len(values) < 2:
+    return None
+  interval = scipy.stats.bootstrap(
+      (np.asarray(values, np.float64),), np.mean, n_resamples=resamples,
+      confidence_level=confidence, method="percentile",
+      random_state=np.random.default_rng(seed)).confidence_interval
+  return [float(interval.low), float(interval.high)]
+
+
+def seeded_interval(per_seed: Sequence[Sequence[Sequence[float]]], statistic,
+                    seed: int = 0, resamples: int = RESAMPLES,
+                    confidence: float = CONFIDENCE) -> Optional[list[float]]:
+  """[low, high]: the percentile interval of `statistic` by a two-level
+  bootstrap, for a number measured on several training runs (seeds): each
+  resample draws the seeds with replacement and, inside each seed drawn,
+  its units (victims, test samples, clients) with replacement, then pools
+  the drawn units of every seed drawn; so the interval holds the
+  seed-to-seed spread as well as the units'. `per_seed` holds, per seed,
+  paired columns of equal length (one value per unit); `statistic` maps the
+  pooled columns to a number. None with fewer than two units in all.
+
+  Raises:
+    ValueError: no seed, or a seed whose columns differ in number or length.
+  """
+  columns = [[np.asarray(c, np.float64) for c in s] for s in per_seed]
+  if not columns or len({len(s) for s in columns}) != 1 or any(
+      len({len(c) for c in s}) != 1 for s in columns):
+    raise ValueError("per_seed: the same number of columns for every seed, of "
+                     "one length within a seed, and at least one seed")
+  if sum(len(s[0]) for s in columns) < 2:
+    return None
+  rng = np.random.default_rng(seed)
+  values = np.empty(resamples)
+  for k in range(resamples):
+    drawn = [columns[i] for i in rng.integers(len(columns), size=len(columns))]
+    picks = [rng.integers(len(s[0]), size=len(s[0])) for s in drawn]
+    values[k] = statistic(*(np.concatenate([s[j][p] for s, p in zip(drawn, picks)])
+                            for j in range(len(columns[0]))))
+  tail = (1 - confidence) / 2 * 100
+  low, high = np.nanpercentile(values, [tail, 100 - tail])
+  return [float(low), float(high)]
