@@ -343,7 +343,8 @@ def test_the_built_in_grids_parse():
     parsed = grid.parse(leaderboard.defaults.grid(scale))
     rows = parsed.rows()
     assert len({r.key for r in rows}) == len(rows)
-    assert parsed.equal_epsilon == {"epsilon": 8.0, "delta": 1e-5}
+    assert parsed.equal_epsilon == (None if scale == "compact" else
+                                    {"epsilon": 8.0, "delta": 1e-5})
 
 
 def test_equal_epsilon_is_8_at_1e_5_unless_given_and_null_turns_it_off():
@@ -975,9 +976,10 @@ def test_an_attack_searches_its_victims_together_where_one_search_serves_all():
   attacks = {"iterations": 300}
   assert board.attack_settings("ig", attacks, [1] * 16) == {"iterations": 300,
                                                            "group_size": 16}
-  assert board.attack_settings("ig_masked", attacks, [8, 8]) == {"iterations": 300,
+  assert board.attack_settings("ig_masked", attacks, [1, 1]) == {"iterations": 300,
                                                                 "group_size": 2}
-  # uploads of different sizes would need one compiled search each
+  # uploads of several images: searched one at a time
+  assert board.attack_settings("ig", attacks, [20, 20]) == {"iterations": 300}
   assert board.attack_settings("ig", attacks, [20, 25]) == {"iterations": 300}
   # an attack that searches one record at a time
   assert board.attack_settings("ig_hyperfl", attacks, [1, 1]) == {"iterations": 300}
@@ -1067,3 +1069,53 @@ def test_a_rows_seeds_are_one_row_of_the_report_with_pooled_numbers():
   assert report.ANALYTIC_REGIME not in text  # batch 2 is not the analytic regime
   analytic = grid.parse(_with(protocol={**TINY["protocol"], "batch_size": 1}))
   assert report.ANALYTIC_REGIME in report.markdown(analytic, [])
+
+
+def test_each_protocol_has_its_figures_and_its_verdicts_name_the_seeds(tmp_path):
+  two = grid.parse(_with(seeds=2, protocols=[{"name": "A"}, {"name": "B b"}]))
+  rows = {r.key: r for r in two.rows()}
+  results = [_result(rows[key], {"ig": 0.5}) for key in (
+      "a__fedsgd", "a__ldp-gaussian__noise-multiplier-1", "b-b__fedsgd")]
+  for r in results:
+    os.makedirs(tmp_path / r["inversion"]["ig"]["folder"])
+    np.savez(tmp_path / r["inversion"]["ig"]["folder"] / "reconstructions.npz",
+             original=np.zeros((2, 28, 28, 1), np.float32),
+             reconstructed=np.ones((2, 28, 28, 1), np.float32))
+  report.write(two, results, str(tmp_path))
+  assert report.figures("B b") == ("tradeoff_b-b.png", "reconstructions_b-b.png",
+                                   "asr_b-b.png")
+  for name in ("A", "B b"):
+    assert all((tmp_path / f).exists() for f in report.figures(name))
+  text = (tmp_path / "report.md").read_text()
+  verdicts = text.split("## Verdicts (A)")[1]
+  assert "2 seeds per row" in verdicts.split("\n\n")[1]
+  # one seed of two finished: the table says so
+  assert "| FedSGD [P] (1 of 2 seeds) |" in text
+  with pytest.raises(ValueError, match=r"results of rows \['nope'\] are not rows"):
+    report.write(two, [dict(results[0], key="nope")], str(tmp_path))
+
+
+def test_entries_run_alone_and_the_folder_keeps_the_whole_grid(tmp_path, monkeypatch):
+  tiny = grid.parse(TINY)
+  ran = []
+  monkeypatch.setattr(board, "_timed_row",
+                      lambda row, *a, **k: (ran.append(row.key) or {}, 0.0))
+  board.run(tiny, str(tmp_path), progress=False, log=lambda _: None,
+            entries=["FedSGD"])
+  assert ran == ["fedsgd"]
+  assert grid.load(str(tmp_path / "grid.json")) == tiny
+  with pytest.raises(ValueError, match="--entries: 'Nope'"):
+    board.run(tiny, str(tmp_path), progress=False, log=lambda _: None,
+              entries=["Nope"])
+
+
+def test_the_command_line_sets_the_equal_epsilon_target():
+  tiny = grid.parse(TINY)
+  assert grid.with_equal_epsilon(tiny, 8.0).equal_epsilon == {"epsilon": 8.0,
+                                                              "delta": 1e-5}
+  at_two = grid.parse(_with(equal_epsilon={"epsilon": 1, "delta": 1e-6}))
+  assert grid.with_equal_epsilon(at_two, 3.0).equal_epsilon == {"epsilon": 3.0,
+                                                                "delta": 1e-6}
+  assert grid.with_equal_epsilon(at_two, False).equal_epsilon is None
+  with pytest.raises(SystemExit):
+    cli.main(["leaderboard", "--out", "unused", "--equal-epsilon", "-1"])

@@ -271,7 +271,7 @@ def test_the_seeded_interval_spans_seeds_that_disagree():
   # (mean 0) and both seed 1 a quarter (mean 1), so the 2.5th and 97.5th
   # percentiles are 0 and 1
   per_seed = [[np.zeros(8)], [np.ones(8)]]
-  assert intervals.seeded_interval(per_seed, np.mean) == [0.0, 1.0]
+  assert intervals.seeded_interval(per_seed, intervals.weighted_mean) == [0.0, 1.0]
 
 
 def test_the_seeded_interval_of_one_seed_is_the_units_bootstrap():
@@ -280,12 +280,30 @@ def test_the_seeded_interval_of_one_seed_is_the_units_bootstrap():
   reference = scipy.stats.bootstrap((values,), np.mean, n_resamples=4000,
                                     method="percentile",
                                     random_state=np.random.default_rng(1))
-  found = intervals.seeded_interval([[values]], np.mean, resamples=4000)
+  found = intervals.seeded_interval([[values]], intervals.weighted_mean,
+                                   resamples=4000)
   assert found == pytest.approx([reference.confidence_interval.low,
                                  reference.confidence_interval.high], abs=0.03)
 
 
 def test_the_seeded_interval_refuses_ragged_columns():
   with pytest.raises(ValueError, match="per_seed"):
-    intervals.seeded_interval([[np.zeros(3), np.zeros(4)]], np.mean)
-  assert intervals.seeded_interval([[np.zeros(1)]], np.mean) is None
+    intervals.seeded_interval([[np.zeros(3), np.zeros(4)]], intervals.weighted_mean)
+  assert intervals.seeded_interval([[np.zeros(1)]], intervals.weighted_mean) is None
+
+
+def test_the_seeded_interval_draws_units_inside_the_seeds_drawn():
+  # one seed of two units, 0 and 1: a resample draws both units with
+  # replacement, so its mean is 0, 1/2 or 1 with chances 1/4, 1/2, 1/4,
+  # and the bootstrap's weights hold exactly the two draws
+  seen = []
+
+  def statistic(weights, values):
+    seen.append(weights)
+    return intervals.weighted_mean(weights, values)
+
+  assert intervals.seeded_interval([[np.array([0.0, 1.0])]], statistic,
+                                   resamples=4000) == [0.0, 1.0]
+  weights = seen[0]
+  assert weights.shape == (4000, 2) and (weights.sum(axis=1) == 2).all()
+  assert np.mean(weights[:, 0] == 1) == pytest.approx(0.5, abs=0.03)

@@ -79,3 +79,12 @@ def test_a_failed_attack_of_one_seed_fails_the_pooled_row():
   broken = [SEEDS[0], dict(SEEDS[1], inversion={**SEEDS[1]["inversion"],
                                                 "ig": {"error": "out of memory"}})]
   assert pooling.pooled(broken)["inversion"]["ig"] == {"error": "out of memory"}
+
+
+def test_seeds_whose_attacks_scored_other_victims_have_no_pooled_interval():
+  ragged = [SEEDS[0], dict(SEEDS[1], inversion={**SEEDS[1]["inversion"]})]
+  masked = dict(ragged[1]["inversion"]["ig_masked"])
+  masked["victims"] = {"clients": [0, 1], "ssim": [0.1, 0.2], "psnr": [1.0, 2.0]}
+  ragged[1]["inversion"]["ig_masked"] = masked
+  got = pooling.leakage_intervals(pooling.pooled(ragged), ["ig", "ig_masked"])
+  assert got == {"victims": None, "ssim_ci": None, "psnr_ci": None}

@@ -529,6 +529,12 @@ def _leaderboard_parser(sub) -> None:
                  "batch 1, the analytic regime), cnn (the same under a CNN at "
                  "batches of 1 and 8) or full (every strength, all three "
                  "protocols, 3 seeds)")
+  p.add_argument("--equal-epsilon", type=_epsilon_target, metavar="EPSILON",
+                 help="run each DP entry once more at the strength that spends "
+                 "this epsilon (at the grid's delta, 1e-5 unless it sets one), for "
+                 "the report's equal-privacy table; 'none' for no such rows "
+                 "(default: the grid's; the compact grid has none, so that "
+                 "`make demo` keeps to its time: add them with --equal-epsilon 8)")
   p.add_argument("--entries", type=_names,
                  help="comma-separated names of the grid's entries to run (the "
                  "reference entry runs too, since every row is compared with it)")
@@ -546,16 +552,18 @@ def _leaderboard(args) -> int:
   grid = (leaderboard.grid.load(args.config) if args.config else
           leaderboard.grid.parse(leaderboard.defaults.grid(args.scale),
                                  f"--scale {args.scale}"))
+  if args.equal_epsilon is not None:
+    grid = leaderboard.grid.with_equal_epsilon(grid, args.equal_epsilon)
   if args.entries:
-    grid = leaderboard.grid.only(grid, args.entries)
+    leaderboard.grid.only(grid, args.entries)  # checks the names before training
   runtime.start()
   start = time.perf_counter()
-  results = leaderboard.board.run(grid, args.out, progress=not args.quiet,
-                                  jobs=args.jobs)
-  # the grid with its equal-epsilon rows, as the run calibrated them
-  code = _print_report(leaderboard.board.calibrated(grid, args.out), results, args.out,
+  ran = leaderboard.board.run(grid, args.out, progress=not args.quiet,
+                              jobs=args.jobs, entries=args.entries)
+  # every finished row, with the equal-epsilon rows as the run calibrated them
+  code = _print_report(*leaderboard.board.read(args.out), args.out,
                        ["tff-privacy", *sys.argv[1:]])
-  print(f"{len(results)} rows in {time.perf_counter() - start:.0f} s")
+  print(f"{len(ran)} rows in {time.perf_counter() - start:.0f} s")
   return code
 
 
@@ -578,12 +586,28 @@ def _print_report(grid, results, out, command) -> int:
   path = leaderboard.report.write(grid, results, out, command)
   rows = leaderboard.report.table_rows(grid, results)
   swept = not all(r["default"] for r in rows)
-  print("\n".join(leaderboard.report.section(
-      "At each entry's default strength", [r for r in rows if r["default"]],
-      matched=swept)))
-  print(f"report: {path} (figures: "
-        f"{', '.join(leaderboard.report.FIGURES)}; leaderboard.csv, leaderboard.json)")
+  files = []
+  for name, _ in grid.variants():
+    print("\n".join(leaderboard.report.section(
+        "At each entry's default strength" + (f" ({name})" if name else ""),
+        [r for r in rows if r["default"] and r["protocol"] == name], matched=swept)))
+    files += leaderboard.report.figures(name)
+  print(f"report: {path} (figures: {', '.join(files)}; leaderboard.csv, "
+        "leaderboard.json)")
   return 0
+
+
+def _epsilon_target(text: str):
+  """A target epsilon > 0, or False for 'none'."""
+  if text == "none":
+    return False
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 < value < float("inf"):
+    raise argparse.ArgumentTypeError(f"takes an epsilon > 0 or 'none', got {text!r}")
+  return value
 
 
 def _names(text: str) -> list[str]:

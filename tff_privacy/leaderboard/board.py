@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from concurrent import futures
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -50,9 +50,13 @@ GLOBAL_UTILITY = "test accuracy"
 
 def run(grid: Grid, out: str, progress: bool = True,
         log: Callable[[str], None] = print, jobs: int = 1,
-        train_data=None, test_data=None) -> list[dict[str, Any]]:
-  """Every row of `grid` under `out`, finished rows reused; returns the
-  rows' results in grid order.
+        train_data=None, test_data=None,
+        entries: Optional[Sequence[str]] = None) -> list[dict[str, Any]]:
+  """Every row of `grid` under `out` (of `entries` and the reference entry
+  only, when given: OUT/grid.json still records the whole grid), finished
+  rows reused; returns the rows' results in grid order, the equal-epsilon
+  rows, which `grid` lacks until calibrated, among them: `read(out)` gives
+  the grid they belong to.
 
   With `jobs` > 1 the unfinished rows run in that many processes (spawned,
   each with its own TFF worker) and show no progress bars; their times per
@@ -64,11 +68,14 @@ def run(grid: Grid, out: str, progress: bool = True,
 
   Raises:
     ValueError: `out` holds a leaderboard of another protocol (other
-      clients too) or attacks, jobs < 1, or a grid of partition
-      'client_data' without its ClientData.
+      clients too) or attacks, jobs < 1, a name of `entries` that is not
+      an entry's, or a grid of partition 'client_data' without its
+      ClientData.
   """
   if not isinstance(jobs, int) or jobs < 1:
     raise ValueError(f"jobs must be an integer >= 1, got {jobs!r}")
+  kept = ({e["name"] for e in grids.only(grid, list(entries)).entries}
+          if entries is not None else {e["name"] for e in grid.entries})
   federations = None
   if train_data is not None or test_data is not None:
     grid, federations = grids.with_client_data(grid, train_data, test_data)
@@ -77,7 +84,7 @@ def run(grid: Grid, out: str, progress: bool = True,
                      "clients' ClientData as train_data and test_data")
   _claim(grid, out)
   grid = calibrate(grid, out, federations, log)
-  rows = grid.rows()
+  rows = [row for row in grid.rows() if row.entry in kept]
   results, pending = {}, []
   digests = {key: f.sha256() for key, f in (federations or {}).items()}
   for i, row in enumerate(rows, start=1):
@@ -473,16 +480,15 @@ def attack_settings(name: str, attacks: dict, examples: list[int]) -> dict[str, 
   """Attack `name`'s parameters in a row whose victims' uploads stand for
   `examples` samples each: the grid's iterations (none for 'source': the
   attack's own default, its source's count), and, for an attack that
-  batches its searches (`group_size`), every victim in one group where all
-  uploads stand for as many samples, so that one compiled search serves
-  them. A group searches each victim as alone (to float rounding); on 2
-  cores it took 0.6x the time of one at a time for 15 single-image
-  uploads, and 1.4x for uploads of different sizes, which need one
-  compiled search per size."""
+  batches its searches (`group_size`), every victim in one group where
+  each upload stands for one sample. A group searches each victim as
+  alone (to float rounding); on 2 cores it took 0.6x the time of one at a
+  time for 15 single-image uploads, but 1.4x for 15 uploads of 20 images
+  each (a local epoch's), whose searches are large enough already."""
   settings = ({} if attacks["iterations"] == grids.SOURCE_ITERATIONS
               else {"iterations": attacks["iterations"]})
   if ("group_size" in inversion_attacks.attack_class(name).PARAMETERS
-      and len(set(examples)) == 1):
+      and set(examples) == {1}):
     settings["group_size"] = len(examples)
   return settings
 

@@ -89,12 +89,13 @@ class Row:
   equal_epsilon: Optional[dict] = None
   protocol_name: Optional[str] = None  # of the grid's `protocols`, if it has them
   replicate: int = 0  # which of the grid's `seeds` the row trains with
+  first_seed_key: Optional[str] = None  # the key of its first seed's row
 
   @property
   def base_key(self) -> str:
     """The key of the row's first seed: the rows of one (protocol, entry,
     strength) share it, and the report pools them."""
-    return self.key.split(SEED_SEPARATOR)[0]
+    return self.first_seed_key or self.key
 
   @property
   def label(self) -> str:
@@ -129,7 +130,8 @@ class Row:
     not reused."""
     return io.canonical({k: v for k, v in dataclasses.asdict(self).items()
                          if k not in ("entry", "key", "is_default", "inversion",
-                                      "equal_epsilon", "protocol_name", "replicate")})
+                                      "equal_epsilon", "protocol_name", "replicate",
+                                      "first_seed_key")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,12 +151,12 @@ class Grid:
 
   def variants(self) -> list[tuple[Optional[str], "Grid"]]:
     """(name, grid) per protocol of `protocols` (the grid itself, named
-    None, without them): each its protocol changed, with one seed."""
+    None, without them): each its protocol changed."""
     if self.protocols is None:
-      return [(None, dataclasses.replace(self, seeds=1))]
+      return [(None, self)]
     return [(p["name"], dataclasses.replace(
         self, protocol={**self.protocol, **{k: v for k, v in p.items() if k != "name"}},
-        protocols=None, seeds=1)) for p in self.protocols]
+        protocols=None)) for p in self.protocols]
 
   def rows(self) -> list[Row]:
     rows = []
@@ -162,7 +164,8 @@ class Grid:
       rows += [_named(row, name) for row in
                [r for entry in variant.entries for r in _expand(entry, variant)]
                + equal_epsilon_rows(variant, name)]
-    return [_seeded(row, i) for row in rows for i in range(self.seeds)]
+    first_seed = _seed(self.protocol) if self.seeds > 1 else None
+    return [_seeded(row, i, first_seed) for row in rows for i in range(self.seeds)]
 
   def to_json(self) -> dict:
     return io.canonical({k: v for k, v in dataclasses.asdict(self).items()
@@ -220,6 +223,16 @@ def parse(data: Any, where: str = "grid") -> Grid:
                      f"({sorted(k for k in keys if keys.count(k) > 1)[0]}); "
                      "rename an entry")
   return grid
+
+
+def with_equal_epsilon(grid: Grid, epsilon) -> Grid:
+  """`grid` with equal-epsilon rows at `epsilon` (False: none), at its
+  target's delta where it has one, else `EQUAL_EPSILON`'s."""
+  if epsilon is False:
+    return dataclasses.replace(grid, equal_epsilon=None, calibration=None)
+  delta = (grid.equal_epsilon or EQUAL_EPSILON)["delta"]
+  return dataclasses.replace(grid, equal_epsilon=_equal_epsilon(
+      {"epsilon": epsilon, "delta": delta}, "--equal-epsilon"), calibration=None)
 
 
 def only(grid: Grid, names: list[str]) -> Grid:
@@ -338,10 +351,10 @@ def _protocols(protocols: Any, where: str) -> Optional[tuple]:
   for i, change in enumerate(protocols):
     change = _object(change, f"{where}[{i}]", ("name", *PROTOCOL_KEYS),
                      "a protocol's name and run settings")
-    if not isinstance(change.get("name"), str) or not _slug(change["name"]):
+    if not isinstance(change.get("name"), str) or not slug(change["name"]):
       raise ValueError(f"{where}[{i}] name: a non-empty name with a letter or digit")
     checked.append(change)
-  names = [_slug(c["name"]) for c in checked]
+  names = [slug(c["name"]) for c in checked]
   if len(set(names)) != len(names):
     raise ValueError(f"{where}: names must differ in their letters and digits, "
                      f"got {[c['name'] for c in checked]}")
@@ -446,8 +459,8 @@ def _row(entry: dict, grid: Grid, strength: Any) -> Row:
   """The entry's row at `strength` (None: the entry is not swept)."""
   parameter = None if entry["sweep"] is None else next(iter(entry["sweep"]))
   method_kwargs, defense_kwargs = _resolve(entry, strength, entry["name"])
-  key = _slug(entry["name"]) + ("" if strength is None else
-                                f"__{_slug(parameter)}-{_slug(_shown(strength))}")
+  key = slug(entry["name"]) + ("" if strength is None else
+                                f"__{slug(parameter)}-{slug(_shown(strength))}")
   return Row(
       entry=entry["name"], key=key, method=entry["method"],
       method_kwargs=method_kwargs, defense=entry["defense"],
@@ -466,7 +479,7 @@ def equal_epsilon_row(entry: dict, grid: Grid, strength: Any) -> Row:
   """
   target, row = grid.equal_epsilon, _row(entry, grid, strength)
   return dataclasses.replace(
-      row, key=f"{_slug(entry['name'])}__eps-{_slug(_shown(target['epsilon']))}",
+      row, key=f"{slug(entry['name'])}__eps-{slug(_shown(target['epsilon']))}",
       protocol={**row.protocol, "dp_delta": target["delta"]}, is_default=False,
       equal_epsilon=dict(target))
 
@@ -490,26 +503,25 @@ def calibration_key(protocol_name: Optional[str], entry: dict) -> str:
   return entry["name"] if protocol_name is None else f"{protocol_name}/{entry['name']}"
 
 
-SEED_SEPARATOR = "__seed-"
-
-
 def _named(row: Row, protocol_name: Optional[str]) -> Row:
   """`row` under the grid's protocol `protocol_name` (None: the only one),
   its folder prefixed with the protocol's."""
   if protocol_name is None:
     return row
-  return dataclasses.replace(row, key=f"{_slug(protocol_name)}__{row.key}",
+  return dataclasses.replace(row, key=f"{slug(protocol_name)}__{row.key}",
                              protocol_name=protocol_name)
 
 
-def _seeded(row: Row, replicate: int) -> Row:
-  """`row` trained with the grid's seed + `replicate`; the first keeps the
-  row's folder, so that a grid given more seeds reuses its rows."""
+def _seeded(row: Row, replicate: int, first_seed: Optional[int]) -> Row:
+  """`row` trained with seed `first_seed` + `replicate` (None: the one
+  seed of a grid with one); the first keeps the row's folder, so that a
+  grid given more seeds reuses its rows."""
   if replicate == 0:
     return row
   return dataclasses.replace(
-      row, key=f"{row.key}{SEED_SEPARATOR}{replicate}", replicate=replicate,
-      protocol={**row.protocol, "seed": _seed(row.protocol) + replicate})
+      row, key=f"{row.key}__seed-{replicate}", replicate=replicate,
+      first_seed_key=row.key,
+      protocol={**row.protocol, "seed": row.protocol.get("seed", first_seed) + replicate})
 
 
 def _seed(protocol: dict) -> int:
@@ -531,5 +543,6 @@ def _shown(strength: Any) -> str:
   return f"{strength:g}" if isinstance(strength, (int, float)) else str(strength)
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+  """`text` as a folder name: lower-case letters, digits, dots and dashes."""
   return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")

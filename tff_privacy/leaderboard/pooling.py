@@ -4,7 +4,8 @@ spread (`tff_privacy.metrics.intervals.seeded_interval`: the seeds
 resampled, and inside each its victims, test samples or clients).
 
 A pooled number is over the pooled units: leakage is the worst attack's
-mean over every seed's victims (each victim's mean over its images), the
+mean over every seed's victims (each victim's mean over its images;
+each seed's mean weighed by its victims), the
 global model's accuracy the share of every seed's test samples it got
 right, a personalised accuracy the mean over every seed's clients, an
 attack success rate over every seed's victims. Where a seed's result lacks
@@ -90,7 +91,8 @@ def utility_columns(result: dict) -> Optional[list[list[np.ndarray]]]:
 def utility_interval(result: dict) -> Optional[list[float]]:
   """The pooled utility's 95% interval over the seeds and their units."""
   columns = utility_columns(result)
-  return None if columns is None else intervals.seeded_interval(columns, np.mean)
+  return (None if columns is None else
+          intervals.seeded_interval(columns, intervals.weighted_mean))
 
 
 def _inversion(cells: Sequence[dict]) -> dict[str, Any]:
@@ -101,7 +103,9 @@ def _inversion(cells: Sequence[dict]) -> dict[str, Any]:
   if failed is not None:
     return failed
   per_victim = [c.get("victims") for c in cells]
-  weights = [len(v["clients"]) if v else 1 for v in per_victim]
+  # each seed by its victims; equally where a seed's number is not kept
+  weights = ([len(v["clients"]) for v in per_victim] if None not in per_victim
+             else [1] * len(cells))
   pooled_cell = {**cells[0], **{
       metric: _average([c.get(metric) for c in cells], weights)
       for metric in ("ssim", "psnr", "mse", "label_accuracy")},
@@ -124,21 +128,34 @@ def leakage_intervals(result: dict, names: Sequence[str]) -> dict[str, Any]:
   per_seed = []
   for r in result["seeds"]:
     cells = [r["inversion"][n] for n in names]
-    if any(c.get("victims") is None for c in cells):
+    victims = [c.get("victims") for c in cells]
+    if None in victims or len({tuple(v["clients"]) for v in victims}) != 1:
       return {"victims": None, "ssim_ci": None, "psnr_ci": None}
-    per_seed.append([np.asarray(c["victims"][m], np.float64)
-                     for m in ("ssim", "psnr") for c in cells])
+    per_seed.append([np.asarray(v[m], np.float64) for m in ("ssim", "psnr")
+                     for v in victims])
   count = len(names)
 
-  def worst(*columns, reported: int):
-    means = [np.mean(c) for c in columns]
-    return means[reported * count + int(np.argmax(means[:count]))]
+  def worst(weights, *columns, reported: int):
+    means = np.stack([intervals.weighted_mean(weights, c) for c in columns])
+    chosen = np.argmax(means[:count], axis=0)
+    return np.take_along_axis(means[reported * count:(reported + 1) * count],
+                              chosen[None], axis=0)[0]
 
   return {"victims": sum(len(s[0]) for s in per_seed),
           "ssim_ci": intervals.seeded_interval(
-              per_seed, lambda *c: worst(*c, reported=0)),
+              per_seed, lambda w, *c: worst(w, *c, reported=0)),
           "psnr_ci": intervals.seeded_interval(
-              per_seed, lambda *c: worst(*c, reported=1))}
+              per_seed, lambda w, *c: worst(w, *c, reported=1))}
+
+
+def _balanced(weights: np.ndarray, guessed: np.ndarray, truth: np.ndarray
+              ) -> np.ndarray:
+  """Per resample, the balanced rate (the mean over the classes drawn of
+  each one's share guessed right) of the units drawn as `weights` says."""
+  recalls = [intervals.weighted_mean(weights * (truth == c), guessed == c)
+             for c in np.unique(truth)]
+  with np.errstate(all="ignore"):
+    return np.nanmean(np.stack(recalls), axis=0)
 
 
 def _attribute(cells: Sequence[Optional[dict]]) -> Optional[dict[str, Any]]:
@@ -163,8 +180,9 @@ def _attribute(cells: Sequence[Optional[dict]]) -> Optional[dict[str, Any]]:
           "balanced_asr": {n: attribute_inference.balanced_rate(g, truth)
                            for n, g in guesses.items()},
           "asr_ci": {n: intervals.seeded_interval(
-              per_seed[n], lambda g, t: np.mean(g == t)) for n in names},
-          "balanced_asr_ci": {n: intervals.seeded_interval(
-              per_seed[n], attribute_inference.balanced_rate) for n in names},
+              per_seed[n], lambda w, g, t: intervals.weighted_mean(w, g == t))
+              for n in names},
+          "balanced_asr_ci": {n: intervals.seeded_interval(per_seed[n], _balanced)
+                              for n in names},
           "chance": attribute_inference.chance_rate(truth),
           "balanced_chance": 1.0 / len(np.unique(truth))}

@@ -25,10 +25,20 @@ from tff_privacy import io, provenance
 from tff_privacy.dp import accounting
 from tff_privacy.leaderboard import pooling
 from tff_privacy.leaderboard.board import GLOBAL_UTILITY, failures, refusals
-from tff_privacy.leaderboard.grid import SOURCE_ITERATIONS, Grid, calibration_key
+from tff_privacy.leaderboard.grid import (SOURCE_ITERATIONS, Grid, calibration_key,
+                                          slug)
 from tff_privacy.metrics import intervals
 
 FIGURES = ("tradeoff.png", "reconstructions.png", "asr.png")
+
+
+def figures(protocol_name: Optional[str]) -> tuple[str, ...]:
+  """The figures' file names for the rows of protocol `protocol_name` (of
+  the grid's `protocols`; None for a grid without them): `FIGURES`, with
+  the protocol's name before '.png'."""
+  if protocol_name is None:
+    return FIGURES
+  return tuple(f.replace(".png", f"_{slug(protocol_name)}.png") for f in FIGURES)
 PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
             "tensorflow-privacy", "dp-accounting", "scikit-learn", "numpy")
 COLUMNS = ("label", "protocol", "seeds", "entry", "parameter", "strength", "default", "matched", "pareto",
@@ -167,6 +177,7 @@ def _protocol_rows(grid: Grid, results: Sequence[dict], grid_rows: dict,
     rows.append({
         "key": r["key"], "label": r["label"], "entry": r["entry"],
         "protocol": protocol_name, "seeds": r["seeds_done"],
+        "seeds_planned": grid.seeds,
         "parameter": r["settings"]["parameter"], "strength": strength,
         "default": r["is_default"], "matched": r["key"] in matched,
         "utility": r["utility"], "utility_ci": utility_interval(r),
@@ -277,6 +288,11 @@ def write(grid: Grid, results: Sequence[dict], out: str,
     io.write_json(kept, list(command))
   elif os.path.exists(kept):
     command = io.read_json(kept)
+  unknown = sorted({r["key"] for r in results} - {row.key for row in grid.rows()})
+  if unknown:
+    raise ValueError(f"results of rows {unknown} are not rows of the grid (of "
+                     "another grid, or equal-epsilon rows of an uncalibrated "
+                     "one); report what board.read(out) returns")
   rows = table_rows(grid, results)
   attacks = dict.fromkeys(a for row in grid.rows() for a in row.inversion)
   io.write_csv(os.path.join(out, "leaderboard.csv"), rows, COLUMNS + tuple(
@@ -285,10 +301,13 @@ def write(grid: Grid, results: Sequence[dict], out: str,
   io.write_json(os.path.join(out, "leaderboard.json"),
                 {"grid": grid.to_json(), "rows": rows, "versions": versions(),
                  "code_version": provenance.code_version()})
-  _tradeoff_figure([r for r in rows if r["equal_epsilon"] is None],
-                   os.path.join(out, "tradeoff.png"))
-  _reconstruction_figure(grid, results, out, os.path.join(out, "reconstructions.png"))
-  _asr_figure(rows, os.path.join(out, "asr.png"))
+  for name, _ in grid.variants():
+    mine = [r for r in rows if r["protocol"] == name]
+    tradeoff, reconstructions, asr = figures(name)
+    _tradeoff_figure([r for r in mine if r["equal_epsilon"] is None],
+                     os.path.join(out, tradeoff))
+    _reconstruction_figure(mine, results, out, os.path.join(out, reconstructions))
+    _asr_figure(mine, os.path.join(out, asr))
   path = os.path.join(out, "report.md")
   io.write_text(path, markdown(grid, rows, command))
   return path
@@ -297,7 +316,9 @@ def write(grid: Grid, results: Sequence[dict], out: str,
 def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
   attacks, protocol = grid.attacks, grid.protocol
   lines = ["# Leaderboard", "",
-           f"Protocol: {_settings(protocol)}. Every row is attacked on round "
+           ("Protocol, which each protocol below changes as it says: "
+            if grid.protocols else "Protocol: ") +
+           f"{_settings(protocol)}. Every row is attacked on round "
            f"{attacks['capture_round']}'s uploads of its first {attacks['victims']} "
            f"clients: {', '.join(sorted({a for r in grid.rows() for a in r.inversion}))} "
            f"({_iterations(attacks)}; the adaptive ones only on the "
@@ -338,14 +359,17 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
   lines += _listed("Attacks that failed (the next run of the leaderboard runs "
                    "them again)", rows, "failures")
   lines += _other_code(rows)
-  lines += ["## Figures", "",
-            "- tradeoff.png: utility against leakage, one point per row with "
+  names = [figures(name) for name, _ in grid.variants()]
+  lines += ["## Figures", "", *(["One of each per protocol: " + "; ".join(
+      f"{name}: {', '.join(files)}" for (name, _), files in zip(grid.variants(), names)),
+      ""] if grid.protocols else []),
+            f"- {names[0][0]}: utility against leakage, one point per row with "
             "its intervals as bars; the rows on the Pareto front are ringed.",
-            "- reconstructions.png: the same originals (top) and each entry's "
+            f"- {names[0][1]}: the same originals (top) and each entry's "
             "reconstruction at its matched (else default) strength.",
-            "- asr.png: each adversary's balanced attack success rate per entry "
-            "at its matched (else default) strength; the dashed line is chance.", "",
-            "## How it was made", ""]
+            f"- {names[0][2]}: each adversary's balanced attack success rate per "
+            "entry at its matched (else default) strength; the dashed line is chance.",
+            "", "## How it was made", ""]
   if command:
     lines += ["```", " ".join(command), "```", ""]
   lines += [f"- {name}: {version}" for name, version in versions().items()]
@@ -514,7 +538,7 @@ def _without_adaptive(rows: Sequence[dict]) -> list[str]:
 def _unconverged(rows: Sequence[dict]) -> list[str]:
   """A section naming the rows whose worst attack was still improving when
   it stopped; none when there are none."""
-  items = [f"- {r['label']}, {r['attack']}: SSIM " + ", ".join(
+  items = [f"- {_where(r)}, {r['attack']}: SSIM " + ", ".join(
       f"{v:.3f} after {k}" for k, v in sorted(r["ssim_by_iterations"].items(),
                                             key=lambda kv: int(kv[0])))
            for r in rows if r["attack_converged"] is False]
@@ -528,7 +552,7 @@ def _unconverged(rows: Sequence[dict]) -> list[str]:
 def _other_code(rows: Sequence[dict]) -> list[str]:
   """A section naming the rows made by code other than the current (reused
   from earlier runs), and by which; none when there are none."""
-  items = [f"- {r['label']} (rows/{r['key']}): {r['code_note']}"
+  items = [f"- {_where(r)} (rows/{r['key']}): {r['code_note']}"
            for r in rows if r["code_note"]]
   return (["## Rows made by other code", "",
            "Finished rows are reused whichever code made them; delete a "
@@ -536,10 +560,21 @@ def _other_code(rows: Sequence[dict]) -> list[str]:
           if items else [])
 
 
+def _seeds_done(r: dict) -> str:
+  """' (k of n seeds)' for a row whose seeds have not all finished."""
+  done, planned = r.get("seeds", 1), r.get("seeds_planned", 1)
+  return f" ({done} of {planned} seeds)" if done < planned else ""
+
+
+def _where(r: dict) -> str:
+  """A row's label, and its protocol where the grid has several."""
+  return r["label"] + (f" under {r['protocol']}" if r.get("protocol") else "")
+
+
 def _listed(title: str, rows: Sequence[dict], key: str) -> list[str]:
   """A section listing the rows' attacks under `key` and why; none when
   there are none."""
-  items = [f"- {r['label']}, {attack}: {why}" for r in rows
+  items = [f"- {_where(r)}, {attack}: {why}" for r in rows
            for attack, why in r[key].items()]
   return [f"## {title}", "", *items, ""] if items else []
 
@@ -553,7 +588,8 @@ def section(title: str, rows: Sequence[dict], matched: bool = True) -> list[str]
     marks = "".join(m for m, on in (("P", r["pareto"]), ("M", matched and r["matched"]))
                     if on)
     lines.append("| " + " | ".join([
-        r["label"] + (f" [{marks}]" if marks else ""), _utility_cell(r),
+        r["label"] + (f" [{marks}]" if marks else "") + _seeds_done(r),
+        _utility_cell(r),
         _number(r["loss"], 4), _leakage_cell(r),
         _with_interval(r["psnr"], r["psnr_ci"], 2), _number(r["label_accuracy"], 2),
         _unaware(r), _asr_cell(r),
@@ -710,10 +746,12 @@ def _error_bars(rows: Sequence[dict], field: str) -> np.ndarray:
                    if r[f"{field}_ci"] else [0.0, 0.0] for r in rows]).T.clip(0)
 
 
-def _reconstruction_figure(grid: Grid, results: Sequence[dict], out: str,
+def _reconstruction_figure(rows: Sequence[dict], results: Sequence[dict], out: str,
                            path: str) -> None:
+  """The reconstructions of the `rows` shown (`_shown`; table rows of one
+  protocol) from their `results` (a row's first seed's)."""
   from tff_privacy.metrics import report
-  shown = {r["key"] for r in _shown(table_rows(grid, results))}
+  shown = {r["key"] for r in _shown(rows)}
   images, originals, value_range = {}, None, None
   for r in results:
     worst = leakage(r)

@@ -106,11 +106,21 @@ def seeded_interval(per_seed: Sequence[Sequence[Sequence[float]]], statistic,
   """[low, high]: the percentile interval of `statistic` by a two-level
   bootstrap, for a number measured on several training runs (seeds): each
   resample draws the seeds with replacement and, inside each seed drawn,
-  its units (victims, test samples, clients) with replacement, then pools
-  the drawn units of every seed drawn; so the interval holds the
-  seed-to-seed spread as well as the units'. `per_seed` holds, per seed,
-  paired columns of equal length (one value per unit); `statistic` maps the
-  pooled columns to a number. None with fewer than two units in all.
+  its units (victims, test samples, clients) with replacement, and pools
+  the units drawn; so the interval holds the seed-to-seed spread as well as
+  the units'. Resampling at both levels counts the units' spread twice
+  (Davison and Hinkley's first strategy): with few seeds the interval is
+  conservative, never narrower than the spread warrants.
+
+  Args:
+    per_seed: per seed, paired columns of equal length (one value per unit).
+    statistic: `statistic(weights, *columns)` -> one value per resample,
+      where `weights` [resamples, units] holds how often each of the pooled
+      units (every seed's, in order) was drawn, and each column is the
+      seeds' columns concatenated (`weighted_mean` is the mean's).
+
+  Returns:
+    None with fewer than two units in all.
 
   Raises:
     ValueError: no seed, or a seed whose columns differ in number or length.
@@ -120,15 +130,25 @@ def seeded_interval(per_seed: Sequence[Sequence[Sequence[float]]], statistic,
       len({len(c) for c in s}) != 1 for s in columns):
     raise ValueError("per_seed: the same number of columns for every seed, of "
                      "one length within a seed, and at least one seed")
-  if sum(len(s[0]) for s in columns) < 2:
+  sizes = [len(s[0]) for s in columns]
+  if sum(sizes) < 2:
     return None
   rng = np.random.default_rng(seed)
-  values = np.empty(resamples)
-  for k in range(resamples):
-    drawn = [columns[i] for i in rng.integers(len(columns), size=len(columns))]
-    picks = [rng.integers(len(s[0]), size=len(s[0])) for s in drawn]
-    values[k] = statistic(*(np.concatenate([s[j][p] for s, p in zip(drawn, picks)])
-                            for j in range(len(columns[0]))))
+  drawn = rng.multinomial(len(sizes), np.full(len(sizes), 1 / len(sizes)),
+                          size=resamples)  # [resamples, seeds]: times drawn
+  # the units of c draws of a seed of n units: c * n draws among its n
+  weights = np.concatenate([
+      rng.multinomial(drawn[:, k] * n, np.full(n, 1 / n)) if n else
+      np.zeros((resamples, 0)) for k, n in enumerate(sizes)], axis=1)
+  pooled = [np.concatenate([s[j] for s in columns]) for j in range(len(columns[0]))]
+  values = np.asarray(statistic(weights.astype(np.float64), *pooled), np.float64)
   tail = (1 - confidence) / 2 * 100
   low, high = np.nanpercentile(values, [tail, 100 - tail])
   return [float(low), float(high)]
+
+
+def weighted_mean(weights: np.ndarray, values: np.ndarray) -> np.ndarray:
+  """Per resample (row of `weights`), the mean of `values` with each unit
+  counted as often as it was drawn: `seeded_interval`'s mean."""
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return weights @ values / weights.sum(axis=1)
