@@ -1119,3 +1119,15 @@ def test_the_command_line_sets_the_equal_epsilon_target():
   assert grid.with_equal_epsilon(at_two, False).equal_epsilon is None
   with pytest.raises(SystemExit):
     cli.main(["leaderboard", "--out", "unused", "--equal-epsilon", "-1"])
+
+
+def test_a_model_is_usable_or_not_only_beyond_its_utility_interval():
+  at = {"utility": 0.728, "utility_ci": [0.6996, 0.7547]}
+  # 0.9 x 0.811: inside the interval, so neither is claimed
+  assert report._usable(at, 0.7299) == (
+      "usable or not within its interval (which holds 0.7299)")
+  assert report._usable(dict(at, utility_ci=[0.73, 0.75]), 0.7299) == "usable"
+  assert report._usable(dict(at, utility_ci=[0.70, 0.7298]), 0.7299) == (
+      "not usable (utility below 0.7299)")
+  assert report._usable(dict(at, utility_ci=None), 0.7299) == (
+      "not usable (utility below 0.7299)")

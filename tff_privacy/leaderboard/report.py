@@ -490,6 +490,19 @@ def _equal_epsilon_sections(grid: Grid, rows: Sequence[dict],
   return lines
 
 
+def _usable(r: dict, usable: Optional[float]) -> str:
+  """Whether row `r`'s model is usable (utility >= `usable`), judged on its
+  utility's interval where it has one: usable or not only beyond it."""
+  if usable is None or not _finite(r["utility"]):
+    return "n/a"
+  low, high = r["utility_ci"] or (r["utility"], r["utility"])
+  if low >= usable:
+    return "usable"
+  if high < usable:
+    return f"not usable (utility below {usable:.4f})"
+  return f"usable or not within its interval (which holds {usable:.4f})"
+
+
 def _usable_utility(grid: Grid, rows: Sequence[dict]) -> Optional[float]:
   """The least utility of a usable model: `utility_target` x the reference
   row's utility (the utility-matched table's target); None without it."""
@@ -509,8 +522,7 @@ def _equal_epsilon_table(rows: Sequence[dict], usable: Optional[float]) -> list[
   lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
   relations = list(dict.fromkeys(r["relation"] for r in rows))
   for r in rows:
-    model = ("n/a" if usable is None or not _finite(r["utility"]) else
-             "usable" if r["utility"] >= usable else f"not usable (utility below {usable:.4f})")
+    model = _usable(r, usable)
     lines.append("| " + " | ".join([
         r["entry"], f"{r['parameter']}={r['strength']:.4g}",
         "n/a" if r["epsilon"] is None else f"{r['epsilon']:.4g} ({r['delta']:g})",

@@ -125,15 +125,20 @@ def _compared(label: str, quantity: str, digits: int, mine: tuple, theirs: tuple
               whose: str, words: tuple[str, str, str]) -> str:
   """`label`'s sentence comparing `mine` with `theirs`, each (value, its
   interval or None): words[0] where mine's interval lies wholly above
-  theirs, words[1] where the two overlap, words[2] wholly below; no order
-  where either lacks a value or an interval."""
+  theirs, words[1] where the two overlap, words[2] wholly below, an order
+  with the difference of the values; no order where either lacks a value
+  or an interval."""
   (a, a_ci), (b, b_ci) = mine, theirs
   numbers = (f"{quantity} {_with_interval(a, a_ci, digits)} against "
              f"{_with_interval(b, b_ci, digits)}{whose}")
   if not (_finite(a) and _finite(b)) or a_ci is None or b_ci is None:
     return f"{label}: {numbers}: without intervals on both sides, no order is claimed."
-  word = words[0] if a_ci[0] > b_ci[1] else words[2] if a_ci[1] < b_ci[0] else words[1]
-  return f"{label}: {word} ({numbers})."
+  if a_ci[0] <= b_ci[1] and a_ci[1] >= b_ci[0]:
+    return f"{label}: {words[1]} ({numbers})."
+  # an order: by how much, since intervals as narrow as 1.000 [1.000, 1.000]
+  # order differences too small to matter
+  word = words[0] if a_ci[0] > b_ci[1] else words[2]
+  return f"{label}: {word}, by {_number(abs(a - b), digits)} ({numbers})."
 
 
 def _pair(r: dict, field: str) -> tuple:
