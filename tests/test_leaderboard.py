@@ -1131,3 +1131,17 @@ def test_a_model_is_usable_or_not_only_beyond_its_utility_interval():
       "not usable (utility below 0.7299)")
   assert report._usable(dict(at, utility_ci=None), 0.7299) == (
       "not usable (utility below 0.7299)")
+
+
+def test_a_target_set_before_in_the_folder_stays(tmp_path):
+  tiny = grid.parse(TINY)
+  assert board.with_recorded_target(tiny, str(tmp_path)) == tiny  # no folder yet
+  at_eight = grid.with_equal_epsilon(tiny, 8.0)
+  io_path = tmp_path / "grid.json"
+  io_path.write_text(json.dumps(at_eight.to_json()))
+  assert board.with_recorded_target(tiny, str(tmp_path)).equal_epsilon == {
+      "epsilon": 8.0, "delta": 1e-5}
+  # a grid.json from before the target was kept records none
+  old = {k: v for k, v in at_eight.to_json().items() if k != "equal_epsilon"}
+  io_path.write_text(json.dumps(old))
+  assert board.with_recorded_target(tiny, str(tmp_path)).equal_epsilon is None

@@ -88,3 +88,17 @@ def test_seeds_whose_attacks_scored_other_victims_have_no_pooled_interval():
   ragged[1]["inversion"]["ig_masked"] = masked
   got = pooling.leakage_intervals(pooling.pooled(ragged), ["ig", "ig_masked"])
   assert got == {"victims": None, "ssim_ci": None, "psnr_ci": None}
+
+
+def test_the_pooled_balanced_rate_is_scikit_learns_with_the_draws_as_weights():
+  truth = np.array([0, 0, 1, 1, 1, 2])
+  guessed = np.array([0, 1, 1, 1, 0, 2])
+  weights = np.array([[1, 0, 2, 1, 0, 2], [0, 3, 1, 0, 2, 0], [1, 1, 1, 1, 1, 1]],
+                     np.float64)
+  got = pooling._balanced(weights, guessed, truth)
+  # scikit-learn's balanced accuracy over the classes drawn, each unit as
+  # often as drawn
+  for row, value in zip(weights, got):
+    drawn = row > 0
+    assert value == pytest.approx(balanced_accuracy_score(
+        truth[drawn], guessed[drawn], sample_weight=row[drawn]))

@@ -533,8 +533,9 @@ def _leaderboard_parser(sub) -> None:
                  help="run each DP entry once more at the strength that spends "
                  "this epsilon (at the grid's delta, 1e-5 unless it sets one), for "
                  "the report's equal-privacy table; 'none' for no such rows "
-                 "(default: the grid's; the compact grid has none, so that "
-                 "`make demo` keeps to its time: add them with --equal-epsilon 8)")
+                 "(default: the target an earlier run set in --out, else the "
+                 "grid's; the compact grid has none, so that `make demo` keeps "
+                 "to its time: add them with --equal-epsilon 8)")
   p.add_argument("--entries", type=_names,
                  help="comma-separated names of the grid's entries to run (the "
                  "reference entry runs too, since every row is compared with it)")
@@ -554,6 +555,8 @@ def _leaderboard(args) -> int:
                                  f"--scale {args.scale}"))
   if args.equal_epsilon is not None:
     grid = leaderboard.grid.with_equal_epsilon(grid, args.equal_epsilon)
+  else:  # a target set before in this folder stays, with its rows
+    grid = leaderboard.board.with_recorded_target(grid, args.out)
   if args.entries:
     leaderboard.grid.only(grid, args.entries)  # checks the names before training
   runtime.start()
@@ -585,7 +588,7 @@ def _print_report(grid, results, out, command) -> int:
   from tff_privacy import leaderboard
   path = leaderboard.report.write(grid, results, out, command)
   rows = leaderboard.report.table_rows(grid, results)
-  swept = not all(r["default"] for r in rows)
+  swept = not all(r["default"] for r in rows if r["equal_epsilon"] is None)
   files = []
   for name, _ in grid.variants():
     print("\n".join(leaderboard.report.section(

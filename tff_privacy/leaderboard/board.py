@@ -170,6 +170,16 @@ def read(out: str) -> tuple[Grid, list[dict[str, Any]]]:
   return grid, results
 
 
+def with_recorded_target(grid: Grid, out: str) -> Grid:
+  """`grid` with the equal-epsilon target that OUT/grid.json records (set
+  there by an earlier run), or as it is where it records none (no file, or
+  one from before the target was kept)."""
+  path = os.path.join(out, "grid.json")
+  if not os.path.exists(path) or "equal_epsilon" not in io.read_json(path):
+    return grid
+  return dataclasses.replace(grid, equal_epsilon=grids.load(path).equal_epsilon)
+
+
 def calibrate(grid: Grid, out: str, federations: Optional[dict] = None,
               log: Callable[[str], None] = print) -> Grid:
   """`grid` calibrated to its `equal_epsilon` target (`Grid.calibration`,

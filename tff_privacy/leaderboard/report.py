@@ -306,7 +306,8 @@ def write(grid: Grid, results: Sequence[dict], out: str,
     tradeoff, reconstructions, asr = figures(name)
     _tradeoff_figure([r for r in mine if r["equal_epsilon"] is None],
                      os.path.join(out, tradeoff))
-    _reconstruction_figure(mine, results, out, os.path.join(out, reconstructions))
+    _reconstruction_figure(mine, _first_seeds(grid, results), out,
+                           os.path.join(out, reconstructions))
     _asr_figure(mine, os.path.join(out, asr))
   path = os.path.join(out, "report.md")
   io.write_text(path, markdown(grid, rows, command))
@@ -475,7 +476,8 @@ def _equal_epsilon_sections(grid: Grid, rows: Sequence[dict],
            "relation. "
            + ("A model is usable when its utility is at least "
               f"{grid.utility_target:g} x the reference's ({usable:.4f}), the "
-              "utility-matched table's target." if usable is not None else
+              "utility-matched table's target, and is said to be usable or not "
+              "only where its utility's interval lies wholly on one side." if usable is not None else
               "Without the reference's utility no model is judged usable or not."),
            ""]
   for unit in dict.fromkeys(accounting.protected(x["relation"]) for x in
@@ -761,13 +763,13 @@ def _error_bars(rows: Sequence[dict], field: str) -> np.ndarray:
 def _reconstruction_figure(rows: Sequence[dict], results: Sequence[dict], out: str,
                            path: str) -> None:
   """The reconstructions of the `rows` shown (`_shown`; table rows of one
-  protocol) from their `results` (a row's first seed's)."""
+  protocol) from `results`, a row's first finished seed's, keyed by the
+  row's `base_key`."""
   from tff_privacy.metrics import report
-  shown = {r["key"] for r in _shown(rows)}
   images, originals, value_range = {}, None, None
-  for r in results:
+  for r in (results[x["key"]] for x in _shown(rows) if x["key"] in results):
     worst = leakage(r)
-    if r["key"] not in shown or worst is None:
+    if worst is None:
       continue
     data = np.load(os.path.join(out, worst["folder"], "reconstructions.npz"))
     if originals is None:
@@ -778,6 +780,15 @@ def _reconstruction_figure(rows: Sequence[dict], results: Sequence[dict], out: s
   if images:
     report.save_grid(images, path, value_range, max_columns=8,
                      title="Reconstructions of the same round-1 images")
+
+
+def _first_seeds(grid: Grid, results: Sequence[dict]) -> dict[str, dict]:
+  """{row's `base_key`: the result of its first finished seed}."""
+  rows = {row.key: row for row in grid.rows()}
+  found = {}
+  for r in sorted(results, key=lambda r: -rows[r["key"]].replicate):
+    found[rows[r["key"]].base_key] = r
+  return found
 
 
 def _same_originals(originals: np.ndarray, theirs: np.ndarray,

@@ -108,9 +108,12 @@ def seeded_interval(per_seed: Sequence[Sequence[Sequence[float]]], statistic,
   resample draws the seeds with replacement and, inside each seed drawn,
   its units (victims, test samples, clients) with replacement, and pools
   the units drawn; so the interval holds the seed-to-seed spread as well as
-  the units'. Resampling at both levels counts the units' spread twice
-  (Davison and Hinkley's first strategy): with few seeds the interval is
-  conservative, never narrower than the spread warrants.
+  the units'. Resampling at both levels (Davison and Hinkley's first
+  strategy) counts the units' spread twice, which widens the interval,
+  while with S seeds it sees only (S - 1) / S of the seeds' spread and a
+  few distinct draws of them (10 of 3 seeds), which narrows it: with few
+  seeds whose means differ much more than their units do, it is narrower
+  than a t-interval over the seeds' means.
 
   Args:
     per_seed: per seed, paired columns of equal length (one value per unit).
@@ -120,7 +123,8 @@ def seeded_interval(per_seed: Sequence[Sequence[Sequence[float]]], statistic,
       seeds' columns concatenated (`weighted_mean` is the mean's).
 
   Returns:
-    None with fewer than two units in all.
+    None with fewer than two units in all, or where no resample's
+    statistic is finite.
 
   Raises:
     ValueError: no seed, or a seed whose columns differ in number or length.
@@ -142,6 +146,8 @@ def seeded_interval(per_seed: Sequence[Sequence[Sequence[float]]], statistic,
       np.zeros((resamples, 0)) for k, n in enumerate(sizes)], axis=1)
   pooled = [np.concatenate([s[j] for s in columns]) for j in range(len(columns[0]))]
   values = np.asarray(statistic(weights.astype(np.float64), *pooled), np.float64)
+  if not np.isfinite(values).any():
+    return None
   tail = (1 - confidence) / 2 * 100
   low, high = np.nanpercentile(values, [tail, 100 - tail])
   return [float(low), float(high)]
