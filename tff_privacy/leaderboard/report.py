@@ -437,8 +437,7 @@ def _strength_sections(grid: Grid, rows: Sequence[dict],
   in utility to the reference, and every row."""
   lines = section(_titled("At each entry's default strength", name),
                   [r for r in rows if r["default"]])
-  reference = next((r for r in rows if r["entry"] == grid.reference and r["default"]),
-                   None)
+  reference = _reference_row(grid, rows)
   if reference and _finite(reference["utility"]):
     lines += section(_titled(
         f"Utility-matched: the strength closest to {grid.utility_target:g} x "
@@ -508,11 +507,15 @@ def _usable(r: dict, usable: Optional[float]) -> str:
 def _usable_utility(grid: Grid, rows: Sequence[dict]) -> Optional[float]:
   """The least utility of a usable model: `utility_target` x the reference
   row's utility (the utility-matched table's target); None without it."""
-  reference = next((r for r in rows if r["entry"] == grid.reference and r["default"]),
-                   None)
+  reference = _reference_row(grid, rows)
   if reference is None or not _finite(reference["utility"]):
     return None
   return grid.utility_target * reference["utility"]
+
+
+def _reference_row(grid: Grid, rows: Sequence[dict]) -> Optional[dict]:
+  """The table row of the grid's reference entry at its default strength."""
+  return next((r for r in rows if r["entry"] == grid.reference and r["default"]), None)
 
 
 def _equal_epsilon_table(rows: Sequence[dict], usable: Optional[float]) -> list[str]:
