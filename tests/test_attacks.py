@@ -213,6 +213,24 @@ def test_best_iterate_is_kept_not_the_last(digits):
   assert float(state["best_loss"]) <= start_loss + 1e-6
 
 
+def test_a_chunk_takes_its_steps_then_evaluates_the_last_iterate_only():
+  """`search_steps` against a hand count: a search at position 4 whose
+  step moves it by one, from iteration 2, 3 steps. It evaluates 4, 5, 6 at
+  iterations 2, 3, 4, then the last iterate 7 without moving on."""
+  def step(t, state):
+    x, evaluated, at = state
+    evaluated += tf.one_hot(x, 10)
+    at += tf.one_hot(t, 10)
+    return (x + 1, evaluated, at), (x, evaluated, at)
+
+  x, evaluated, at = tf.function(lambda: attacks.inversion.search_steps(
+      step, tf.constant(2), tf.constant(3),
+      (tf.constant(4), tf.zeros(10), tf.zeros(10))), autograph=False)()
+  assert int(x) == 7
+  np.testing.assert_array_equal(evaluated, np.isin(np.arange(10), [4, 5, 6, 7]))
+  np.testing.assert_array_equal(at, np.isin(np.arange(10), [2, 3, 4, 5]))
+
+
 def test_unknown_device_is_refused_not_silently_replaced(digits):
   x, y = digits
   rec = _record(x[:1], y[:1])

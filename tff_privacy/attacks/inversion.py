@@ -228,6 +228,26 @@ def adam_step(p, g, m, v, step, lr):
   return p, m, v
 
 
+def search_steps(step: Callable, done: tf.Tensor, steps: tf.Tensor, state):
+  """`steps` iterations of a search from `state`, then one evaluation of the
+  objective at the last iterate, as one loop whose body traces the
+  objective once (tracing a second copy of it for the final evaluation
+  costs as long again as the first, seconds for an unrolled local epoch).
+
+  `step(t, state) -> (moved, kept)`: iteration t's next state, and the
+  state that keeps what evaluating the current iterate taught (its loss
+  against the best so far) without moving it; the last pass returns
+  `kept`. Both have `state`'s structure and shapes."""
+  def body(i, state):
+    moved, kept = step(done + i, state)
+    last = i >= steps
+    return i + 1, tf.nest.map_structure(
+        lambda a, b: tf.where(last, b, a), moved, kept)
+  _, state = tf.while_loop(lambda i, _: i <= steps, body,
+                           (tf.constant(0), state))
+  return state
+
+
 def _initial(shape, init: str, bounds, rng: np.random.Generator) -> tf.Tensor:
   if init == "randn":
     return tf.constant(rng.standard_normal(shape), tf.float32)
@@ -401,7 +421,11 @@ class GradientInversion(abc.ABC):
     key = (name, target.cache_key())
     if key not in self._functions:
       fn = build(target)
-      self._functions[key] = tf.function(fn) if self.compiled else fn
+      # The search loops are written with tf.while_loop: without autograph
+      # a trace converts none of the Keras and model code it calls, about a
+      # third of tracing an unrolled local epoch.
+      self._functions[key] = (tf.function(fn, autograph=False)
+                              if self.compiled else fn)
     return self._functions[key]
 
   def checkpoints(self) -> list[int]:
@@ -684,35 +708,28 @@ class InvertingGradients(GradientInversion):
           tf.rank(x) - tf.rank(better), tf.int32)], 0))
       return tf.where(pick, x, best_x), tf.where(better, loss, best_loss)
 
-    def step(t, x, m, v, best_x, best_loss, y_soft, upload, upload_norm,
-             broadcast, mask, region):
-      loss, grad = objective(x, y_soft, upload, upload_norm, broadcast, mask,
-                             region)
+    def step(t, state, arguments):
+      x, m, v, best_x, best_loss = state
+      loss, grad = objective(x, *arguments)
       best_x, best_loss = keep_best(x, loss, best_x, best_loss)
       g = tf.sign(grad) if self.signed else grad
       lr = self.lr
       if self.lr_decay:
         passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
         lr = self.lr * tf.pow(0.1, passed)
-      x, m, v = adam_step(x, g, m, v, tf.cast(t + 1, tf.float32), lr)
+      moved_x, moved_m, moved_v = adam_step(x, g, m, v, tf.cast(t + 1, tf.float32), lr)
       if self.boxed:
-        x = tf.clip_by_value(x, lo, hi)
-      return x, m, v, best_x, best_loss
-
-    def last(x, best_x, best_loss, *arguments):
-      loss, _ = objective(x, *arguments)  # the latest iterate
-      return keep_best(x, loss, best_x, best_loss)
+        moved_x = tf.clip_by_value(moved_x, lo, hi)
+      return ((moved_x, moved_m, moved_v, best_x, best_loss),
+              (x, m, v, best_x, best_loss))
 
     def advance(x, m, v, best_x, best_loss, done, steps, y_soft, upload,
                 broadcast, mask, region):
       upload = [u * k for u, k in zip(upload, mask)] if mask else upload
       arguments = (y_soft, upload, norm(upload, grouped), broadcast, mask,
                    region)
-      for i in tf.range(steps):
-        x, m, v, best_x, best_loss = step(done + i, x, m, v, best_x, best_loss,
-                                          *arguments)
-      best_x, best_loss = last(x, best_x, best_loss, *arguments)
-      return x, m, v, best_x, best_loss
+      return search_steps(lambda t, state: step(t, state, arguments), done,
+                          steps, (x, m, v, best_x, best_loss))
     return advance
 
   def targets(self, records: Sequence[UpdateRecord],

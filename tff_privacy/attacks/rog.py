@@ -41,7 +41,8 @@ from tff_privacy import pretrained
 from tff_privacy.data import normalization
 from tff_privacy.attacks.inversion import (GradientInversion, Target,
                                            _MAX_EXAMPLES, _RESTARTS, _iterations,
-                                           adam_step, l2_distance)
+                                           adam_step, l2_distance,
+                                           search_steps)
 from tff_privacy.params import Param, Params
 
 _FORMAT = "tff_privacy.rog_prior/1"
@@ -252,18 +253,20 @@ class ROG(GradientInversion):
                            upload)
       return loss, tape.gradient(loss, z)
 
-    def advance(z, m, v, best_z, best_loss, done, steps, y_soft, upload, broadcast):
-      for i in tf.range(steps):
-        t = done + i
-        loss, grad = objective(z, y_soft, upload, broadcast)
-        better = loss < best_loss
-        best_z = tf.where(better, z, best_z)
-        best_loss = tf.where(better, loss, best_loss)
-        lr = cosine_learning_rate(t, self.iterations, self.lr)
-        z, m, v = adam_step(z, grad, m, v, tf.cast(t + 1, tf.float32), lr)
-      loss, _ = objective(z, y_soft, upload, broadcast)
+    def step(t, state, arguments):
+      z, m, v, best_z, best_loss = state
+      loss, grad = objective(z, *arguments)
       better = loss < best_loss
-      return z, m, v, tf.where(better, z, best_z), tf.where(better, loss, best_loss)
+      best_z = tf.where(better, z, best_z)
+      best_loss = tf.where(better, loss, best_loss)
+      lr = cosine_learning_rate(t, self.iterations, self.lr)
+      moved = adam_step(z, grad, m, v, tf.cast(t + 1, tf.float32), lr)
+      return (*moved, best_z, best_loss), (z, m, v, best_z, best_loss)
+
+    def advance(z, m, v, best_z, best_loss, done, steps, y_soft, upload, broadcast):
+      arguments = (y_soft, upload, broadcast)
+      return search_steps(lambda t, state: step(t, state, arguments), done,
+                          steps, (z, m, v, best_z, best_loss))
     return advance
 
   def _start(self, target, rng):

@@ -50,7 +50,8 @@ import tensorflow as tf
 from tff_privacy.attacks.inversion import (GradientInversion, Target,
                                            _INIT, _MAX_EXAMPLES, _RESTARTS,
                                            _initial, _iterations, adam_step,
-                                           cosine_distance, total_variation)
+                                           cosine_distance, search_steps,
+                                           total_variation)
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 from tff_privacy.params import Param, Params
@@ -146,28 +147,28 @@ class _AdamSearch(GradientInversion):
       grads = tape.gradient(loss, [x] + list(unknowns))
       return loss, grads[0], grads[1:]
 
-    def advance(x, unknowns, moments, best, best_loss, done, steps, constants):
-      for i in tf.range(steps):
-        t = done + i
-        loss, gx, gu = objective(x, unknowns, constants)
-        better = loss < best_loss
-        best = tf.where(better, x, best)
-        best_loss = tf.where(better, loss, best_loss)
-        step = tf.cast(t + 1, tf.float32)
-        passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
-        lr = self.lr * tf.pow(0.1, passed)
-        x, mx, vx = adam_step(x, tf.sign(gx), moments[0], moments[1], step, lr)
-        x = tf.clip_by_value(x, lo, hi)
-        new_unknowns, new_moments = [], [mx, vx]
-        for k, (p, g) in enumerate(zip(unknowns, gu)):
-          p, m, v = adam_step(p, g, moments[2 + 2 * k], moments[3 + 2 * k], step, lr)
-          new_unknowns.append(p)
-          new_moments += [m, v]
-        unknowns, moments = new_unknowns, new_moments
-      loss, _, _ = objective(x, unknowns, constants)
+    def step(t, state, constants):
+      x, unknowns, moments, best, best_loss = state
+      loss, gx, gu = objective(x, unknowns, constants)
       better = loss < best_loss
-      return (x, unknowns, moments, tf.where(better, x, best),
-              tf.where(better, loss, best_loss))
+      best = tf.where(better, x, best)
+      best_loss = tf.where(better, loss, best_loss)
+      step = tf.cast(t + 1, tf.float32)
+      passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
+      lr = self.lr * tf.pow(0.1, passed)
+      moved_x, mx, vx = adam_step(x, tf.sign(gx), moments[0], moments[1], step, lr)
+      moved_x = tf.clip_by_value(moved_x, lo, hi)
+      moved_unknowns, moved_moments = [], [mx, vx]
+      for k, (p, g) in enumerate(zip(unknowns, gu)):
+        p, m, v = adam_step(p, g, moments[2 + 2 * k], moments[3 + 2 * k], step, lr)
+        moved_unknowns.append(p)
+        moved_moments += [m, v]
+      return ((moved_x, moved_unknowns, moved_moments, best, best_loss),
+              (x, unknowns, moments, best, best_loss))
+
+    def advance(x, unknowns, moments, best, best_loss, done, steps, constants):
+      return search_steps(lambda t, state: step(t, state, constants), done,
+                          steps, (x, list(unknowns), list(moments), best, best_loss))
     return advance
 
   def _start(self, target, rng):
