@@ -43,6 +43,7 @@ def _ssim(truth, reconstruction):
                                win_size=7, data_range=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("i", [0, 1])
 def test_masked_ig_recovers_what_sparsification_hides_from_ig(digits, i):
   # Measured at p 0.9 (400 iterations, samples 0-3): IG 0.31-0.46, ig_masked

@@ -57,6 +57,7 @@ def test_adult_matches_pandas_on_the_uci_files():
         (frame[column] / frame[column].max()).sum(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_fedsgd_run_on_adult_trains_the_papers_model(tmp_path):
   config = runner.RunConfig(out=str(tmp_path), method="fedsgd", dataset="adult",
                             model="mlp", model_kwargs={"hidden": [50]}, clients=20,

@@ -22,6 +22,7 @@ def digits():
   return src.x_train, src.y_train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(models.MODELS))
 def test_functional_forward_equals_keras(name):
   shape = {"hyperfl_cnn": (28, 28, 1), "hyperfl_cnn_cifar": (32, 32, 3)}.get(
@@ -167,12 +168,14 @@ def _invert_one(attack, digits, i, **record_kwargs):
   return out.labels.tolist(), metrics.image_scores(x[i:i + 1], out.x, (0, 1))[0]
 
 
+@pytest.mark.slow
 def test_idlg_inverts_a_single_gradient(digits):
   labels, s = _invert_one(attacks.IDLG(iterations=200), digits, 3)
   assert labels == [digits[1][3]]
   assert s["ssim"] > 0.9 and s["mse"] < 1e-3
 
 
+@pytest.mark.slow
 def test_dlg_recovers_image_and_label_jointly(digits):
   # Needs the labels' second-order gradient, which TF's fused cross-entropy
   # op drops; the attack's loss is written out so that this works.
@@ -187,6 +190,7 @@ def test_inverting_gradients_inverts_a_single_gradient(digits):
   assert s["ssim"] > 0.8
 
 
+@pytest.mark.slow
 def test_inverting_gradients_simulates_local_steps_for_model_deltas(digits):
   protocol = {"client_learning_rate": 0.1, "batch_size": 1, "local_epochs": 2}
   labels, s = _invert_one(attacks.InvertingGradients(iterations=400), digits, 7,
@@ -259,6 +263,7 @@ def test_pooling_gives_fixed_length_maxima():
     attribute.pooled(upload, 20)
 
 
+@pytest.mark.slow
 def test_attribute_adversaries_beat_chance_on_a_leaky_signal():
   from tff_privacy.attacks import attribute
   rng = np.random.default_rng(0)
@@ -274,6 +279,7 @@ def test_attribute_adversaries_beat_chance_on_a_leaky_signal():
     attribute.build_adversary("knn")
 
 
+@pytest.mark.slow
 def test_records_of_different_models_in_one_call(digits):
   """The compiled function takes the broadcast weights as arguments: four
   records of four differently initialised models, attacked in one call,
@@ -287,6 +293,7 @@ def test_records_of_different_models_in_one_call(digits):
     assert metrics.image_scores(x[i:i + 1], together[i].x, (0, 1))[0]["ssim"] > 0.8
 
 
+@pytest.mark.slow
 def test_grouped_search_equals_one_record_at_a_time(digits):
   """group_size batches the searches of records that share a compiled
   function: five records of different models and batch sizes give the same
@@ -379,6 +386,7 @@ def test_segmentation_upload_is_the_keras_gradient_of_the_task_loss(digits,
     np.testing.assert_allclose(g, e, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ig_inverts_a_segmentation_gradient_given_the_mask(digits):
   x, y = _segmentation_sample(digits, 1)
   record = _record(x, y, spec=SEG_SPEC)
@@ -439,6 +447,7 @@ def _normalised_record(seed=0):
                                        "std": list(CIFAR_STD)}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kwargs", [
     ("ig", {"iterations": 4, "init": "uniform"}),
     ("dlg", {"iterations": 4, "init": "uniform"}),
@@ -483,6 +492,7 @@ def test_a_store_a_declaration_cannot_read_is_refused_naming_it(error, reason):
                                 "its upload_mask cannot read its store" + reason)
 
 
+@pytest.mark.slow
 def test_a_search_keeps_what_it_found_at_a_quarter_a_half_and_the_end(digits):
   """Chunks end at every checkpoint; a search alone and in a group keep
   the same snapshots, the last being the reconstruction, and a longer

@@ -153,6 +153,7 @@ def _plain_pooled(arrays, length=1024):
   return np.array([b.max() for b in np.array_split(flat, length)])
 
 
+@pytest.mark.slow
 def test_ground_truth_holds_each_clients_attributes(adult_run):
   fed = runner.Run(adult_run).fed
   truth = GroundTruthStore(os.path.join(adult_run.out, "ground_truth"))
@@ -288,6 +289,7 @@ def _sparsified(arrays, p):
   return out
 
 
+@pytest.mark.slow
 def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_path):
   config = _config(tmp_path, defense="sparsification", defense_kwargs={"p": 0.97},
                    infer_attributes=("sex",), adaptive_adversaries=True)

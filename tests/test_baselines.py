@@ -320,6 +320,7 @@ def _config(out, **kw):
   return runner.RunConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path):
   # a budget of 0.5 rather than the default 4: a large sigma calibrates in
   # a second, while sigma near 1 (epsilon 4) takes the RDP accountant ten

@@ -38,6 +38,7 @@ def _metrics(out):
     return [{k: v for k, v in m.items() if k != "seconds"} for m in json.load(f)]
 
 
+@pytest.mark.slow
 def test_train_through_a_pipe_finishes_and_leaves_no_worker(tmp_path):
   start = time.time()
   # capture_output pipes stdout: a worker that kept it open would hang this.
@@ -360,6 +361,7 @@ def test_shadow_pools_reach_the_run_and_its_config_json(tmp_path):
   assert "attribute_shadow_pool" not in plain.to_json()
 
 
+@pytest.mark.slow
 def test_a_refused_value_leaves_the_folder_free_for_the_corrected_command(
     capsys, tmp_path):
   out = tmp_path / "run"
@@ -390,6 +392,7 @@ def test_fedem_flags_reach_the_method(tmp_path):
       2, 0.05, "l2")
 
 
+@pytest.mark.slow
 def test_segmentation_run_takes_the_unet_by_default_and_prints_its_scores(
     capsys, tmp_path):
   # a task with several personal metrics, only the primary one with a spread
@@ -459,6 +462,7 @@ def lenet_run(tmp_path_factory):
   return run
 
 
+@pytest.mark.slow
 def test_attack_command_writes_scores_and_figure(capsys, tmp_path, lenet_run):
   run = lenet_run
   out = tmp_path / "attack"
@@ -503,6 +507,7 @@ def test_attack_command_writes_scores_and_figure(capsys, tmp_path, lenet_run):
   assert "estimated time" not in stdout and "it/s" not in err
 
 
+@pytest.mark.slow
 def test_sharded_attack_merges_into_the_unsharded_result(capsys, tmp_path,
                                                          lenet_run):
   run = lenet_run

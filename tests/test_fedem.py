@@ -55,6 +55,7 @@ def fedem_run(tmp_path_factory):
   return config, runner.run(config, progress=False)
 
 
+@pytest.mark.slow
 def test_captured_upload_is_algorithm_1(fedem_run):
   config, history = fedem_run
   assert history[-1]["train_loss"] > 0  # train metrics on the perturbed batch
@@ -89,6 +90,7 @@ def test_a_batch_upload_is_attacked_with_all_its_images(fedem_run, tmp_path):
   assert len(result["samples"]) == 4
 
 
+@pytest.mark.slow
 def test_with_a_vanishing_radius_fedem_uploads_fedsgd_gradients(tmp_path):
   # an MLP: with the CNN's zero biases, background pixels sit exactly at the
   # ReLU's kink, where even a 1e-7 perturbation flips the bias gradient

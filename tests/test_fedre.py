@@ -72,6 +72,7 @@ def test_json_regions_need_known_clients_and_a_default(tmp_path):
     fedre.client_regions(str(path), 2, 8, 8)
 
 
+@pytest.mark.slow
 def test_tensor_epsilons_follow_eq_6_on_the_reference_scores():
   weights = SPEC.initial_weights(0)
   view, x, y = _view(weights)
@@ -84,6 +85,7 @@ def test_tensor_epsilons_follow_eq_6_on_the_reference_scores():
   np.testing.assert_allclose(got, 20.0 * inverse / inverse.sum(), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_layer_epsilons_follow_eq_6_on_each_layers_kernel_and_bias_together():
   weights = SPEC.initial_weights(0)
   view, x, y = _view(weights)
@@ -104,6 +106,7 @@ def test_layer_epsilons_follow_eq_6_on_each_layers_kernel_and_bias_together():
 
 # (calibration, sensitivity, eta placement, local epochs); the client holds
 # 4 samples and trains at learning rate 0.1
+@pytest.mark.slow
 @pytest.mark.parametrize("calibration, sensitivity, placement, epochs", [
     ("paper", "update", "client", 1), ("accountant", "update", "client", 1),
     ("paper", "sample", "server", 2), ("accountant", "sample", "server", 1)])
@@ -261,6 +264,7 @@ def _reference_scores(seed: int) -> np.ndarray:
       public.masks).numpy().mean(0) for u in updates]).astype(np.float64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["paper", "normalized"])
 @pytest.mark.parametrize("scale", ["linear", "log"])
 def test_pda_pam_matches_eqs_10_and_11(rule, scale):
@@ -275,6 +279,7 @@ def test_pda_pam_matches_eqs_10_and_11(rule, scale):
   assert list(measurements["excluded_uploads"]) == [0] * 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["paper", "normalized"])
 def test_pda_pam_leaves_out_a_diverged_client(rule):
   server, updates, public = _pda_pam_inputs(3)
@@ -336,6 +341,7 @@ def _eq9_paper_epsilon(planned_rounds, rounds, layer_epsilons, delta=1e-5):
   return sum(np.sqrt(2 * rounds * np.log(1 / layer_delta)) / s for s in sigmas)
 
 
+@pytest.mark.slow
 def test_run_reports_both_epsilons(fedre_run):
   config, history = fedre_run
   final = history[-1]
@@ -395,6 +401,7 @@ def test_run_captures_the_noised_uploads(fedre_run):
     assert record.metadata["protocol"]["aggregation"] == "pda_pam"
 
 
+@pytest.mark.slow
 def test_even_split_reports_the_exact_epsilon_of_its_noise(tmp_path):
   # eq. 9 with the budget planned over 10 rounds, of which the run takes 2;
   # the default sensitivity: noise std 2 C sigma / |D_k| over a sensitivity
@@ -416,6 +423,7 @@ def test_even_split_reports_the_exact_epsilon_of_its_noise(tmp_path):
     assert entry["paper_epsilon"] < 500.0
 
 
+@pytest.mark.slow
 def test_training_past_the_planned_rounds_needs_allow_over_budget(tmp_path):
   refused = _config(str(tmp_path / "refused"), budget_rounds=1)
   with pytest.raises(ValueError, match=r"budget_rounds=1 .* rounds=2; .*"
@@ -599,6 +607,7 @@ def test_pixel_perturbation_reports_no_share_of_unperturbed_uploads():
   assert "unperturbed_share" not in measured and not per_client
 
 
+@pytest.mark.slow
 def test_pixel_perturbation_uploads_the_plain_update_and_claims_no_epsilon(tmp_path):
   def uploads(out, method, **kwargs):
     config = runner.RunConfig(out=str(tmp_path / out), method=method, rounds=1,
@@ -628,6 +637,7 @@ def _steps_mechanism(noise_multiplier, clip=0.5, **kwargs):
                     steps=local_dp_sgd.DPSGD(clip, noise_multiplier), **kwargs)
 
 
+@pytest.mark.slow
 def test_step_noise_multipliers_keep_eq_9s_shape_and_compose_to_z():
   mechanism = _steps_mechanism(1.3)
   view, _, _ = _view(SPEC.initial_weights(0))
@@ -677,6 +687,7 @@ def _clipped_mean_gradient(x, y, clip):
   return [t / len(y) for t in total]
 
 
+@pytest.mark.slow
 def test_a_steps_round_is_sgd_on_the_per_tensor_clipped_noisy_mean():
   _, x, y = _view(SPEC.initial_weights(0))
   clean = _clipped_mean_gradient(x, y, 0.05)
@@ -692,6 +703,7 @@ def test_a_steps_round_is_sgd_on_the_per_tensor_clipped_noisy_mean():
   np.testing.assert_allclose(noise.std(), 0.05 * 2 * 0.7 / 4, rtol=0.15)
 
 
+@pytest.mark.slow
 def test_steps_run_reports_the_accountants_epsilon_of_its_poisson_steps(tmp_path):
   # the even split spares the PSI scores: the epsilon holds for every split
   config = _config(str(tmp_path), noise_on="steps", epsilon=8.0,

@@ -68,6 +68,7 @@ def test_table1_runs_on_doctamper_with_a_regions_file(tmp_path):
   assert "| inf | Central |" in (out / "table1.md").read_text()
 
 
+@pytest.mark.slow
 def test_bad_data_kwargs_are_one_line_errors(tmp_path, script, monkeypatch,
                                             capsys):
   # as a user runs it: nothing, not even at exit, prints a traceback

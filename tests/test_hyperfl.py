@@ -117,6 +117,7 @@ def _reference_client(model, hyper, varphi, phi, v, cls_batches, hyp_batches, p)
   return varphi, phi, v
 
 
+@pytest.mark.slow
 def test_process_matches_a_plain_reference_round(tmp_path):
   spec = models.ModelSpec("hyperfl_cnn", (28, 28, 1), 10)
   declared = algorithms.method("hyperfl").resolve(
@@ -166,6 +167,7 @@ def _config(out, **kw):
   return runner.RunConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_hyperfl_run_keeps_state_private_and_resumes_exactly(tmp_path):
   full = runner.run(_config(tmp_path / "full", capture_rounds=(2,)),
                     progress=False)
@@ -222,6 +224,7 @@ def test_fedavg_is_evaluated_per_client_with_its_global_model(tmp_path):
   assert io.read_json(str(tmp_path / "config.json"))["samples_per_client"] == 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,kwargs", [
     ("hyperfl", dict(method_kwargs=dict(SMALL, hypernetwork_epochs=1))),
     ("centaur", dict(method_kwargs={})),

@@ -358,6 +358,7 @@ def test_equal_epsilon_is_8_at_1e_5_unless_given_and_null_turns_it_off():
   assert grid.parse(default).rows() == off.rows()
 
 
+@pytest.mark.slow
 def test_a_pools_processes_and_workers_end_with_the_leaderboard():
   """SIGKILL the program running rows in processes: its pool's processes
   (and their TFF workers) must not go on training."""

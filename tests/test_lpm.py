@@ -119,6 +119,7 @@ def test_lpm_model_trains_adapters_and_classifier_only(tmp_path):
   assert all(n.startswith("adapter") for n in hyper.target_names)
 
 
+@pytest.mark.slow
 def test_default_backbone_is_pretrained_once_and_cached(tmp_path, monkeypatch):
   backbone = backbone_lib.Backbone(1, (4, 8))
   with tf.Graph().as_default():  # pre-training still runs eagerly
@@ -227,6 +228,7 @@ def test_hyperfl_lpm_refuses_other_models_and_pretraining_on_the_task(tmp_path):
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_hyperfl_lpm_run_uploads_the_adapter_hypernetwork_and_records_its_backbone(
     tmp_path, monkeypatch):
   spec = models.ModelSpec("lpm_resnet", (8, 8, 1), 10, TINY)

@@ -60,6 +60,7 @@ def _ssim(truth, reconstruction):
                                win_size=7, data_range=1.0)
 
 
+@pytest.mark.slow
 def test_weighting_recovers_what_layer_wise_noise_hides_from_ig(digits):
   # Measured (300 iterations, samples 0-1): IG 0.02-0.13, ig_noise_aware
   # 0.993-0.995.
@@ -147,6 +148,7 @@ def test_one_noise_level_leaves_the_search_plain_igs(digits):
   np.testing.assert_allclose(aware.x, plain.x, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_grouped_search_equals_one_record_at_a_time(digits):
   # each record its own weights; plain Adam steps over 5 iterations (see
   # test_attacks' grouped test for why short and unsigned)

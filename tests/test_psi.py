@@ -75,6 +75,7 @@ def test_nested_tape_scores_match_finite_differences(setup):
   np.testing.assert_allclose(got, _fd_scores(weights, x, y, masks), rtol=2e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_forward_mode_scores_match_finite_differences(setup, chunk):
   model, weights, x, y, masks = setup
@@ -84,6 +85,7 @@ def test_forward_mode_scores_match_finite_differences(setup, chunk):
   assert not got.standard_error.numpy().any()
 
 
+@pytest.mark.slow
 def test_scores_do_not_overflow_where_the_derivatives_do_not(setup):
   # a loss scaled by 1e22 scales every score by 1e22: derivatives near 1e21,
   # whose squares (1e42) are past float32's range

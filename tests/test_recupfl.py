@@ -497,6 +497,7 @@ def _adult_config(out, **defense_kwargs):
           "perturbation_budget": 0.01, **defense_kwargs})
 
 
+@pytest.mark.slow
 def test_captured_upload_is_the_gradient_perturbed_against_the_zoo_files(tmp_path):
   path = tmp_path / "protect.json"  # client 1 protects nothing: sent as it is
   path.write_text('{"default": "race", "clients": {"1": "race=0"}}')

@@ -111,6 +111,7 @@ def test_shadow_uploads_draw_their_own_model_choices(tmp_path):
   assert not np.array_equal(*firsts)  # and per seed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protect", ["race,sex", "sex=0.5,race"])
 def test_a_shadow_upload_is_perturbed_as_a_client_of_its_classes_would_be(
     tmp_path, protect):
@@ -189,6 +190,7 @@ def test_another_runs_zoo_of_the_same_round_is_refused_by_name(tmp_path):
   assert f"updates={theirs!r}" in message
 
 
+@pytest.mark.slow
 def test_a_run_infers_with_adaptive_adversaries_after_each_round(tmp_path):
   config = runner.RunConfig(
       out=str(tmp_path / "run"), method="fedsgd", dataset="adult", model="mlp",

@@ -71,6 +71,7 @@ def test_the_random_zoo_has_the_papers_shape(bench):
   np.testing.assert_allclose(zoo.scale, expected_scale, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_recupfl_round_is_the_gradient_perturbed_by_algorithm_1(bench, tmp_path):
   spec = bench.lfw_spec()
   broadcast = spec.initial_weights(0)

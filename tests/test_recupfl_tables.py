@@ -274,6 +274,7 @@ def test_the_reconstruction_grid_refuses_settings_with_other_victims(tables, tmp
     tables._reconstruction_grid(rows, args)
 
 
+@pytest.mark.slow
 def test_tradeoff_reads_finished_runs_into_tables_and_figures(tables, tmp_path):
   args = _args(tmp_path, adversaries=["rf"], levels=2, second="sex",
                tradeoff_extra=[], noise_seeds=1, two_attribute_levels=[],

@@ -65,6 +65,7 @@ def _row(measured, configuration, budget):
               and r["budget"] == budget)
 
 
+@pytest.mark.slow
 def test_victims_upload_their_records_adult_gradient(run):
   measured, _, _ = run
   victims = measured["setting"]

@@ -172,6 +172,7 @@ def test_captured_upload_is_the_gradient_of_the_true_batch(fedsgd_run):
       np.testing.assert_allclose(got, want.numpy(), atol=2e-6)
 
 
+@pytest.mark.slow
 def test_resumed_run_ends_with_identical_metrics(fedsgd_run, tmp_path):
   """A run of 2 rounds extended to 3, checkpointing every 2 rounds (and the
   last), keeps rounds 2 and 3; stopped after round 3's metrics but before
@@ -194,6 +195,7 @@ def test_resumed_run_ends_with_identical_metrics(fedsgd_run, tmp_path):
   assert again == resumed
 
 
+@pytest.mark.slow
 def test_config_json_names_the_code_that_trained_the_run(fedsgd_run, tmp_path,
                                                          monkeypatch):
   """Each code version that trained rounds of the run, once; a finished run
@@ -296,6 +298,7 @@ def test_data_options_at_their_defaults_leave_config_json_as_before(fedsgd_run):
     runner.run(other, progress=False)
 
 
+@pytest.mark.slow
 def test_evaluating_every_second_round_trains_the_same_model(fedsgd_run, tmp_path):
   config, history = fedsgd_run
   with open(os.path.join(config.out, "config.json")) as f:
@@ -307,6 +310,7 @@ def test_evaluating_every_second_round_trains_the_same_model(fedsgd_run, tmp_pat
     assert {k: v for k, v in every.items() if k in some} == some
 
 
+@pytest.mark.slow
 def test_fedavg_learns_digits_and_records_its_deltas(tmp_path):
   # 0.92 after round 2 (0.95 after 4)
   config = runner.RunConfig(out=str(tmp_path), method="fedavg", rounds=2,
@@ -373,6 +377,7 @@ def test_fedavg_weight_decay_is_for_sgd():
     build_client_optimizer("adam", 0.01, weight_decay=5e-4)
 
 
+@pytest.mark.slow
 def test_local_after_training_scores_each_clients_trained_model(tmp_path):
   """Beside the global model's metrics, the mean and spread over the
   round's clients of each one's model after its local epoch (Keras' SGD
@@ -460,6 +465,7 @@ def _holder(tmp_path) -> tuple[subprocess.Popen, str]:
   return holder, os.path.dirname(holder.stdout.readline().strip())
 
 
+@pytest.mark.slow
 def test_client_files_are_removed_only_once_their_process_ended(tmp_path, monkeypatch):
   """Liveness by the folder's lock, which the kernel holds for the process
   wherever its PID lives: a live process's folder stays, also when its PID
@@ -635,6 +641,7 @@ def test_attack_round_scores_the_region_crop(fedsgd_run, tmp_path):
     ("soteria", {"p": 0.5}),
     ("ldp_fed", {"alpha": 1.0, "clip": 0.05, "precision": 3}),
 ])
+@pytest.mark.slow
 def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
   from tff_privacy import defenses
   from tff_privacy.algorithms.defended import client_seed
@@ -681,6 +688,7 @@ def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
       np.linalg.norm(d - c) / np.linalg.norm(c), rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_dp_fedavg_records_clipped_updates_and_is_reproducible(tmp_path):
   kwargs = {"clip": 0.05, "noise_multiplier": 1.0}
   config = runner.RunConfig(out=str(tmp_path / "a"), method="fedsgd", rounds=2,
@@ -759,6 +767,7 @@ def test_dp_fedavg_with_sampled_clients_is_accounted_without_replacement():
 # FedSGD captures and resumes on the module's run (fedsgd_run): see
 # test_captured_upload_is_the_gradient_of_the_true_batch and
 # test_resumed_run_ends_with_identical_metrics
+@pytest.mark.slow
 @pytest.mark.parametrize("method,kwargs", [
     ("fedavg", {}), ("fedem", {"perturb_steps": 1})])
 def test_every_method_captures_two_rounds(tmp_path, method, kwargs):
@@ -791,6 +800,7 @@ def test_local_batch_sizes_by_hand():
     local_batch_sizes(3, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", [
     {"client_learning_rate": 0.3, "client_momentum": 0.5},
     {"client_learning_rate": 0.01, "client_optimizer": "adam"}])
@@ -1004,6 +1014,7 @@ def _client_models(config, spec) -> list[list[np.ndarray]]:
     dict(dataset="docs", data_kwargs={"num": 10}, model="unet",
          model_kwargs={"widths": [2, 4]}, clients=4, batch_size=4,
          method="local_only")], ids=["global", "personal", "segmentation"])
+@pytest.mark.slow
 def test_clients_without_test_data_are_left_out_of_personal_metrics(tmp_path,
                                                                    kwargs):
   config = runner.RunConfig(out=str(tmp_path), rounds=1, **kwargs)

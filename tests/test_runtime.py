@@ -87,6 +87,7 @@ def test_limiting_concurrent_calls_renews_only_workers_with_another_limit():
   runtime.stop()
 
 
+@pytest.mark.slow
 def test_worker_dies_with_a_sigkilled_parent():
   script = textwrap.dedent("""
       import sys, time
@@ -129,6 +130,7 @@ def test_a_worker_started_in_a_thread_outlives_the_thread():
   runtime.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_start_is_reported_in_one_line(monkeypatch):
   """A host that exits at start (here as where the kernel refuses network
   namespaces) is a WorkerError carrying its words, not an interrupt."""
@@ -240,6 +242,7 @@ def _wildcard_listeners() -> list[tuple[int, str, int]]:
   return found
 
 
+@pytest.mark.slow
 def test_a_run_without_the_runtime_started_trains_on_a_private_worker(tmp_path):
   """A program that calls `runner.run` on TFF's own import-time context,
   whose worker would listen on every interface, trains on this runtime's."""
@@ -313,6 +316,7 @@ def test_a_killed_worker_stops_the_program_instead_of_hanging():
   assert "out-of-memory" in result.stderr
 
 
+@pytest.mark.slow
 def test_importing_the_package_changes_no_global_state():
   script = textwrap.dedent("""
       import importlib, os, pkgutil
@@ -332,6 +336,7 @@ def test_importing_the_package_changes_no_global_state():
   assert "unchanged" in result.stdout, result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_renewing_workers_prints_nothing():
   """Starting a worker while gRPC's threads run (`renew`) must not fork
   this process: gRPC's fork handlers print warnings a user did not ask for."""

@@ -43,6 +43,7 @@ def test_scripts_replace_tffs_context_before_anything_can_exit(path):
   assert "runtime.install()" in _main_calls(tree), os.path.basename(path)
 
 
+@pytest.mark.slow
 def test_a_refused_flag_prints_one_line_and_no_traceback():
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "attack_speed.py"),

@@ -96,6 +96,7 @@ def test_attacks_refuse_uploads_they_do_not_model():
     attacks.build("ig").check_records([_record([], [])])
 
 
+@pytest.mark.slow
 def test_ig_body_inverts_an_undefended_extractor_update(tmp_path):
   """A positive control: without noise or clipping, the extractor's update
   of two images gives them away although the classifier is unknown."""

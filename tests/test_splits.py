@@ -159,6 +159,7 @@ def test_a_split_file_takes_the_place_of_a_protocols_clients(tmp_path):
   assert "clients" not in fields and fields["rounds"] == 20
 
 
+@pytest.mark.slow
 def test_the_hyperfl_split_script_deals_label_groups_as_the_paper(tmp_path):
   path = tmp_path / "split.json"
   result = subprocess.run(
@@ -245,6 +246,7 @@ def test_client_data_replaces_no_other_partition(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_split_file_and_the_same_clients_as_client_data_train_alike(tmp_path):
   path = _write(tmp_path / "split.json", SPLIT)
   by_file = runner.RunConfig(out=str(tmp_path / "file"), method="fedavg",

@@ -81,6 +81,7 @@ def test_positive_weight_is_refused_for_classification_runs(tmp_path):
                                 positive_weight=3.0))
 
 
+@pytest.mark.slow
 def test_a_weighted_run_on_the_documents_scores_and_records_as_its_task(tmp_path):
   """A FedAvg run on the documents trained with a positive weight reports
   the segmentation metrics, its test loss the evaluator's (weighted) loss

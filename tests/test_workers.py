@@ -71,6 +71,7 @@ def fedavg_on_one_worker(tmp_path_factory):
     runtime.stop()
 
 
+@pytest.mark.slow
 def test_two_workers_give_the_numbers_of_one(workers, tmp_path,
                                              fedavg_on_one_worker):
   one, history = fedavg_on_one_worker
@@ -90,6 +91,7 @@ def test_two_workers_give_the_numbers_of_one(workers, tmp_path,
       np.testing.assert_array_equal(a[key], b[key])
 
 
+@pytest.mark.slow
 def test_two_workers_give_the_private_states_of_one(workers, tmp_path, monkeypatch):
   """Two workers give one worker's metrics and private states, here with
   each round in calls of 3 clients and 1 (`PersonalizedProcess.run_round`)
@@ -141,6 +143,7 @@ def test_worker_addresses_are_loopback_unless_allowed(address, match):
     runtime.check_addresses([address], allow_remote=True)
 
 
+@pytest.mark.slow
 def test_workers_started_elsewhere_train_like_local_ones(tmp_path,
                                                         fedavg_on_one_worker):
   """Two `tff-privacy worker` processes, on a Unix socket and on a loopback
@@ -203,6 +206,7 @@ def _listeners_once_serving(pid: int) -> dict[int, list]:
   raise AssertionError("the worker did not listen in time")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("where", ["socket", "port"])
 def test_a_workers_reach_message_says_what_the_kernel_shows(tmp_path, monkeypatch,
@@ -432,6 +436,7 @@ def _worker_peak_mb(computation, *args) -> int:
   return (peak[0] - before) // 2**20
 
 
+@pytest.mark.slow
 def test_wide_mean_holds_no_copy_of_every_client_value(monkeypatch):
   """Averaging 20 clients' values of 8 MiB with `wide_mean_factory`, folded
   in parts of 256 KiB, takes the worker less than one more copy of all of
