@@ -106,6 +106,7 @@ def test_a_soteria_store_it_cannot_read_is_refused(digits, layer, message):
   assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_masked_ig_recovers_what_soteria_hides_from_ig(digits):
   # Measured at p 0.8 (400 iterations, samples 0-3): IG 0.08-0.34, ig_masked
   # 1.000.
@@ -157,6 +158,7 @@ def test_each_defence_is_answered_by_its_adaptive_attacks_or_listed_without():
     attacks.adaptive_attacks("nope")
 
 
+@pytest.mark.slow
 def test_grouped_masked_search_equals_one_record_at_a_time(digits):
   # each record its own mask: plain Adam steps over 5 iterations (see
   # test_attacks' grouped test for why short and unsigned)

@@ -184,6 +184,7 @@ def test_dlg_recovers_image_and_label_jointly(digits):
   assert s["ssim"] > 0.9
 
 
+@pytest.mark.slow
 def test_inverting_gradients_inverts_a_single_gradient(digits):
   labels, s = _invert_one(attacks.InvertingGradients(iterations=400), digits, 5)
   assert labels == [digits[1][5]]

@@ -200,6 +200,7 @@ def test_metrics_hold_the_rates_of_adversaries_fitted_on_plain_gradients(adult_r
         1 / len(np.unique(truth)))
 
 
+@pytest.mark.slow
 def test_the_command_writes_the_same_rates(adult_run, tmp_path):
   from tff_privacy import cli
   assert cli.main(["infer-attributes", "--updates",
@@ -249,6 +250,7 @@ def _shadow_records(monkeypatch, call) -> tuple[np.ndarray, np.ndarray]:
   return seen[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["train", "disjoint_test"])
 def test_the_zoo_and_the_adversaries_share_records_unless_disjoint(
     adult_run, tmp_path, monkeypatch, pool):
@@ -414,6 +416,7 @@ def test_uploads_that_are_not_the_models_weights_are_refused():
                           np.array([0, 1]))
 
 
+@pytest.mark.slow
 def test_a_run_of_a_method_without_weight_uploads_is_refused_before_training(tmp_path):
   out = tmp_path / "run"
   config = runner.RunConfig(out=str(out), method="hyperfl", dataset="mnist5k_parity",

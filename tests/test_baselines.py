@@ -358,6 +358,7 @@ def test_ppsgd_run_spends_its_budget_uploads_bodies_and_resumes_exactly(tmp_path
     assert record.metadata["protocol"]["noise_multiplier"] == pytest.approx(sigma)
 
 
+@pytest.mark.slow
 def test_shuffled_batches_report_no_epsilon_and_say_why(tmp_path):
   history = runner.run(_config(tmp_path, method="dp_sgd_fedavg", rounds=1,
                                method_kwargs={"local_epochs": 1,

@@ -131,6 +131,7 @@ def test_soteria_changes_only_the_defended_layer(lenet_client, p):
   np.testing.assert_array_equal(out[k].numpy()[kept], grads[k].numpy()[kept])
 
 
+@pytest.mark.slow
 def test_soteria_prunes_the_features_with_the_largest_iota(lenet_client):
   spec, model, x, grads, view = lenet_client
   soteria = defenses.Soteria(spec, p=0.5)

@@ -209,6 +209,7 @@ def test_hyperfl_run_keeps_state_private_and_resumes_exactly(tmp_path):
   assert entry["personal_accuracy_by_client"] == pytest.approx(accs, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_fedavg_is_evaluated_per_client_with_its_global_model(tmp_path):
   history = runner.run(runner.RunConfig(
       out=str(tmp_path), method="fedavg", dataset="digits", model="mlp",
@@ -245,6 +246,7 @@ def test_a_lone_clients_model_after_training_is_its_own_model(tmp_path, method,
         entry[f"personal_{name}"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_uploads_returned_by_the_clients_equal_the_aggregated_capture(tmp_path,
                                                                       monkeypatch):
   """A personalised process returns the captured uploads CLIENTS-placed

@@ -231,6 +231,7 @@ def test_a_tiny_leaderboard_runs_resumes_and_reports(tmp_path):
               progress=False, log=lambda _: None)
 
 
+@pytest.mark.slow
 def test_a_failed_attack_runs_again_and_a_refusal_is_kept(tmp_path, monkeypatch, capsys):
   # ig_body reads HyperFL's body uploads and refuses FedSGD's gradients
   one = grid.parse(_with(
@@ -644,6 +645,7 @@ CLIENT_DATA_GRID = {
 }
 
 
+@pytest.mark.slow
 def test_a_leaderboard_trains_on_the_clients_of_client_data(tmp_path):
   from tff_privacy.data import sources
   src = sources.load_digits()

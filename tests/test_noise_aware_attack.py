@@ -134,6 +134,7 @@ def test_the_even_splits_levels_are_public_and_the_estimate_finds_them(
     np.testing.assert_allclose(estimated[1:], stds[1:], rtol=0.5)
 
 
+@pytest.mark.slow
 def test_one_noise_level_leaves_the_search_plain_igs(digits):
   x, y = digits
   record = record_of(x[:1], y[:1])
@@ -237,6 +238,7 @@ def test_region_prior_refuses_regions_it_cannot_rebuild(digits):
     attacks.build("ig_noise_aware", region_tv_weight=0.01, iterations=1)([named])
 
 
+@pytest.mark.slow
 def test_the_search_never_reads_the_ground_truth(digits, tmp_path, monkeypatch,
                                                  capsys):
   record, _ = _layer_noised(digits, 1)

@@ -106,6 +106,7 @@ def test_l2_projection_keeps_each_sample_within_its_ball():
   np.testing.assert_allclose(project_to_ball(x, center, 1.0, "l2"), want)
 
 
+@pytest.mark.slow
 def test_an_l2_perturbation_moves_the_reconstruction_at_most_rho_in_l2(digits):
   record, _ = _fedem(digits, 0, norm="l2", rho_max=0.5)
   plain = attacks.build("ig", iterations=20)([record], seed=3)[0].x

@@ -69,6 +69,7 @@ def test_nested_tape_jacobian_matches_finite_differences(setup):
   np.testing.assert_allclose(got, expected, rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_nested_tape_scores_match_finite_differences(setup):
   model, weights, x, y, masks = setup
   got = psi.psi_scores_nested_tape(model, _f32(weights), x, y, masks).numpy()
@@ -144,6 +145,7 @@ def test_estimator_is_unbiased_and_its_standard_error_is_honest(setup):
                              rtol=0.25)
 
 
+@pytest.mark.slow
 def test_estimator_with_every_pixel_is_exact(setup):
   model, weights, x, y, masks = setup
   got = psi.psi_scores(model, _f32(weights), x, y, masks, pixels=6)

@@ -380,6 +380,7 @@ def _perturb_from_files(folder, **kwargs):
       **kwargs))
 
 
+@pytest.mark.slow
 def test_saved_zoo_is_read_by_the_graph_and_stays_out_of_it(tmp_path):
   large = _saved_zoo(str(tmp_path / "large"), ((256, 128), (128, 64), (64, 32)))
   small = _saved_zoo(str(tmp_path / "small"), ((4, 2), (4, 2), (4, 2)))
@@ -535,6 +536,7 @@ def test_captured_upload_is_the_gradient_perturbed_against_the_zoo_files(tmp_pat
   assert os.listdir(os.path.join(config.out, "recupfl_zoo")) == ["race"]  # sex: no one
 
 
+@pytest.mark.slow
 def test_clients_protect_what_their_json_says_with_their_own_class(tmp_path):
   path = tmp_path / "protect.json"
   path.write_text('{"default": "race", "clients": {"1": "sex=0.5", "3": "sex=0.5"}}')

@@ -94,6 +94,7 @@ def test_shadow_uploads_are_perturbed_against_their_own_class(tmp_path):
     assert _margin(zoo, got, label) < _margin(zoo, clean, label)
 
 
+@pytest.mark.slow
 def test_shadow_uploads_draw_their_own_model_choices(tmp_path):
   updates, _ = _run_folder(tmp_path)
   record = _record(defense_round=_fingerprints(updates))

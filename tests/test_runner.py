@@ -134,6 +134,7 @@ def test_update_fidelity_leaves_out_clients_of_weight_zero(monkeypatch):
       "update_error_unavailable": "the clean aggregate update is not finite"}
 
 
+@pytest.mark.slow
 def test_metrics_count_the_uploads_a_defence_left_unchanged(tmp_path):
   # sparsification with p=0 keeps every entry; the defences of
   # test_captured_upload_is_the_defended_gradient change every upload
@@ -146,6 +147,7 @@ def test_metrics_count_the_uploads_a_defence_left_unchanged(tmp_path):
   assert not [k for k in saved[0] if k.startswith("sparsification/")]
 
 
+@pytest.mark.slow
 def test_a_diverging_run_records_the_rejected_updates(tmp_path):
   # a learning rate of 1e30 overflows the model in every round; TFF's
   # finalizer then rejects the non-finite aggregate and keeps the model
@@ -891,6 +893,7 @@ class _Stopped(Exception):
   pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method_kwargs,limit", [
     ({}, 1),  # PSI scores on the clients, and of every upload by PDA-PAM
     ({"budget_split": "even", "aggregation": "mean"}, -1)])  # no PSI

@@ -247,6 +247,7 @@ def test_a_workers_reach_message_says_what_the_kernel_shows(tmp_path, monkeypatc
     assert listeners[server.pid] == [("127.0.0.1", port, here)]
 
 
+@pytest.mark.slow
 def test_a_worker_serves_every_interface_only_when_asked():
   port = portpicker.pick_unused_port()
   server = subprocess.Popen([sys.executable, "-m", "tff_privacy.cli", "worker",
