@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # The fast suite; `test-slow` runs the tests marked slow (end-to-end
 # trainings, attacks run to convergence, worker processes: those of 8 s or
-# more on 2 cores, 4.5 s or more under load), `test-all` both; CI runs `test` then `test-slow`. Tests run in
+# more in a full run on 2 cores, 4.5 s or more in a fast one), `test-all` both; CI runs `test` then `test-slow`. Tests run in
 # TEST_WORKERS pytest-xdist processes: most of a test's time is one Python
 # thread tracing TFF computations, so two processes use both cores. The
 # slowest tests are listed at the end, to keep the fast suite fast.

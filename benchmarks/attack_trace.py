@@ -2,7 +2,7 @@
 (a local epoch of batch-1 SGD steps, unrolled in its objective) against the
 seconds the same compiled search then takes to run, measured in one
 process: the first call of a fresh attack traces and runs, the second only
-runs.
+runs. Also prints this process's peak resident memory.
 
 The upload is like the compact leaderboard's FedAvg row's: the 784-64-2
 MLP on bundled MNIST digits labelled digit >= 5 (mnist5k_parity),
@@ -19,6 +19,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
+import resource
 import time
 
 import tensorflow as tf
@@ -64,14 +65,18 @@ def main() -> None:
   attack(records)
   first = time.perf_counter() - start
   start = time.perf_counter()
-  attack(records)
+  found = attack(records)
   steady = time.perf_counter() - start
   print(f"model=mlp upload=model_delta examples={args.examples} "
         f"records={args.records} iterations={args.iterations}")
+  # what the searches found, to compare versions of the code by
+  print("objectives=" + ",".join(f"{r.objective:.7g}" for r in found))
   print(f"first_call_s={first:.2f}")
   print(f"steady_call_s={steady:.2f}")
   print(f"trace_s={first - steady:.2f}")
   print(f"ratio_trace_over_steady={(first - steady) / steady:.2f}")
+  # the search runs in this process (no TFF worker): its peak is the peak
+  print(f"peak_rss_mb={resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,16 @@ def pytest_configure(config):
   runtime.install()
 
 
+def slow_where(values, slow) -> list:
+  """`values` for `pytest.mark.parametrize`, those in `slow` marked slow:
+  the fast suite keeps the others."""
+  return [pytest.param(v, marks=pytest.mark.slow) if v in slow else v
+          for v in values]
+
+
+# models whose tests take 10 s or more each (a pretrained backbone)
+SLOW_MODELS = {"lpm_resnet"}
+
 # builder arguments that keep a model quick to build in tests
 QUICK_MODEL_KWARGS = {"lpm_resnet": {"widths": (4, 8),
                                      "pretrain_dataset": "lfw_subset",

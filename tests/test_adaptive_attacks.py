@@ -72,6 +72,7 @@ def _soterian(digits, i, p=0.8):
   return record, soteria, view
 
 
+@pytest.mark.slow
 def test_soteria_mask_drops_the_pruned_rows_and_keeps_every_other_layer(digits):
   x, y = digits
   record, soteria, view = _soterian(digits, 2)

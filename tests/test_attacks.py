@@ -6,7 +6,7 @@ import types
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import QUICK_MODEL_KWARGS
+from conftest import QUICK_MODEL_KWARGS, SLOW_MODELS, slow_where
 from conftest import record_of as _record
 
 from tff_privacy import attacks, metrics, models
@@ -22,8 +22,7 @@ def digits():
   return src.x_train, src.y_train
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(models.MODELS))
+@pytest.mark.parametrize("name", slow_where(sorted(models.MODELS), SLOW_MODELS))
 def test_functional_forward_equals_keras(name):
   shape = {"hyperfl_cnn": (28, 28, 1), "hyperfl_cnn_cifar": (32, 32, 3)}.get(
       name, (8, 8, 1))
@@ -35,7 +34,7 @@ def test_functional_forward_equals_keras(name):
 
 @pytest.mark.parametrize("grouped", [True, False],
                          ids=["grouped_convolutions", "one_per_record"])
-@pytest.mark.parametrize("name", sorted(models.MODELS))
+@pytest.mark.parametrize("name", slow_where(sorted(models.MODELS), SLOW_MODELS))
 def test_record_batched_forward_equals_each_keras_model(name, grouped,
                                                         monkeypatch):
   """`forward(records=True)`: three records, each its own initialisation

@@ -236,6 +236,7 @@ def _reference(method, weights, batches, p, sampled=None, denominator=None):
   return [a.numpy() for a in w]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,given", [
     ("local_only", {}), ("local_only", {"client_optimizer": "adam"}),
     ("dp_sgd_fedavg", {}), ("ppsgd", {}), ("centaur", {}),
@@ -246,6 +247,7 @@ def test_round_matches_a_plain_reference(method, given):
   _check_round(method, given, batch_size=4)  # batches 4+2 and 4+4+1 per epoch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ppsgd", "centaur"])
 def test_poisson_round_with_empty_batches_matches_a_plain_reference(method):
   # q = 1/6 and 1/9: about a third of the steps draw no example
@@ -460,6 +462,7 @@ def test_pfedhn_round_matches_a_plain_reference(method, aggregation):
   assert len(alg.private_state.personal_weights(generator, states[1])) == 4
 
 
+@pytest.mark.slow
 def test_pfedhn_capture_records_what_each_client_was_sent(tmp_path):
   config = _config(tmp_path, method="pfedhn", rounds=1, capture_rounds=(1,),
                    method_kwargs={"local_epochs": 1, "hidden_dim": 8})

@@ -43,6 +43,7 @@ def _with_entries(*names, **changes):
       e for e in GRID["entries"] if e["name"] in names]})
 
 
+@pytest.mark.slow
 def test_each_calibrated_strength_spends_the_target_by_dp_accounting_directly(tmp_path):
   # at delta 1e-6, not the runs' default 1e-5
   calibrated = board.calibrate(grid.parse({**GRID, "equal_epsilon": {
@@ -132,6 +133,7 @@ def test_either_direction_reaches_the_target_within_the_tolerance():
       pytest.approx(1.6e-7, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_an_entry_no_strength_brings_to_the_target_keeps_why(tmp_path):
   # the RDP accountant's epsilon of the Gaussian mechanism at delta 1e-5
   # drops from 0.0035 to 0 past a noise multiplier of about 2.6e5: no

@@ -37,6 +37,7 @@ def _gradient(spec, weights, x, y):
   return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
 
 
+@pytest.mark.slow
 def test_fedsgd_uploads_are_captured_in_client_order(setup):
   spec, batches, datasets = setup
   process = algorithms.build_fedsgd(

@@ -6,6 +6,7 @@ from tff_privacy import data
 from tff_privacy.data import partitioners as part
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,shape,classes", [
     ("mnist5k", (28, 28, 1), 10), ("digits", (8, 8, 1), 10),
     ("lfw_subset", (25, 25, 1), 2)])

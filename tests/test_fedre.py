@@ -292,6 +292,7 @@ def test_pda_pam_leaves_out_a_diverged_client(rule):
   assert list(measurements["excluded_uploads"]) == [1] * 4
 
 
+@pytest.mark.slow
 def test_pda_pam_keeps_the_model_where_no_upload_is_finite():
   server, updates, public = _pda_pam_inputs()
   for u in updates:

@@ -282,6 +282,7 @@ def _assert_same(a, b):
   tf.nest.map_structure(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.slow
 def test_a_round_in_calls_of_few_clients_is_the_round_in_one_call():
   """`run_round` with 5 clients in calls of 2 (2 + 2, then 1 that finishes
   the round) equals the one call of `next`: the hypernetwork, every private

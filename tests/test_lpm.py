@@ -138,6 +138,7 @@ def test_default_backbone_is_pretrained_once_and_cached(tmp_path, monkeypatch):
   assert pretrained.fingerprint(again) == pretrained.fingerprint(first)
 
 
+@pytest.mark.slow
 def test_pretrain_command_writes_a_file_the_model_loads(tmp_path, capsys):
   out = str(tmp_path / "b.npz")
   assert backbone_lib.main(["--dataset", "lfw_subset", "--input-shape", "8,8,1",

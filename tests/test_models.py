@@ -1,12 +1,12 @@
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import QUICK_MODEL_KWARGS
+from conftest import QUICK_MODEL_KWARGS, SLOW_MODELS, slow_where
 
 from tff_privacy import models
 
 
-@pytest.mark.parametrize("name", sorted(models.MODELS))
+@pytest.mark.parametrize("name", slow_where(sorted(models.MODELS), SLOW_MODELS))
 def test_builders_produce_logits(name):
   model = models.build(name, (28, 28, 1), 10, seed=3,
                        **QUICK_MODEL_KWARGS.get(name, {}))

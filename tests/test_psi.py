@@ -100,6 +100,7 @@ def test_scores_do_not_overflow_where_the_derivatives_do_not(setup):
   np.testing.assert_allclose(nested, expected, rtol=2e-4)
 
 
+@pytest.mark.slow
 def test_forward_mode_runs_in_a_graph_with_the_mask_as_input(setup):
   model, weights, x, y, masks = setup
   fn = tf.function(lambda x, y, m: psi.psi_scores(model, _f32(weights), x, y, m).scores)
@@ -216,6 +217,7 @@ def test_box_text_is_parsed_and_partial_boxes_are_refused():
       psi.parse_boxes(text, name="region")
 
 
+@pytest.mark.slow
 def test_grouped_scores_take_each_layers_norm_over_all_its_entries(setup):
   model, weights, x, y, masks = setup
   # layer 0: the hidden layer's kernel and bias; layer 1: the output's

@@ -36,6 +36,7 @@ def test_prior_is_a_residual_network_by_hand():
   np.testing.assert_allclose(prior(w, x), 3 * x - 0.5, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_trained_prior_undoes_the_degradation_better_than_nothing():
   from PIL import Image
   from tff_privacy import data

@@ -347,6 +347,7 @@ def _pytorch_sgd(model, weights, x, y, batch_size, learning_rate, momentum,
   return [v.numpy() for v in w]
 
 
+@pytest.mark.slow
 def test_fedavg_weight_decay_is_pytorchs_coupled_decay(tmp_path):
   """Each client's delta is w_t minus PyTorch's SGD with momentum and
   coupled weight decay over its batches (by hand), and differs from the
@@ -836,6 +837,7 @@ def test_one_epoch_fedavg_delta_is_the_attackers_simulated_upload(tmp_path, opti
       np.testing.assert_allclose(got, want.numpy(), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_fedavg_schedule_matches_the_attackers_simulation(tmp_path):
   """N % B != 0 and two local epochs: the attacker's simulation of the
   client's local SGD, fed the client's true sample order, reproduces the
@@ -1128,6 +1130,7 @@ def test_a_round_whose_clients_all_diverged_has_no_train_loss():
   assert runner.train_measurements(personal)["train_loss"] == 0.5
 
 
+@pytest.mark.slow
 def test_a_run_whose_clients_all_diverge_reports_nan_train_loss(tmp_path):
   # every client's model change overflows: TFF drops each one's metrics (and
   # its update, so the server keeps its model)
