@@ -153,14 +153,14 @@ class _AdamSearch(GradientInversion):
       better = loss < best_loss
       best = tf.where(better, x, best)
       best_loss = tf.where(better, loss, best_loss)
-      step = tf.cast(t + 1, tf.float32)
+      count = tf.cast(t + 1, tf.float32)  # Adam's 1-based step
       passed = tf.reduce_sum(tf.cast(t >= milestones, tf.float32))
       lr = self.lr * tf.pow(0.1, passed)
-      moved_x, mx, vx = adam_step(x, tf.sign(gx), moments[0], moments[1], step, lr)
+      moved_x, mx, vx = adam_step(x, tf.sign(gx), moments[0], moments[1], count, lr)
       moved_x = tf.clip_by_value(moved_x, lo, hi)
       moved_unknowns, moved_moments = [], [mx, vx]
       for k, (p, g) in enumerate(zip(unknowns, gu)):
-        p, m, v = adam_step(p, g, moments[2 + 2 * k], moments[3 + 2 * k], step, lr)
+        p, m, v = adam_step(p, g, moments[2 + 2 * k], moments[3 + 2 * k], count, lr)
         moved_unknowns.append(p)
         moved_moments += [m, v]
       return ((moved_x, moved_unknowns, moved_moments, best, best_loss),
