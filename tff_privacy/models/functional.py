@@ -204,6 +204,10 @@ def _apply(layer, weights, i, h, records=0):
                    "supported by the functional forward pass")
 
 
+# Python control flow on Python values only: converting it with autograph
+# (which map_fn, vectorized_map and tf.data do by default) costs seconds of
+# tracing and changes nothing.
+@tf.autograph.experimental.do_not_convert
 def forward(model: tf.keras.Model, weights: Sequence[tf.Tensor], x: tf.Tensor,
             tap: Optional[str] = None, records: bool = False):
   """Logits of `model` at trainable `weights` on `x`; with `tap` (a layer

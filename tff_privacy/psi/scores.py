@@ -200,6 +200,7 @@ def _chosen_pixels(mask: tf.Tensor, pixels: Optional[int], seed) -> tf.Tensor:
   return tf.gather(coords, tf.math.top_k(keys, take).indices)
 
 
+@tf.autograph.experimental.do_not_convert
 def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
                loss_fn: LossFn = CLASSIFICATION_LOSS, *,
                pixels: Optional[int] = None, seed=(0, 0),
