@@ -85,14 +85,21 @@ def encode(records: list[list[str]]) -> tuple[np.ndarray, np.ndarray, dict]:
     values = np.array(table[column], np.float32)
     blocks.append((values / max(values.max(), 1.0))[:, None])
   for column in CATEGORICAL:
-    values = np.array(table[column])
-    categories = sorted(set(values) - {"?"})
-    blocks.append((values[:, None] == np.array(categories)[None]).astype(np.float32))
+    categories = sorted(set(table[column]) - {"?"})
+    # a missing value indexes the extra last row: all zeros
+    one_hot = np.eye(len(categories) + 1, len(categories), dtype=np.float32)
+    blocks.append(one_hot[_indices(table[column], categories, missing=len(categories))])
   x = np.concatenate(blocks, axis=1)
   y = np.array([v == ">50K" for v in table["income"]], np.int32)
-  attributes = {name: np.array([classes.index(v) for v in table[name]], np.int32)
+  attributes = {name: _indices(table[name], classes)
                 for name, classes in ATTRIBUTE_CLASSES.items()}
   return x, y, attributes
+
+
+def _indices(values: list[str], classes, missing: int | None = None) -> np.ndarray:
+  """Each value's index in `classes` (`missing` for one not in them), int32."""
+  lookup = {v: i for i, v in enumerate(classes)}
+  return np.array([lookup.get(v, missing) for v in values], np.int32)
 
 
 def feature_names(records: list[list[str]]) -> list[str]:

@@ -213,10 +213,20 @@ def load_adult(test_fraction: float = 0.2) -> Source:
   features in [0, 1], label income > 50K, sensitive attributes race and
   sex; split 80/20 stratified by the label (seed 0)."""
   from tff_privacy.data import adult
-  records = [r for path in adult.data_files() for r in adult.read_records(path)]
-  x, y, attributes = adult.encode(records)
+  x, y, attributes = _adult_arrays()
   return _with_attributes("adult", x, y, 2, attributes, dict(adult.ATTRIBUTE_CLASSES),
                           test_fraction, task="binary_mse")
+
+
+@functools.lru_cache(maxsize=1)
+def _adult_arrays() -> tuple[np.ndarray, np.ndarray, dict]:
+  """The UCI files encoded once per process, read-only (as `_mnist_digits`)."""
+  from tff_privacy.data import adult
+  records = [r for path in adult.data_files() for r in adult.read_records(path)]
+  x, y, attributes = adult.encode(records)
+  for array in (x, y, *attributes.values()):
+    array.setflags(write=False)
+  return x, y, attributes
 
 
 def load_audiomnist(data_dir: str, test_fraction: float = 0.2,
