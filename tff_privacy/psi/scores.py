@@ -215,7 +215,8 @@ def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
     loss_fn: maps (outputs, labels) of a one-sample batch to the loss.
     pixels: None for the exact score; else the estimator's number of region
       pixels per sample (>= 2), drawn with `seed` (a stateless-RNG seed).
-    chunk: JVPs vectorised at once (memory: chunk x the model's parameters).
+    chunk: JVPs vectorised at once (memory: chunk x the model's parameters),
+      at most those of one sample (`pixels` or H W, times C).
     groups: None to score each tensor; else each tensor's group index
       (0..G-1, e.g. `layer_groups(model)`), scoring each group as one layer.
 
@@ -236,6 +237,7 @@ def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
   width = len(weights) if groups is None else max(groups) + 1
   x = tf.cast(x, tf.float32)
   masks = tf.cast(masks, tf.bool)
+  chunk = min(chunk, _most_jvps(x.shape, pixels))
   seeds = tf.random.experimental.stateless_split(
       tf.cast(tf.convert_to_tensor(seed), tf.int64), tf.shape(x)[0])
 
@@ -256,6 +258,16 @@ def psi_scores(model: tf.keras.Model, weights: Sequence[tf.Tensor], x, y, masks,
       fn_output_signature=(tf.TensorSpec([width]),) * 2,
       parallel_iterations=1)
   return PsiScores(scores, errors)
+
+
+def _most_jvps(shape: tf.TensorShape, pixels: Optional[int]) -> int:
+  """The most JVPs one sample of `shape` [N, H, W, C] takes (a padded JVP
+  costs as much as a real one, so no chunk needs to be wider); a large
+  number where the shape is not known when traced."""
+  height, width, channels = shape[1:]
+  if None in (height, width, channels):
+    return np.iinfo(np.int32).max
+  return (height * width if pixels is None else pixels) * channels
 
 
 def _check_groups(groups: Optional[Sequence[int]], num_tensors: int) -> None:

@@ -1,0 +1,154 @@
+"""Wall time of one FedRE round relative to one FedAvg round on the same
+clients, each method in a process of its own, with its peak memory.
+
+Settings (`--setting`):
+* docs: the documents' protocol (`tff-privacy train --dataset docs`: 10
+  clients of one document format each, the U-Net, Adam at 0.005, 2 local
+  epochs, batch 16, FedRE's PSI on 16 of the region's pixels);
+* digits: the compact leaderboard's FedRE and FedAvg rows (`make demo`:
+  mnist5k_parity, the MLP, 16 one-sample-batch clients a round, FedRE's
+  PSI on 2 samples of 8 pixels and PDA-PAM on 2 public samples).
+FedRE runs at `--epsilon` (default 50) with its other defaults, or those
+of `--fedre-kwargs` (a JSON object of FedRE's parameters, e.g.
+'{"budget_split": "even"}' to time it without the clients' PSI scores).
+
+Each method's process builds its TFF process, runs one compiling round,
+then `--rounds` timed rounds on round 1's clients, with no capture and no
+evaluation. The whole process tree (the driver and its TFF worker) is
+sampled every 0.5 s for its resident memory and killed above `--limit-mb`.
+
+Prints the median seconds per round of each method, then
+`ratio_fedre_over_fedavg=` and `peak_rss_mb_<method>=`.
+
+  python benchmarks/fedre_round_time.py [--setting docs|digits] [--rounds 3]
+      [--epsilon 50] [--fedre-kwargs JSON] [--limit-mb 12000]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+from fedre_memory import watch  # this folder's
+from tff_privacy import runner, runtime
+from tff_privacy.cli import _positive_int
+from tff_privacy.leaderboard import defaults, grid as grids
+
+SETTINGS = ("docs", "digits")
+METHODS = ("fedavg", "fedre")
+_COMPACT_ROWS = {"fedavg": "FedAvg", "fedre": "FedRE"}
+
+
+def _epsilon(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 < value < float("inf"):
+    raise argparse.ArgumentTypeError(f"takes a finite epsilon > 0, got {text!r}")
+  return value
+
+
+def _object(text: str) -> dict:
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError:
+    value = None
+  if not isinstance(value, dict) or "epsilon" in value:
+    raise argparse.ArgumentTypeError(
+        f"takes a JSON object of FedRE's parameters but epsilon, got {text!r}")
+  return value
+
+
+def config(setting: str, method: str, out: str, fedre_kwargs: dict
+           ) -> runner.RunConfig:
+  """The run of `method` in `setting`, writing to `out`, capturing
+  nothing; FedRE with `fedre_kwargs`."""
+  fedre_kwargs = fedre_kwargs if method == "fedre" else {}
+  if setting == "docs":
+    return runner.RunConfig(**runner.with_protocol(
+        {"out": out, "method": method, "dataset": "docs", "model": "unet",
+         "seed": 0, "method_kwargs": fedre_kwargs}))
+  compact = grids.parse(defaults.GRIDS["compact"])
+  row = next(r for r in compact.rows() if r.entry == _COMPACT_ROWS[method])
+  made = row.run_config(out, capture_round=1)
+  return dataclasses.replace(made, capture_rounds=(), method_kwargs={
+      **made.method_kwargs, **fedre_kwargs})
+
+
+def time_rounds(setting: str, method: str, rounds: int, fedre_kwargs: dict,
+                path: str) -> None:
+  """Writes to `path` (JSON) the seconds of each of `rounds` rounds of
+  `method` after a compiling one, all on round 1's clients."""
+  runtime.start()
+  with tempfile.TemporaryDirectory() as tmp:
+    run = runner.Run(config(setting, method, tmp, fedre_kwargs))
+    data = run.round_data(1)
+    state = run.step(run.initial_state(), data, False)[0]  # compile
+    times = []
+    for _ in range(rounds):
+      start = time.perf_counter()
+      state = run.step(state, data, False)[0]
+      times.append(time.perf_counter() - start)
+  with open(path, "w") as f:
+    json.dump(times, f)
+  runtime.stop()
+
+
+def measured(method: str, args) -> tuple[list[float], int]:
+  """(seconds of each timed round, peak resident bytes of the process
+  tree) of `method` in a process of its own (`time_rounds`)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "times.json")
+    peak, _, _, outcome = watch(
+        [sys.executable, os.path.abspath(__file__), "--time-method", method,
+         "--times-file", path, "--setting", args.setting, "--rounds",
+         str(args.rounds), "--epsilon", str(args.epsilon),
+         "--fedre-kwargs", json.dumps(args.fedre_kwargs)],
+        args.limit_mb * 2**20)
+    if outcome != "finished":
+      sys.exit(f"{method}: {outcome} at peak_rss_mb={peak // 2**20}")
+    with open(path) as f:
+      return json.load(f), peak
+
+
+def main() -> None:
+  runtime.install()  # first: TFF's own default context fails at exit
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--setting", choices=SETTINGS, default="docs")
+  parser.add_argument("--rounds", type=_positive_int, default=3)
+  parser.add_argument("--epsilon", type=_epsilon, default=50.0)
+  parser.add_argument("--fedre-kwargs", type=_object, default={},
+                      help="FedRE's parameters other than epsilon, a JSON object")
+  parser.add_argument("--limit-mb", type=_positive_int, default=12000,
+                      help="kill a method's process tree above this resident size")
+  parser.add_argument("--time-method", choices=METHODS, help=argparse.SUPPRESS)
+  parser.add_argument("--times-file", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.time_method:
+    time_rounds(args.setting, args.time_method, args.rounds,
+                {**args.fedre_kwargs, "epsilon": args.epsilon}, args.times_file)
+    return
+  times, peaks = {}, {}
+  for method in METHODS:
+    times[method], peaks[method] = measured(method, args)
+  seconds = {m: statistics.median(times[m]) for m in METHODS}
+  print(f"setting: {args.setting}, FedRE at epsilon {args.epsilon:g}"
+        + (f" with {json.dumps(args.fedre_kwargs)}" if args.fedre_kwargs else ""))
+  print(", ".join(f"{m}: {seconds[m]:.3f} s/round" for m in METHODS)
+        + f" (medians of {args.rounds})")
+  print(f"ratio_fedre_over_fedavg={seconds['fedre'] / seconds['fedavg']:.2f} "
+        + " ".join(f"peak_rss_mb_{m}={peaks[m] // 2**20}" for m in METHODS))
+
+
+if __name__ == "__main__":
+  main()
