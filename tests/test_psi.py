@@ -128,6 +128,27 @@ def test_forward_mode_maps_samples_and_chunks_one_at_a_time(setup):
   assert set(maps.values()) == {1}, maps
 
 
+@pytest.mark.parametrize("pixels, chunk, width", [
+    (2, 64, 2 * C),  # the estimator's pixels, times the channels
+    (None, 64, H * W * C),  # every pixel of the image at most
+])
+def test_no_chunk_of_jvps_is_wider_than_a_samples_jvps(setup, monkeypatch,
+                                                       pixels, chunk, width):
+  """A padded JVP costs as much as a real one. (That narrower chunks give
+  the same scores: the finite-difference tests at chunks 1, 3 and 64.)"""
+  model, weights, x, y, masks = setup
+  widths, vectorized_map = [], tf.vectorized_map
+
+  def spy(fn, elems, **kwargs):
+    widths.append(elems.shape[0])
+    return vectorized_map(fn, elems, **kwargs)
+
+  monkeypatch.setattr(tf, "vectorized_map", spy)
+  psi.psi_scores(model, _f32(weights), x[:1], y[:1], masks[:1], pixels=pixels,
+                 chunk=chunk, seed=(3, 4))
+  assert set(widths) == {width}
+
+
 def test_estimator_is_unbiased_and_its_standard_error_is_honest(setup):
   model, weights, x, y, masks = setup
   region = masks[:1].copy()
