@@ -34,13 +34,10 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
-import tempfile
-import time
 
-from fedre_memory import watch  # this folder's
+import round_timing  # this folder's
 from tff_privacy import runner, runtime
-from tff_privacy.cli import _positive_int
+from tff_privacy.cli import _epsilon_target, _positive_int
 from tff_privacy.leaderboard import defaults, grid as grids
 
 SETTINGS = ("docs", "digits")
@@ -49,13 +46,9 @@ _COMPACT_ROWS = {"fedavg": "FedAvg", "fedre": "FedRE"}
 
 
 def _epsilon(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 < value < float("inf"):
+  if text == "none":  # a target of the library's commands, not a budget
     raise argparse.ArgumentTypeError(f"takes a finite epsilon > 0, got {text!r}")
-  return value
+  return _epsilon_target(text)
 
 
 def _object(text: str) -> dict:
@@ -85,40 +78,14 @@ def config(setting: str, method: str, out: str, fedre_kwargs: dict
       **made.method_kwargs, **fedre_kwargs})
 
 
-def time_rounds(setting: str, method: str, rounds: int, fedre_kwargs: dict,
-                path: str) -> None:
-  """Writes to `path` (JSON) the seconds of each of `rounds` rounds of
-  `method` after a compiling one, all on round 1's clients."""
-  runtime.start()
-  with tempfile.TemporaryDirectory() as tmp:
-    run = runner.Run(config(setting, method, tmp, fedre_kwargs))
-    data = run.round_data(1)
-    state = run.step(run.initial_state(), data, False)[0]  # compile
-    times = []
-    for _ in range(rounds):
-      start = time.perf_counter()
-      state = run.step(state, data, False)[0]
-      times.append(time.perf_counter() - start)
-  with open(path, "w") as f:
-    json.dump(times, f)
-  runtime.stop()
-
-
 def measured(method: str, args) -> tuple[list[float], int]:
   """(seconds of each timed round, peak resident bytes of the process
-  tree) of `method` in a process of its own (`time_rounds`)."""
-  with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "times.json")
-    peak, _, _, outcome = watch(
-        [sys.executable, os.path.abspath(__file__), "--time-method", method,
-         "--times-file", path, "--setting", args.setting, "--rounds",
-         str(args.rounds), "--epsilon", str(args.epsilon),
-         "--fedre-kwargs", json.dumps(args.fedre_kwargs)],
-        args.limit_mb * 2**20)
-    if outcome != "finished":
-      sys.exit(f"{method}: {outcome} at peak_rss_mb={peak // 2**20}")
-    with open(path) as f:
-      return json.load(f), peak
+  tree) of `method` in a process of its own (`round_timing`)."""
+  return round_timing.measured(
+      __file__, ["--time-method", method, "--setting", args.setting, "--rounds",
+                 str(args.rounds), "--epsilon", str(args.epsilon),
+                 "--fedre-kwargs", json.dumps(args.fedre_kwargs)],
+      args.limit_mb, method)
 
 
 def main() -> None:
@@ -135,9 +102,15 @@ def main() -> None:
   parser.add_argument("--times-file", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.time_method:
-    time_rounds(args.setting, args.time_method, args.rounds,
-                {**args.fedre_kwargs, "epsilon": args.epsilon}, args.times_file)
+    round_timing.time_rounds(
+        config(args.setting, args.time_method, "unused",
+               {**args.fedre_kwargs, "epsilon": args.epsilon}),
+        args.rounds, args.times_file)
     return
+  try:  # a parameter FedRE lacks: one line here, not a worker's traceback
+    config(args.setting, "fedre", "unused", {**args.fedre_kwargs, "epsilon": args.epsilon})
+  except ValueError as e:
+    parser.error(f"--fedre-kwargs: {e}")
   times, peaks = {}, {}
   for method in METHODS:
     times[method], peaks[method] = measured(method, args)

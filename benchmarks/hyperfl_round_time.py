@@ -36,16 +36,12 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
-import json
 import statistics
-import sys
-import tempfile
-import time
 
 import numpy as np
 import tensorflow as tf
 
-from fedre_memory import watch  # this folder's
+import round_timing  # this folder's
 from tff_privacy import runner, runtime
 from tff_privacy.cli import _positive_int
 from tff_privacy.models.functional import forward
@@ -56,46 +52,21 @@ METHOD_KWARGS = {"fedavg": dict(local_epochs=5, client_learning_rate=0.02,
                                 client_momentum=0.5)}
 
 
-def _run(method: str, out: str, clients: int, samples: int, **method_kwargs):
-  return runner.Run(runner.RunConfig(
-      out=out, method=method, dataset="mnist5k", model="hyperfl_cnn",
+def _config(method: str, clients: int, samples: int) -> runner.RunConfig:
+  return runner.RunConfig(
+      out="unused", method=method, dataset="mnist5k", model="hyperfl_cnn",
       clients=clients, batch_size=50, partition="label_groups",
-      samples_per_client=samples, seed=0, method_kwargs=method_kwargs))
-
-
-def time_rounds(method: str, rounds: int, clients: int, samples: int,
-                path: str) -> None:
-  """Writes to `path` (JSON) the seconds of each of `rounds` rounds of
-  `method` after a compiling one, all on round 1's clients."""
-  runtime.start()
-  with tempfile.TemporaryDirectory() as tmp:
-    r = _run(method, tmp, clients, samples, **METHOD_KWARGS.get(method, {}))
-    data = r.round_data(1)
-    state = r.step(r.initial_state(), data, False)[0]  # compile
-    times = []
-    for _ in range(rounds):
-      start = time.perf_counter()
-      state = r.step(state, data, False)[0]
-      times.append(time.perf_counter() - start)
-  with open(path, "w") as f:
-    json.dump(times, f)
-  runtime.stop()
+      samples_per_client=samples, seed=0,
+      method_kwargs=METHOD_KWARGS.get(method, {}))
 
 
 def measured(method: str, args) -> tuple[list[float], int]:
   """(seconds of each timed round, peak resident bytes of the process tree)
-  of `method` in a process of its own (`time_rounds`)."""
-  with tempfile.TemporaryDirectory() as tmp:
-    path = os.path.join(tmp, "times.json")
-    peak, _, _, outcome = watch(
-        [sys.executable, os.path.abspath(__file__), "--time-method", method,
-         "--times-file", path, "--rounds", str(args.rounds), "--clients",
-         str(args.clients), "--samples", str(args.samples)],
-        args.limit_mb * 2**20)
-    if outcome != "finished":
-      sys.exit(f"{method}: {outcome} at peak_rss_mb={peak // 2**20}")
-    with open(path) as f:
-      return json.load(f), peak
+  of `method` in a process of its own (`round_timing`)."""
+  return round_timing.measured(
+      __file__, ["--time-method", method, "--rounds", str(args.rounds),
+                 "--clients", str(args.clients), "--samples", str(args.samples)],
+      args.limit_mb, method)
 
 
 def _flops(fn, *specs) -> int:
@@ -165,8 +136,8 @@ def main() -> None:
   parser.add_argument("--times-file", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.time_method:
-    time_rounds(args.time_method, args.rounds, args.clients, args.samples,
-                args.times_file)
+    round_timing.time_rounds(_config(args.time_method, args.clients, args.samples),
+                             args.rounds, args.times_file)
     return
   baselines = [b for b in args.baselines.split(",") if b]
   if set(baselines) - set(BASELINES):
@@ -175,7 +146,7 @@ def main() -> None:
   for name in ["fedavg", "hyperfl", *baselines]:
     times[name], peaks[name] = measured(name, args)
   fedavg, hyperfl = (statistics.median(times[n]) for n in ("fedavg", "hyperfl"))
-  spec = _run("fedavg", "unused", args.clients, args.samples).spec
+  spec = runner.Run(_config("fedavg", args.clients, args.samples)).spec
   hyper = Hypernetwork.for_model(spec.keras())
   model_params = sum(int(np.prod(w.shape)) for w in spec.initial_weights(0))
   steps = -(-args.samples // 50)  # batches per epoch

@@ -1,0 +1,50 @@
+"""What the round-time benchmarks share: a method's rounds timed in a
+process of its own (`time_rounds`), started and watched for its peak
+memory by `measured`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+from fedre_memory import watch  # this folder's
+from tff_privacy import runner, runtime
+
+
+def time_rounds(config: runner.RunConfig, rounds: int, path: str) -> None:
+  """Writes to `path` (JSON) the seconds of each of `rounds` rounds of the
+  run `config` after a compiling one, all on round 1's clients, without
+  capture or evaluation; `config.out` is replaced by a temporary folder."""
+  runtime.start()
+  with tempfile.TemporaryDirectory() as tmp:
+    run = runner.Run(runner.RunConfig(**{**vars(config), "out": tmp}))
+    data = run.round_data(1)
+    state = run.step(run.initial_state(), data, False)[0]  # compile
+    times = []
+    for _ in range(rounds):
+      start = time.perf_counter()
+      state = run.step(state, data, False)[0]
+      times.append(time.perf_counter() - start)
+  with open(path, "w") as f:
+    json.dump(times, f)
+  runtime.stop()
+
+
+def measured(script: str, arguments: list[str], limit_mb: int,
+             what: str) -> tuple[list[float], int]:
+  """(seconds of each timed round, peak resident bytes of the process
+  tree) of `python script ARGUMENTS --times-file PATH`, a process that
+  calls `time_rounds`; exits naming `what` where it fails or passes
+  `limit_mb`."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "times.json")
+    peak, _, _, outcome = watch(
+        [sys.executable, os.path.abspath(script), *arguments, "--times-file", path],
+        limit_mb * 2**20)
+    if outcome != "finished":
+      sys.exit(f"{what}: {outcome} at peak_rss_mb={peak // 2**20}")
+    with open(path) as f:
+      return json.load(f), peak
