@@ -31,6 +31,21 @@ def test_a_uci_fixture_is_encoded_by_hand(tmp_path):
   assert attributes["race"].tolist() == [0, 3] and attributes["sex"].tolist() == [1, 0]
 
 
+def test_a_sensitive_attribute_outside_its_classes_is_named(tmp_path):
+  path = tmp_path / "adult.data"
+  path.write_text(FIXTURE.replace("Black", "Martian"))
+  with pytest.raises(ValueError, match=r"adult: race values \['Martian'\] are not among"):
+    adult.encode(adult.read_records(str(path)))
+
+
+def test_the_loaded_arrays_are_read_only_and_a_load_splits_copies():
+  first, second = sources.load_source("adult"), sources.load_source("adult")
+  first.x_train[0, 0] = 7.0  # the split is the caller's own copy (inputs are in [0, 1])
+  assert second.x_train[0, 0] <= 1.0
+  with pytest.raises(ValueError, match="read-only"):
+    sources._adult_arrays()[0][0, 0] = 0
+
+
 def test_adult_matches_pandas_on_the_uci_files():
   source = sources.load_source("adult")
   frames = [pd.read_csv(p, names=list(adult.COLUMNS), skipinitialspace=True,

@@ -91,8 +91,12 @@ def encode(records: list[list[str]]) -> tuple[np.ndarray, np.ndarray, dict]:
     blocks.append(one_hot[_indices(table[column], categories, missing=len(categories))])
   x = np.concatenate(blocks, axis=1)
   y = np.array([v == ">50K" for v in table["income"]], np.int32)
-  attributes = {name: _indices(table[name], classes)
-                for name, classes in ATTRIBUTE_CLASSES.items()}
+  attributes = {}
+  for name, classes in ATTRIBUTE_CLASSES.items():
+    unknown = sorted(set(table[name]) - set(classes))
+    if unknown:
+      raise ValueError(f"adult: {name} values {unknown} are not among {classes}")
+    attributes[name] = _indices(table[name], classes)
   return x, y, attributes
 
 
