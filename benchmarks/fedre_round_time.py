@@ -101,14 +101,13 @@ def main() -> None:
   parser.add_argument("--time-method", choices=METHODS, help=argparse.SUPPRESS)
   parser.add_argument("--times-file", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  fedre_kwargs = {**args.fedre_kwargs, "epsilon": args.epsilon}
   if args.time_method:
-    round_timing.time_rounds(
-        config(args.setting, args.time_method, "unused",
-               {**args.fedre_kwargs, "epsilon": args.epsilon}),
-        args.rounds, args.times_file)
+    round_timing.time_rounds(config(args.setting, args.time_method, "unused", fedre_kwargs),
+                             args.rounds, args.times_file)
     return
   try:  # a parameter FedRE lacks: one line here, not a worker's traceback
-    config(args.setting, "fedre", "unused", {**args.fedre_kwargs, "epsilon": args.epsilon})
+    config(args.setting, "fedre", "unused", fedre_kwargs)
   except ValueError as e:
     parser.error(f"--fedre-kwargs: {e}")
   times, peaks = {}, {}

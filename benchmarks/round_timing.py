@@ -4,6 +4,7 @@ memory by `measured`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ def time_rounds(config: runner.RunConfig, rounds: int, path: str) -> None:
   capture or evaluation; `config.out` is replaced by a temporary folder."""
   runtime.start()
   with tempfile.TemporaryDirectory() as tmp:
-    run = runner.Run(runner.RunConfig(**{**vars(config), "out": tmp}))
+    run = runner.Run(dataclasses.replace(config, out=tmp))
     data = run.round_data(1)
     state = run.step(run.initial_state(), data, False)[0]  # compile
     times = []
