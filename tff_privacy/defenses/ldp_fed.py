@@ -84,6 +84,11 @@ class LDPFed(UpdateDefense):
       noised = noised * shared
     return unflatten(noised, update)
 
+  def canary(self, direction):
+    """Every entry at the edge of its range, +-clip, with `direction`'s
+    signs."""
+    return self.clip * np.where(direction < 0, -1.0, 1.0)
+
   def pure_epsilon(self, num_params: int) -> float:
     shared = math.ceil(self.fraction * num_params)
     return shared * self.alpha * 2 * self._half_width

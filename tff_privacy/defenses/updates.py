@@ -172,6 +172,14 @@ class UpdateDefense(abc.ABC):
     if the defence is a DP mechanism that `dp_accounting` models."""
     return None
 
+  def canary(self, direction: np.ndarray) -> Optional[np.ndarray]:
+    """The flat update of largest effect along `direction` (a flat random
+    vector) that the defence lets a client upload, whose negation is its
+    farthest neighbour under `dp_relation`: the per-upload audit's canary
+    (`tff_privacy.audit.uploads`). None: no per-upload claim to audit."""
+    del direction
+    return None
+
   def pure_epsilon(self, num_params: int) -> Optional[float]:
     """The pure-DP epsilon of one application, for DP mechanisms that
     `dp_accounting` does not model (composed over rounds by the basic
@@ -212,6 +220,10 @@ class LocalGaussian(UpdateDefense):
   def dp_event(self, num_params: int):
     return (dp_accounting.GaussianDpEvent(self.noise_multiplier / 2)
             if self.noise_multiplier > 0 else None)
+
+  def canary(self, direction):
+    """`direction` at L2 norm C."""
+    return self.clip * direction / np.linalg.norm(direction)
 
 
 class ClipOnly(LocalGaussian):
@@ -254,6 +266,18 @@ class LocalLaplace(UpdateDefense):
       return None
     scale = 2 * (math.sqrt(num_params) if self.norm == "l2" else 1.0)
     return dp_accounting.LaplaceDpEvent(self.noise_multiplier / scale)
+
+  def canary(self, direction):
+    """The farthest pair in L1 norm, the sensitivity of the Laplace
+    mechanism: for L2 clipping, `direction`'s signs at L2 norm C (L1 norm
+    sqrt(d) C); for L1 clipping, the corner of the L1 ball nearest
+    `direction`, C on its largest entry with that entry's sign."""
+    if self.norm == "l2":
+      return self.clip * np.where(direction < 0, -1.0, 1.0) / math.sqrt(direction.size)
+    corner = np.zeros_like(direction)
+    top = int(np.argmax(np.abs(direction)))
+    corner[top] = self.clip * np.sign(direction[top])
+    return corner
 
 
 def top_fraction_mask(scores: tf.Tensor, fraction: float) -> tf.Tensor:

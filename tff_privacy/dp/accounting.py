@@ -21,6 +21,7 @@ events' noise multipliers), central DP-FedAvg adds or removes one client
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import dp_accounting
@@ -111,6 +112,18 @@ def laplace_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float
     raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
   step = dp_accounting.LaplaceDpEvent(noise_multiplier)
   return epsilon(dp_accounting.SelfComposedDpEvent(step, rounds), delta, "pld")
+
+
+def laplace_epsilon_once(noise_multiplier: float, delta: float) -> float:
+  """Epsilon at `delta` of one Laplace mechanism, in closed form: its
+  privacy profile is delta(eps) = 1 - exp((eps - eps0) / 2) for eps <=
+  eps0 = 1 / noise_multiplier, so eps = eps0 + 2 log(1 - delta) (floored at
+  0). dp_accounting's PLD accountant gives the same, but discretises a
+  range that grows with eps0: minutes for eps0 in the thousands."""
+  _check(delta)
+  if not noise_multiplier > 0:
+    raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+  return max(0.0, 1 / noise_multiplier + 2 * math.log1p(-delta))
 
 
 def laplace_pure_epsilon(noise_multiplier: float, rounds: int) -> float:
