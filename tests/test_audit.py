@@ -80,6 +80,14 @@ class _HalfNoise(defenses.LocalGaussian):
       self.noise_multiplier = claimed
 
 
+def test_a_correct_gaussian_mechanism_is_not_refuted():
+  delta, z = 1e-5, 6.0
+  audit = uploads.audit_defense(defenses.LocalGaussian(1.0, z), [(10,)], delta,
+                                canaries=2000)
+  assert 0 < audit["epsilon_lower_bound"] <= _gaussian_epsilon(2 / z, delta)
+
+
+@pytest.mark.slow  # 20000 canaries twice
 def test_a_correct_gaussian_mechanism_is_not_refuted_and_half_its_noise_is():
   # the one-run bound's power on a Gaussian mechanism is weakest at large
   # epsilon (at z 4, 20000 canaries: 1.97 for the planted 4.38 against the
@@ -102,7 +110,7 @@ def test_a_correct_laplace_mechanism_is_not_refuted():
   # L1 clipping: sensitivity 2C against scale z C
   claim = 2 / z + 2 * math.log1p(-delta)
   audit = uploads.audit_defense(defenses.LocalLaplace(1.0, z, norm="l1"), [(10,)],
-                                delta, canaries=20000)
+                                delta, canaries=5000)
   assert audit["epsilon_claimed"] == pytest.approx(claim)
   assert 0 < audit["epsilon_lower_bound"] <= claim
 
@@ -124,6 +132,7 @@ def test_a_defense_without_a_per_upload_claim_is_refused():
     uploads.audit_defense(defenses.Sparsification(0.9), [(10,)], 1e-5)
 
 
+@pytest.mark.slow  # 20000 canaries twice
 def test_the_one_shot_estimate_finds_a_gaussian_mechanisms_epsilon():
   # 20000 canaries estimate the gap of the scores to about 4% (one standard
   # error): within 15% of the mechanism's epsilon, 3 standard errors

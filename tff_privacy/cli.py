@@ -632,6 +632,53 @@ def _port(text: str) -> int:
   return int(text)
 
 
+def _audit_parser(sub) -> None:
+  p = sub.add_parser(
+      "audit", help="audit a run's privacy claim: an empirical lower bound on "
+      "epsilon from canaries beside the claimed one, and membership inference",
+      description="Writes RUN/audit.json: the per-upload audit of a local DP "
+      "defence (Steinke et al.'s one-run lower bound on the epsilon of one "
+      "upload, from canaries each included with probability 1/2) and "
+      "tensorflow_privacy's membership-inference attacks on the final model.")
+  p.add_argument("--run", required=True, help="a training run's folder (the "
+                 "--out of 'tff-privacy train')")
+  p.add_argument("--canaries", type=_at_least_two, default=1000,
+                 help="canaries of the per-upload audit (1000: a bound of at "
+                 "most 4.8 to 5.3, what that many guesses can show)")
+  p.add_argument("--mia-samples", type=_at_least_two, default=1000,
+                 help="training and test samples each scored by the "
+                 "membership-inference attacks")
+  p.add_argument("--seed", type=int, default=0)
+
+
+def _audit(args) -> int:
+  from tff_privacy.audit import report
+  result = report.audit_run(args.run, args.canaries, args.mia_samples, args.seed)
+  upload = result["upload_audit"]
+  if upload["computed"]:
+    low, high = result["epsilon_interval"]
+    claimed = result["epsilon_claimed"]
+    print(f"one upload: epsilon claimed {'none' if claimed is None else f'{claimed:.4g}'}"
+          f", audited lower bound {result['epsilon_lower_bound']:.3f} "
+          f"[{low:.3f}, {'unbounded' if high is None else f'{high:.3f}'}] at "
+          f"{result['confidence']:.0%} from {result['canaries']} canaries"
+          + (" -- claim refuted" if result["claim_refuted"] else ""))
+  else:
+    print(f"per-upload audit: not computed: {upload['reason']}")
+  mia = result["membership_inference"]
+  print(f"membership inference: AUC {mia['mia_auc']:.3f} ({mia['best_attack']}), "
+        f"advantage {mia['mia_advantage']:.3f}" if mia["computed"]
+        else f"membership inference: not computed: {mia['reason']}")
+  print(f"audit: {os.path.join(args.run, report.AUDIT_FILE)}")
+  return 0
+
+
+def _at_least_two(text: str) -> int:
+  if not text.isdigit() or int(text) < 2:
+    raise argparse.ArgumentTypeError(f"takes an integer >= 2, got {text!r}")
+  return int(text)
+
+
 def _worker_parser(sub) -> None:
   p = sub.add_parser(
       "worker", help="serve TFF's worker on this machine for "
@@ -695,6 +742,7 @@ def _parser() -> argparse.ArgumentParser:
   _demo_parser(sub)
   _leaderboard_parser(sub)
   _report_parser(sub)
+  _audit_parser(sub)
   _worker_parser(sub)
   return parser
 
@@ -711,7 +759,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return {"train": _train, "attack": _attack, "merge-attacks": _merge,
             "infer-attributes": _infer, "demo": _demo,
             "leaderboard": _leaderboard, "report": _report,
-            "worker": _worker}[args.command](args)
+            "audit": _audit, "worker": _worker}[args.command](args)
   except (ValueError, OSError, runtime.WorkerError) as e:
     if os.environ.get(DEBUG_VARIABLE):
       raise

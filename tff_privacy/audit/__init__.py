@@ -1,5 +1,6 @@
 """Audits of privacy claims: empirical lower bounds on epsilon from canaries
 (`one_run`, `uploads`) and estimates (`one_shot`), beside the epsilon
-each mechanism claims."""
+each mechanism claims; membership inference by tensorflow_privacy's attacks
+(`membership`); all of them for a run (`report`, `tff-privacy audit`)."""
 
-from tff_privacy.audit import one_run, one_shot, uploads
+from tff_privacy.audit import membership, one_run, one_shot, report, uploads

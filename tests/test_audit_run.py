@@ -1,0 +1,117 @@
+"""`tff-privacy audit`: audit.json's fields, what it says where an audit
+does not apply, the membership-inference wrapper against scikit-learn, and
+its one-line errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import sklearn.metrics
+
+from tff_privacy import cli, io, runner
+from tff_privacy.audit import membership, report
+
+SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
+             clients=4, batch_size=8, seed=3)
+
+
+def _config_only(tmp_path, **fields):
+  """A run folder holding only config.json, as a run writes it."""
+  config = runner.RunConfig(out=str(tmp_path), method="fedsgd", rounds=2,
+                            **SMALL, **fields)
+  io.write_json(os.path.join(tmp_path, "config.json"), config.to_json())
+  return str(tmp_path)
+
+
+@pytest.mark.slow  # the library's grid searches: about a minute on 2 cores
+def test_the_threshold_attacks_auc_is_scikit_learns_of_the_loss():
+  library, why = membership._library()
+  assert library is not None, why
+  rng = np.random.default_rng(0)
+  labels_in, labels_out = rng.integers(0, 3, 200), rng.integers(0, 3, 200)
+  # members: the right class ahead by a margin that varies; others: noise
+  logits_in = rng.normal(0, 1, (200, 3)) + 3 * np.eye(3)[labels_in] * rng.random((200, 1))
+  logits_out = rng.normal(0, 1, (200, 3))
+  result = membership._attack(library, logits_in, logits_out, labels_in, labels_out, None)
+
+  def loss(logits, labels):
+    shifted = logits - logits.max(1, keepdims=True)
+    log_p = shifted - np.log(np.exp(shifted).sum(1, keepdims=True))
+    return -log_p[np.arange(len(labels)), labels]
+
+  scores = -np.concatenate([loss(logits_in, labels_in), loss(logits_out, labels_out)])
+  member = np.r_[np.ones(200), np.zeros(200)]
+  assert result["attacks"]["threshold"]["auc"] == pytest.approx(
+      sklearn.metrics.roc_auc_score(member, scores), abs=1e-6)
+  assert set(result["attacks"]) == {"threshold", "threshold-entropy", "lr", "mlp",
+                                    "rf", "knn"}
+  assert result["mia_auc"] == max(a["auc"] for a in result["attacks"].values())
+
+
+def test_a_local_dp_run_is_audited_per_upload_and_a_missing_model_is_named(tmp_path):
+  run = _config_only(tmp_path, defense="ldp_gaussian",
+                     defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0})
+  result = report.audit_run(run, canaries=200)
+  assert result["upload_audit"]["computed"] and result["canaries"] == 200
+  assert result["relation"].startswith("local DP")
+  assert result["epsilon_lower_bound"] <= result["epsilon_claimed"]
+  assert result["claim_refuted"] is False
+  assert not result["membership_inference"]["computed"]
+  assert "model_weights.npz" in result["membership_inference"]["reason"]
+  assert json.load(open(os.path.join(run, "audit.json")))["canaries"] == 200
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({}, "no client-side defence"),
+    ({"defense": "sparsification", "defense_kwargs": {"p": 0.5}},
+     "makes no per-upload claim"),
+    ({"method": "fedavg", "defense": "dp_fedavg",
+      "defense_kwargs": {"clip": 1.0, "noise_multiplier": 1.0}},
+     "client-level canaries are not audited yet"),
+])
+def test_runs_without_a_per_upload_claim_say_why(tmp_path, fields, reason):
+  method = fields.pop("method", None)
+  run = _config_only(tmp_path, **fields)
+  if method:  # DP-FedAvg goes with FedAvg
+    config = io.read_json(os.path.join(run, "config.json"))
+    config["method"] = method
+    io.write_json(os.path.join(run, "config.json"), config)
+  result = report.audit_run(run, canaries=2)
+  assert not result["upload_audit"]["computed"]
+  assert reason in result["upload_audit"]["reason"]
+  assert result["epsilon_lower_bound"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--canaries", "1"], "argument --canaries: takes an integer >= 2, got '1'"),
+    (["--mia-samples", "x"], "argument --mia-samples: takes an integer >= 2"),
+    ([], "no run here (config.json is missing)"),
+])
+def test_audit_errors_name_the_flag_or_folder(capsys, tmp_path, argv, message):
+  try:
+    code = cli.main(["audit", "--run", str(tmp_path / "none")] + argv)
+  except SystemExit as e:  # argparse's own errors
+    code = e.code
+  err = capsys.readouterr().err
+  assert code == 2 and message in err and "Traceback" not in err
+  assert message in err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_the_audit_command_on_a_trained_local_dp_run(capsys, tmp_path):
+  run = tmp_path / "run"
+  config = runner.RunConfig(out=str(run), method="fedsgd", rounds=2,
+                            capture_rounds=(2,), defense="ldp_gaussian",
+                            defense_kwargs={"clip": 1.0, "noise_multiplier": 0.5},
+                            **SMALL)
+  runner.run(config, progress=False)
+  assert cli.main(["audit", "--run", str(run), "--canaries", "300",
+                   "--mia-samples", "200"]) == 0
+  out = capsys.readouterr().out
+  assert "audited lower bound" in out and "membership inference: AUC" in out
+  audit = json.load(open(run / "audit.json"))
+  # one upload's claim: the Gaussian mechanism at noise multiplier z / 2
+  assert audit["epsilon_claimed"] > audit["epsilon_lower_bound"] > 0
+  assert audit["membership_inference"]["computed"]
+  assert 0 <= audit["mia_auc"] <= 1 and (run / "mia_roc.png").exists()

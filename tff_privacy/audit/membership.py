@@ -1,0 +1,167 @@
+"""Membership inference on a run's final model, by tensorflow_privacy's own
+attack library (`privacy_tests.membership_inference_attack`).
+
+Members are training samples of clients that trained (sampled in some
+round); non-members are test samples, which no client held. From the
+model's logits on up to `samples` of each, the library's threshold
+(loss), entropy-threshold, logistic-regression, MLP, random-forest and
+k-NN attacks each report their AUC and attacker advantage (max |TPR -
+FPR|); the largest AUC is the row's `mia_auc`, and its ROC curve is
+plotted by the library.
+
+The library ships in tensorflow-privacy up to 0.8.12 but not in the 0.9.0
+wheel that tensorflow-federated 0.87 pins; `make` installs it from the
+0.8.12 wheel (`tools/install_privacy_tests.py`). Where it is missing, or
+the run has no global model (personalised methods keep one per client,
+not audited here yet), or its task is not classification, the result says
+so instead of giving numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Optional
+
+import numpy as np
+
+from tff_privacy import io, models, runner
+from tff_privacy.data import federated, sources
+
+DEFAULT_SAMPLES = 1000
+ROC_FILE = "mia_roc.png"
+MODEL_WEIGHTS = "model_weights.npz"  # the runner's final global model
+
+
+def _library():
+  """tensorflow_privacy's membership-inference modules, or why not."""
+  try:
+    from tensorflow_privacy.privacy.privacy_tests.membership_inference_attack import (
+        data_structures, membership_inference_attack, plotting)
+  except ImportError as e:
+    return None, (f"tensorflow_privacy's membership-inference library is not "
+                  f"installed ({e}); `make` installs it "
+                  "(tools/install_privacy_tests.py)")
+  return (data_structures, membership_inference_attack, plotting), None
+
+
+def members(config: runner.RunConfig, fed: federated.FederatedData) -> np.ndarray:
+  """Indices into the training set of the samples of every client sampled
+  in some round of the run `config`."""
+  trained = set()
+  for round_num in range(1, config.rounds + 1):
+    trained.update(runner.sample_clients(config, round_num).tolist())
+  return np.concatenate([fed.client_indices[c] for c in sorted(trained)])
+
+
+def membership_inference(run_dir: str, samples: int = DEFAULT_SAMPLES,
+                         seed: int = 0) -> dict[str, Any]:
+  """The attacks of the module docstring on the run in `run_dir`; writes
+  the ROC plot of the best attack to `run_dir`/mia_roc.png.
+
+  Returns:
+    {'computed': True, 'mia_auc', 'mia_advantage' (the largest of each),
+    'attacks': {name: {'auc', 'advantage'}}, 'members', 'non_members'
+    (samples scored), 'roc': the plot's file name} or {'computed': False,
+    'reason': why}.
+
+  Raises:
+    ValueError: samples < 2, or `run_dir` holds no run (config.json).
+  """
+  if not isinstance(samples, int) or samples < 2:
+    raise ValueError(f"mia samples must be an integer >= 2, got {samples!r}")
+  config = run_config(run_dir)
+  library, why = _library()
+  if library is None:
+    return {"computed": False, "reason": why}
+  if not os.path.exists(os.path.join(run_dir, MODEL_WEIGHTS)):
+    return {"computed": False, "reason": "no global model (model_weights.npz): a "
+            "personalised method's clients' own models are not audited yet"}
+  if config.partition == federated.CLIENT_DATA:
+    return {"computed": False, "reason": "a run on the caller's ClientData: "
+            "its samples are not in the run's folder"}
+  fed = federated.load(config.dataset, config.clients, config.partition,
+                       config.alpha, config.seed, config.data_dir,
+                       config.samples_per_client, config.data_kwargs)
+  if fed.source.task != "classification":
+    return {"computed": False, "reason": f"the attacks score class labels; "
+            f"{config.dataset!r} is {fed.source.task}"}
+  spec = spec_of(config, fed.source)
+  rng = np.random.default_rng(seed)
+  inside = _some(rng, members(config, fed), samples)
+  outside = _some(rng, fed.test_indices if fed.test_indices is not None
+                  else np.arange(len(fed.source.y_test)), samples)
+  model = spec.keras()
+  with np.load(os.path.join(run_dir, MODEL_WEIGHTS)) as f:
+    for variable, name in zip(model.trainable_variables, spec.variable_names()):
+      variable.assign(f[name])
+  src = fed.source
+  return _attack(library, model.predict(src.x_train[inside], verbose=0),
+                 model.predict(src.x_test[outside], verbose=0),
+                 src.y_train[inside], src.y_test[outside], run_dir)
+
+
+def run_config(run_dir: str) -> runner.RunConfig:
+  """The run's configuration as config.json records it."""
+  path = os.path.join(run_dir, "config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"--run {run_dir}: no run here (config.json is missing)")
+  recorded = io.read_json(path)
+  known = {f.name for f in dataclasses.fields(runner.RunConfig)} - {"out"}
+  return runner.RunConfig(**{k: v for k, v in recorded.items() if k in known},
+                          out=run_dir)
+
+
+def spec_of(config: runner.RunConfig, source=None) -> models.ModelSpec:
+  """The run's model, built for its data set (`source`, or loaded)."""
+  source = source or sources.load_source(config.dataset, config.data_dir,
+                                         config.data_kwargs)
+  return models.ModelSpec(config.model, source.input_shape, source.num_classes,
+                          config.model_kwargs)
+
+
+def _some(rng: np.random.Generator, indices: np.ndarray, count: int) -> np.ndarray:
+  return np.sort(rng.choice(indices, min(count, len(indices)), replace=False))
+
+
+def _run_attacks(mia, data_structures, kinds, logits_in, logits_out, labels_in,
+                 labels_out):
+  return mia.run_attacks(
+      data_structures.AttackInputData(
+          logits_train=logits_in, logits_test=logits_out,
+          labels_train=np.asarray(labels_in, np.int64),
+          labels_test=np.asarray(labels_out, np.int64)),
+      data_structures.SlicingSpec(entire_dataset=True),
+      attack_types=[kinds.THRESHOLD_ATTACK, kinds.THRESHOLD_ENTROPY_ATTACK,
+                    kinds.LOGISTIC_REGRESSION, kinds.MULTI_LAYERED_PERCEPTRON,
+                    kinds.RANDOM_FOREST, kinds.K_NEAREST_NEIGHBORS])
+
+
+def _attack(library, logits_in, logits_out, labels_in, labels_out,
+            out: Optional[str]) -> dict[str, Any]:
+  data_structures, mia, plotting = library
+  kinds = data_structures.AttackType
+  # the library's random-forest grid holds max_features 'auto', which
+  # scikit-learn 1.3 refuses: those fits fail (and warn), the rest decide;
+  # its interval code divides by zero counts at the ROC's ends
+  with warnings.catch_warnings(), np.errstate(divide="ignore", invalid="ignore"):
+    warnings.simplefilter("ignore")
+    results = _run_attacks(mia, data_structures, kinds, logits_in, logits_out,
+                           labels_in, labels_out)
+  attacks = {r.attack_type.value: {"auc": float(r.get_auc()),
+                                   "advantage": float(r.get_attacker_advantage())}
+             for r in results.single_attack_results}
+  best = max(results.single_attack_results, key=lambda r: r.get_auc())
+  result = {"computed": True, "mia_auc": float(best.get_auc()),
+            "mia_advantage": max(a["advantage"] for a in attacks.values()),
+            "best_attack": best.attack_type.value, "attacks": attacks,
+            "members": len(labels_in), "non_members": len(labels_out)}
+  if out is not None:
+    figure = plotting.plot_roc_curve(best.roc_curve)
+    with io.atomic_path(os.path.join(out, ROC_FILE)) as tmp:
+      figure.savefig(tmp, format="png")
+    result["roc"] = ROC_FILE
+    import matplotlib.pyplot as plt
+    plt.close(figure)
+  return result

@@ -1,0 +1,87 @@
+"""`tff-privacy audit --run DIR`: every audit that applies to a run, in
+DIR/audit.json.
+
+* The per-upload audit (`uploads`) where the run's client-side defence
+  declares a canary (its local DP claim): the claimed epsilon of one upload
+  beside the lower bound on it, with interval and confidence, and the
+  relation audited; 'claim_refuted' where the bound exceeds the claim.
+* Membership inference on the final model (`membership`), for every run.
+
+What does not apply, or cannot be computed, is named with the reason.
+Client-level canaries (central DP) and record-level canaries are not
+audited yet: audit.json says so for runs whose claim is of that kind.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tff_privacy import defenses, io, provenance
+from tff_privacy.audit import membership, uploads
+from tff_privacy.updates import UpdateStore
+
+AUDIT_FILE = "audit.json"
+
+
+def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
+              mia_samples: int = membership.DEFAULT_SAMPLES,
+              seed: int = 0) -> dict[str, Any]:
+  """Audits the run in `run_dir` and writes `run_dir`/audit.json.
+
+  Raises:
+    ValueError: no run in `run_dir`, canaries < 2 or mia_samples < 2.
+  """
+  config = membership.run_config(run_dir)
+  result = {"run": os.path.abspath(run_dir), "defense": config.defense,
+            "defense_kwargs": config.defense_kwargs or {},
+            **_upload_audit(run_dir, config, canaries, seed),
+            "membership_inference": membership.membership_inference(
+                run_dir, mia_samples, seed),
+            provenance.KEY: [provenance.code_version()]}
+  mia = result["membership_inference"]
+  result["mia_auc"] = mia.get("mia_auc")
+  io.write_json(os.path.join(run_dir, AUDIT_FILE), result)
+  return result
+
+
+def _upload_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, Any]:
+  """The per-upload audit's fields, or its reason for being left out."""
+  if not isinstance(canaries, int) or canaries < 2:
+    raise ValueError(f"canaries must be an integer >= 2, got {canaries!r}")
+  defense = (None if config.defense is None
+             or config.defense not in defenses.CLIENT_DEFENSES
+             else defenses.CLIENT_DEFENSES[config.defense])
+  why = None
+  if config.defense is None:
+    why = "the run has no client-side defence: no per-upload claim"
+  elif defense is None:
+    why = (f"defense {config.defense!r} is server-side (a client-level claim); "
+           "client-level canaries are not audited yet")
+  elif defense.canary is defenses.UpdateDefense.canary:
+    why = f"defense {config.defense!r} makes no per-upload claim"
+  if why is not None:
+    return {"upload_audit": {"computed": False, "reason": why},
+            "epsilon_claimed": None, "epsilon_lower_bound": None}
+  built = defenses.build(config.defense, **config.defense_kwargs)
+  audit = uploads.audit_defense(built, _shapes(run_dir, config), config.dp_delta,
+                                canaries, seed)
+  claimed, bound = audit["epsilon_claimed"], audit["epsilon_lower_bound"]
+  return {"upload_audit": {"computed": True, **audit},
+          "epsilon_claimed": claimed, "epsilon_lower_bound": bound,
+          "epsilon_interval": audit["epsilon_interval"],
+          "confidence": audit["confidence"], "relation": audit["relation"],
+          "canaries": audit["canaries"],
+          "claim_refuted": None if claimed is None else bool(bound > claimed)}
+
+
+def _shapes(run_dir: str, config) -> list[tuple[int, ...]]:
+  """The shapes of the run's uploads: a captured upload's, else the model's
+  trainable variables'."""
+  store = UpdateStore(os.path.join(run_dir, "updates"))
+  rounds = store.rounds() if os.path.isdir(store.root) else []
+  if rounds:
+    record = store.read(rounds[0], store.clients(rounds[0])[0])
+    return [tuple(u.shape) for u in record.upload]
+  spec = membership.spec_of(config)
+  return [tuple(v.shape) for v in spec.keras().trainable_variables]
