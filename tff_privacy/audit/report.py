@@ -6,10 +6,13 @@ DIR/audit.json.
   beside the lower bound on it, with interval and confidence, and the
   relation audited; 'claim_refuted' where the bound exceeds the claim.
 * Membership inference on the final model (`membership`), for every run.
+* Beside them, what the whole run claims (metrics.json's last epsilon,
+  composed over its rounds, and its relation).
 
 What does not apply, or cannot be computed, is named with the reason.
-Client-level canaries (central DP) and record-level canaries are not
-audited yet: audit.json says so for runs whose claim is of that kind.
+Client-level canaries (central DP), record-level canaries and the
+mechanisms of methods that make their own claim (FedRE, the DP-SGD
+baselines) are not audited yet: audit.json says so for those runs.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
     ValueError: no run in `run_dir`, canaries < 2 or mia_samples < 2.
   """
   config = membership.run_config(run_dir)
-  result = {"run": os.path.abspath(run_dir), "defense": config.defense,
+  result = {"run": os.path.abspath(run_dir), "method": config.method,
+            "defense": config.defense,
             "defense_kwargs": config.defense_kwargs or {},
+            **run_claim(run_dir),
             **_upload_audit(run_dir, config, canaries, seed),
             "membership_inference": membership.membership_inference(
                 run_dir, mia_samples, seed),
@@ -45,6 +50,15 @@ def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
   return result
 
 
+def run_claim(run_dir: str) -> dict[str, Any]:
+  """What the whole run claims (its last round's epsilon, composed over the
+  rounds, and relation, from metrics.json); None where it claims none."""
+  path = os.path.join(run_dir, "metrics.json")
+  last = io.read_json(path)[-1] if os.path.exists(path) else {}
+  return {"epsilon_claimed_run": last.get("epsilon"), "delta": last.get("delta"),
+          "relation_run": last.get("dp_relation")}
+
+
 def _upload_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, Any]:
   """The per-upload audit's fields, or its reason for being left out."""
   if not isinstance(canaries, int) or canaries < 2:
@@ -53,7 +67,10 @@ def _upload_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, A
              or config.defense not in defenses.CLIENT_DEFENSES
              else defenses.CLIENT_DEFENSES[config.defense])
   why = None
-  if config.defense is None:
+  if config.defense is None and run_claim(run_dir)["relation_run"]:
+    why = (f"the run's DP claim is made by its method ({config.method!r}), "
+           "whose mechanism is not audited yet")
+  elif config.defense is None:
     why = "the run has no client-side defence: no per-upload claim"
   elif defense is None:
     why = (f"defense {config.defense!r} is server-side (a client-level claim); "
