@@ -917,6 +917,50 @@ def test_rows_whose_attack_had_not_converged_are_named_as_lower_bounds():
   assert "Clip" not in lower
 
 
+def test_audited_rows_have_their_audit_columns_and_table():
+  tiny = _adaptive_grid()
+  rows = {r.entry: r for r in tiny.rows()}
+  clip = _result(rows["Clip"], {"ig": 0.2})
+  clip["privacy"] = {"epsilon": 40.0, "delta": 1e-5, "relation": "local DP: any two"}
+  clip["audit"] = {
+      "epsilon_claimed": 2.5, "epsilon_lower_bound": 3.1, "epsilon_interval": [3.1, None],
+      "confidence": 0.95, "canaries": 1000, "claim_refuted": True,
+      "upload_audit": {"computed": True}, "mia_auc": 0.52,
+      "membership_inference": {"computed": True, "best_attack": "knn"}}
+  plain = _result(rows["FedSGD"], {"ig": 0.9})
+  plain["audit"] = {"epsilon_claimed": None, "epsilon_lower_bound": None,
+                    "upload_audit": {"computed": False, "reason": "no defence here"},
+                    "mia_auc": None, "membership_inference": {
+                        "computed": False, "reason": "no global model"}}
+  sparse = _result(rows["Sparse"], {"ig": 0.5})  # not audited
+  table = {r["entry"]: r for r in report.table_rows(tiny, [clip, plain, sparse])}
+  assert (table["Clip"]["epsilon_audited"], table["Clip"]["claim_refuted"],
+          table["Clip"]["mia_auc"]) == (3.1, True, 0.52)
+  assert not table["Sparse"]["audited"]
+  text = report.markdown(tiny, list(table.values()))
+  audits = text.split("## Audits")[1].split("\n## ")[0]
+  assert ("| Clip | 40 (one upload) | 2.5 | 3.10 [3.10, unbounded] (1000 canaries) "
+          "| **refuted** | 0.520 (knn) |") in audits
+  assert ("| FedSGD | none | none | not audited: no defence here |  | "
+          "not computed: no global model |") in audits
+  assert "Sparse" not in audits
+  assert "## Audits" not in report.markdown(tiny, [table["Sparse"]])
+
+
+def test_auditing_a_leaderboard_audits_each_row_not_audited_yet(tmp_path, monkeypatch):
+  from tff_privacy.audit import report as audits
+  tiny = _adaptive_grid()
+  rows = {r.entry: r for r in tiny.rows()}
+  done, fresh = _result(rows["Clip"], {"ig": 0.2}), _result(rows["FedSGD"], {"ig": 0.9})
+  done["audit"], fresh["audit"] = {"mia_auc": 0.5}, None
+  monkeypatch.setattr(board, "read", lambda out: (tiny, [done, fresh]))
+  calls = []
+  monkeypatch.setattr(audits, "audit_run", lambda run, *args: calls.append((run, args)))
+  board.audit(str(tmp_path), 300, 200, log=lambda line: None)
+  assert calls == [(os.path.join(str(tmp_path), "rows", fresh["key"], "train"),
+                    (300, 200, 0))]
+
+
 def test_the_equal_epsilon_rows_have_one_table_per_unit_their_epsilon_protects():
   """Rows calibrated to epsilon 8 leave the main tables, the Pareto front
   and the utility match for tables of their own, one per unit protected,

@@ -620,10 +620,16 @@ def _names(text: str) -> list[str]:
   return names
 
 
-def _positive_int(text: str) -> int:
-  if not text.isdigit() or int(text) < 1:
-    raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
-  return int(text)
+def _int_at_least(low: int):
+  """An argparse type: integers >= `low`."""
+  def parse(text: str) -> int:
+    if not text.isdigit() or int(text) < low:
+      raise argparse.ArgumentTypeError(f"takes an integer >= {low}, got {text!r}")
+    return int(text)
+  return parse
+
+
+_positive_int = _int_at_least(1)
 
 
 def _port(text: str) -> int:
@@ -639,13 +645,18 @@ def _audit_parser(sub) -> None:
       description="Writes RUN/audit.json: the per-upload audit of a local DP "
       "defence (Steinke et al.'s one-run lower bound on the epsilon of one "
       "upload, from canaries each included with probability 1/2) and "
-      "tensorflow_privacy's membership-inference attacks on the final model.")
-  p.add_argument("--run", required=True, help="a training run's folder (the "
-                 "--out of 'tff-privacy train')")
-  p.add_argument("--canaries", type=_at_least_two, default=1000,
+      "tensorflow_privacy's membership-inference attacks on the final model; "
+      "with --leaderboard, for every row, into the leaderboard's report.")
+  which = p.add_mutually_exclusive_group(required=True)
+  which.add_argument("--run", help="a training run's folder (the --out of "
+                     "'tff-privacy train')")
+  which.add_argument("--leaderboard", help="a leaderboard's folder: audits each "
+                     "finished row's run not audited yet, then rebuilds its "
+                     "report with the audit columns")
+  p.add_argument("--canaries", type=_int_at_least(2), default=1000,
                  help="canaries of the per-upload audit (1000: a bound of at "
                  "most 4.8 to 5.3, what that many guesses can show)")
-  p.add_argument("--mia-samples", type=_at_least_two, default=1000,
+  p.add_argument("--mia-samples", type=_int_at_least(2), default=1000,
                  help="training and test samples each scored by the "
                  "membership-inference attacks")
   p.add_argument("--seed", type=int, default=0)
@@ -653,6 +664,12 @@ def _audit_parser(sub) -> None:
 
 def _audit(args) -> int:
   from tff_privacy.audit import report
+  if args.leaderboard:
+    from tff_privacy import leaderboard
+    leaderboard.board.audit(args.leaderboard, args.canaries, args.mia_samples,
+                            args.seed)
+    return _print_report(*leaderboard.board.read(args.leaderboard),
+                         args.leaderboard, None)
   result = report.audit_run(args.run, args.canaries, args.mia_samples, args.seed)
   upload = result["upload_audit"]
   if upload["computed"]:
@@ -671,12 +688,6 @@ def _audit(args) -> int:
         else f"membership inference: not computed: {mia['reason']}")
   print(f"audit: {os.path.join(args.run, report.AUDIT_FILE)}")
   return 0
-
-
-def _at_least_two(text: str) -> int:
-  if not text.isdigit() or int(text) < 2:
-    raise argparse.ArgumentTypeError(f"takes an integer >= 2, got {text!r}")
-  return int(text)
 
 
 def _worker_parser(sub) -> None:

@@ -43,6 +43,7 @@ from tff_privacy.leaderboard.grid import Grid, Row
 from tff_privacy.updates import UpdateStore
 
 ROW_FILE = "row.json"
+AUDIT_FILE = "audit.json"  # tff_privacy.audit.report's, in a row's run
 SETTINGS_FILE = "settings.json"
 CALIBRATION_FILE = "equal_epsilon.json"
 GLOBAL_UTILITY = "test accuracy"
@@ -318,7 +319,31 @@ def _cached(row: Row, out: str) -> Optional[dict[str, Any]]:
     return None
   # the entry's name and default mark are presentation, not settings
   result.update(entry=row.entry, label=row.label, is_default=row.is_default)
+  audit = os.path.join(out, "rows", row.key, "train", AUDIT_FILE)
+  result["audit"] = io.read_json(audit) if os.path.exists(audit) else None
   return result
+
+
+def audit(out: str, canaries: int, mia_samples: int, seed: int = 0,
+          log: Callable[[str], None] = print) -> None:
+  """Audits every finished row of the leaderboard in `out` that has no
+  audit yet (`tff_privacy.audit.report.audit_run` on its run, which writes
+  its train/audit.json), for the report's audit columns.
+
+  Raises:
+    ValueError: no leaderboard in `out`.
+  """
+  from tff_privacy.audit import report as audits
+  grid, results = read(out)
+  for i, r in enumerate(results, start=1):
+    run = os.path.join(out, "rows", r["key"], "train")
+    if r.get("audit") is not None:
+      log(f"[{i}/{len(results)}] {r['label']}: audited before")
+      continue
+    start = time.perf_counter()
+    audits.audit_run(run, canaries, mia_samples, seed)
+    log(f"[{i}/{len(results)}] {r['label']}: audited in "
+        f"{time.perf_counter() - start:.0f} s")
 
 
 def run_row(row: Row, grid: Grid, out: str, progress: bool = True,

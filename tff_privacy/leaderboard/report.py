@@ -47,7 +47,8 @@ COLUMNS = ("label", "protocol", "seeds", "entry", "parameter", "strength", "defa
            "attack_converged", "unaware_attack", "unaware_ssim", "unaware_ssim_ci", "asr_max", "asr_max_ci",
            "chance", "balanced_asr_max", "balanced_asr_max_ci",
            "balanced_chance", "epsilon", "delta", "relation", "equal_epsilon",
-           "equal_delta",
+           "equal_delta", "epsilon_claimed_upload", "epsilon_audited",
+           "epsilon_audited_ci", "claim_refuted", "mia_auc",
            "time_ratio", "upload_bytes", "upload_bytes_encoded")
 
 
@@ -211,6 +212,7 @@ def _protocol_rows(grid: Grid, results: Sequence[dict], grid_rows: dict,
         # None for a row run before it was measured
         "upload_bytes_encoded": r.get("upload_bytes_encoded"),
         "concurrent_rows": r.get("concurrent_rows", 1),
+        **audit_columns(r.get("audit")),
         "code_note": provenance.note(provenance.versions_of(r), current),
         "errors": refusals(r), "failures": failures(r)})
   plain = [x for x in rows if x["equal_epsilon"] is None]  # the main tables'
@@ -220,6 +222,27 @@ def _protocol_rows(grid: Grid, results: Sequence[dict], grid_rows: dict,
   for x in rows:
     x["pareto"] = x["key"] in on_front
   return rows
+
+
+def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
+  """A row's audit (`tff-privacy audit`'s audit.json of its run; None where
+  it was not audited) as columns: one upload's claimed and audited epsilon
+  with the bound's interval, whether the claim is refuted, the
+  membership-inference AUC, and why a part was not computed."""
+  audit = audit or {}
+  upload = audit.get("upload_audit") or {}
+  mia = audit.get("membership_inference") or {}
+  return {"audited": bool(audit),
+          "epsilon_claimed_upload": audit.get("epsilon_claimed"),
+          "epsilon_audited": audit.get("epsilon_lower_bound"),
+          "epsilon_audited_ci": audit.get("epsilon_interval"),
+          "audit_confidence": audit.get("confidence"),
+          "audit_canaries": audit.get("canaries"),
+          "claim_refuted": audit.get("claim_refuted"),
+          "upload_audit_note": upload.get("reason"),
+          "mia_auc": audit.get("mia_auc"),
+          "mia_attack": mia.get("best_attack"),
+          "mia_note": mia.get("reason")}
 
 
 def matched_keys(results: Sequence[dict], target: Optional[float]) -> set[str]:
@@ -355,6 +378,7 @@ def markdown(grid: Grid, rows: Sequence[dict], command=None) -> str:
     lines += _protocol_sections(variant, [r for r in rows if r["protocol"] == name],
                                 name)
   lines += _without_adaptive(rows)
+  lines += _audits(rows)
   lines += _unconverged(rows)
   lines += _listed("Attacks that could not run", rows, "errors")
   lines += _listed("Attacks that failed (the next run of the leaderboard runs "
@@ -550,6 +574,42 @@ def _without_adaptive(rows: Sequence[dict]) -> list[str]:
            "Their leakage is the unaware attacks' only: a lower bound on what "
            "an attacker who knows them recovers.", "", *items, ""]
           if items else [])
+
+
+def _audits(rows: Sequence[dict]) -> list[str]:
+  """The audits' table (`tff-privacy audit --leaderboard OUT`); none where
+  no row was audited."""
+  audited = [r for r in rows if r["audited"]]
+  if not audited:
+    return []
+  lines = ["## Audits", "",
+           "What each row's claim survives: the epsilon of one upload claimed "
+           "by a local DP defence beside Steinke et al.'s one-run lower bound "
+           "on it (canaries at the edge of what the defence lets through, "
+           "each uploaded as itself or its negation), with the bound's "
+           "interval; 'refuted' where the bound exceeds the claim. MIA AUC is "
+           "the best of tensorflow_privacy's membership-inference attacks on "
+           "the final model (training against test samples; 0.5 is chance).", "",
+           "| row | epsilon of the run (relation) | one upload: claimed | audited lower bound | refuted | MIA AUC (attack) |",
+           "|---|---|---|---|---|---|"]
+  for r in audited:
+    claimed = r["epsilon_claimed_upload"]
+    if r["epsilon_audited"] is None:
+      bound = f"not audited: {r['upload_audit_note']}"
+    else:
+      low, high = r["epsilon_audited_ci"]
+      bound = (f"{r['epsilon_audited']:.2f} [{low:.2f}, "
+               f"{'unbounded' if high is None else f'{high:.2f}'}] "
+               f"({r['audit_canaries']} canaries)")
+    run = ("none" if r["epsilon"] is None else
+           f"{r['epsilon']:.3g} ({accounting.protected(r['relation'])})")
+    mia = (f"{r['mia_auc']:.3f} ({r['mia_attack']})" if r["mia_auc"] is not None
+           else f"not computed: {r['mia_note']}")
+    refuted = {True: "**refuted**", False: "no", None: ""}[r["claim_refuted"]]
+    lines.append(f"| {_where(r)} | {run} | "
+                 f"{'none' if claimed is None else f'{claimed:.3g}'} | {bound} | "
+                 f"{refuted} | {mia} |")
+  return lines + [""]
 
 
 def _unconverged(rows: Sequence[dict]) -> list[str]:
