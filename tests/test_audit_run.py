@@ -53,7 +53,7 @@ def test_a_local_dp_run_is_audited_per_upload_and_a_missing_model_is_named(tmp_p
   run = _config_only(tmp_path, defense="ldp_gaussian",
                      defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0})
   result = report.audit_run(run, canaries=200)
-  assert result["upload_audit"]["computed"] and result["canaries"] == 200
+  assert result["canary_audit"]["computed"] and result["canaries"] == 200
   assert result["relation"].startswith("local DP")
   assert result["epsilon_lower_bound"] <= result["epsilon_claimed"]
   assert result["claim_refuted"] is False
@@ -63,24 +63,24 @@ def test_a_local_dp_run_is_audited_per_upload_and_a_missing_model_is_named(tmp_p
 
 
 @pytest.mark.parametrize("fields, reason", [
-    ({}, "no client-side defence"),
+    ({}, "no defence: no claim to audit"),
     ({"defense": "sparsification", "defense_kwargs": {"p": 0.5}},
      "makes no per-upload claim"),
-    ({"method": "fedavg", "defense": "dp_fedavg",
-      "defense_kwargs": {"clip": 1.0, "noise_multiplier": 1.0}},
-     "client-level canaries are not audited yet"),
 ])
-def test_runs_without_a_per_upload_claim_say_why(tmp_path, fields, reason):
-  method = fields.pop("method", None)
+def test_runs_without_a_claim_to_audit_say_why(tmp_path, fields, reason):
   run = _config_only(tmp_path, **fields)
-  if method:  # DP-FedAvg goes with FedAvg
-    config = io.read_json(os.path.join(run, "config.json"))
-    config["method"] = method
-    io.write_json(os.path.join(run, "config.json"), config)
   result = report.audit_run(run, canaries=2)
-  assert not result["upload_audit"]["computed"]
-  assert reason in result["upload_audit"]["reason"]
+  assert not result["canary_audit"]["computed"]
+  assert reason in result["canary_audit"]["reason"]
   assert result["epsilon_lower_bound"] is None
+
+
+def test_a_dp_fedavg_run_is_audited_one_round_at_a_time(tmp_path):
+  run = _config_only(tmp_path, defense="dp_fedavg",
+                     defense_kwargs={"clip": 1.0, "noise_multiplier": 2.0})
+  result = report.audit_run(run, canaries=200)
+  assert result["canary_audit"]["computed"] and result["unit"] == "a client's data"
+  assert 0 <= result["epsilon_lower_bound"] <= result["epsilon_claimed"]
 
 
 @pytest.mark.parametrize("argv, message", [

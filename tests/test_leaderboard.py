@@ -925,11 +925,11 @@ def test_audited_rows_have_their_audit_columns_and_table():
   clip["audit"] = {
       "epsilon_claimed": 2.5, "epsilon_lower_bound": 3.1, "epsilon_interval": [3.1, None],
       "confidence": 0.95, "canaries": 1000, "claim_refuted": True,
-      "upload_audit": {"computed": True}, "mia_auc": 0.52,
+      "canary_audit": {"computed": True}, "mia_auc": 0.52,
       "membership_inference": {"computed": True, "best_attack": "knn"}}
   plain = _result(rows["FedSGD"], {"ig": 0.9})
   plain["audit"] = {"epsilon_claimed": None, "epsilon_lower_bound": None,
-                    "upload_audit": {"computed": False, "reason": "no defence here"},
+                    "canary_audit": {"computed": False, "reason": "no defence here"},
                     "mia_auc": None, "membership_inference": {
                         "computed": False, "reason": "no global model"}}
   sparse = _result(rows["Sparse"], {"ig": 0.5})  # not audited

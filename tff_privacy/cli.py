@@ -642,9 +642,10 @@ def _audit_parser(sub) -> None:
   p = sub.add_parser(
       "audit", help="audit a run's privacy claim: an empirical lower bound on "
       "epsilon from canaries beside the claimed one, and membership inference",
-      description="Writes RUN/audit.json: the per-upload audit of a local DP "
-      "defence (Steinke et al.'s one-run lower bound on the epsilon of one "
-      "upload, from canaries each included with probability 1/2) and "
+      description="Writes RUN/audit.json: the canary audit of a DP defence "
+      "(Steinke et al.'s one-run lower bound on the epsilon of one upload of "
+      "a local DP defence, or of one round of DP-FedAvg, from canaries each "
+      "included with probability 1/2) and "
       "tensorflow_privacy's membership-inference attacks on the final model; "
       "with --leaderboard, for every row, into the leaderboard's report.")
   which = p.add_mutually_exclusive_group(required=True)
@@ -654,8 +655,8 @@ def _audit_parser(sub) -> None:
                      "finished row's run not audited yet, then rebuilds its "
                      "report with the audit columns")
   p.add_argument("--canaries", type=_int_at_least(2), default=1000,
-                 help="canaries of the per-upload audit (1000: a bound of at "
-                 "most 4.8 to 5.3, what that many guesses can show)")
+                 help="canaries of the canary audit (1000: a bound of at most "
+                 "4.8 to 5.3, what that many guesses can show)")
   p.add_argument("--mia-samples", type=_int_at_least(2), default=1000,
                  help="training and test samples each scored by the "
                  "membership-inference attacks")
@@ -671,17 +672,18 @@ def _audit(args) -> int:
     return _print_report(*leaderboard.board.read(args.leaderboard),
                          args.leaderboard, None)
   result = report.audit_run(args.run, args.canaries, args.mia_samples, args.seed)
-  upload = result["upload_audit"]
-  if upload["computed"]:
+  canary = result["canary_audit"]
+  if canary["computed"]:
     low, high = result["epsilon_interval"]
     claimed = result["epsilon_claimed"]
-    print(f"one upload: epsilon claimed {'none' if claimed is None else f'{claimed:.4g}'}"
+    once = "one upload" if result["unit"] == "one upload" else "one round"
+    print(f"{once}: epsilon claimed {'none' if claimed is None else f'{claimed:.4g}'}"
           f", audited lower bound {result['epsilon_lower_bound']:.3f} "
           f"[{low:.3f}, {'unbounded' if high is None else f'{high:.3f}'}] at "
           f"{result['confidence']:.0%} from {result['canaries']} canaries"
           + (" -- claim refuted" if result["claim_refuted"] else ""))
   else:
-    print(f"per-upload audit: not computed: {upload['reason']}")
+    print(f"canary audit: not computed: {canary['reason']}")
   mia = result["membership_inference"]
   print(f"membership inference: AUC {mia['mia_auc']:.3f} ({mia['best_attack']}), "
         f"advantage {mia['mia_advantage']:.3f}" if mia["computed"]

@@ -1,6 +1,8 @@
 """Audits of privacy claims: empirical lower bounds on epsilon from canaries
-(`one_run`, `uploads`) and estimates (`one_shot`), beside the epsilon
+(`one_run`; per upload: `uploads`; per round of a central aggregator:
+`clients`) and estimates (`one_shot`), beside the epsilon
 each mechanism claims; membership inference by tensorflow_privacy's attacks
 (`membership`); all of them for a run (`report`, `tff-privacy audit`)."""
 
-from tff_privacy.audit import membership, one_run, one_shot, report, uploads
+from tff_privacy.audit import (clients, membership, one_run, one_shot, report,
+                               uploads)

@@ -1,27 +1,30 @@
 """`tff-privacy audit --run DIR`: every audit that applies to a run, in
 DIR/audit.json.
 
-* The per-upload audit (`uploads`) where the run's client-side defence
-  declares a canary (its local DP claim): the claimed epsilon of one upload
-  beside the lower bound on it, with interval and confidence, and the
-  relation audited; 'claim_refuted' where the bound exceeds the claim.
+* The canary audit: per upload (`uploads`) where the run's client-side
+  defence declares a canary (its local DP claim), per round (`clients`)
+  for DP-FedAvg's client-level claim: the claimed epsilon of that one
+  application beside the lower bound on it, with interval and confidence,
+  and the relation audited; 'claim_refuted' where the bound exceeds the
+  claim.
 * Membership inference on the final model (`membership`), for every run.
 * Beside them, what the whole run claims (metrics.json's last epsilon,
   composed over its rounds, and its relation).
 
 What does not apply, or cannot be computed, is named with the reason.
-Client-level canaries (central DP), record-level canaries and the
-mechanisms of methods that make their own claim (FedRE, the DP-SGD
-baselines) are not audited yet: audit.json says so for those runs.
+Record-level canaries and the mechanisms of methods that make their own
+claim (FedRE, the DP-SGD baselines) are not audited yet: audit.json says
+so for those runs.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from tff_privacy import defenses, io, provenance
-from tff_privacy.audit import membership, uploads
+from tff_privacy.audit import clients, membership, uploads
+from tff_privacy.defenses.central import DPFedAvg
 from tff_privacy.updates import UpdateStore
 
 AUDIT_FILE = "audit.json"
@@ -40,7 +43,7 @@ def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
             "defense": config.defense,
             "defense_kwargs": config.defense_kwargs or {},
             **run_claim(run_dir),
-            **_upload_audit(run_dir, config, canaries, seed),
+            **_canary_audit(run_dir, config, canaries, seed),
             "membership_inference": membership.membership_inference(
                 run_dir, mia_samples, seed),
             provenance.KEY: [provenance.code_version()]}
@@ -59,37 +62,48 @@ def run_claim(run_dir: str) -> dict[str, Any]:
           "relation_run": last.get("dp_relation")}
 
 
-def _upload_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, Any]:
-  """The per-upload audit's fields, or its reason for being left out."""
+def _canary_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, Any]:
+  """The canary audit's fields (per upload for a local DP defence, per
+  round for a central one), or its reason for being left out."""
   if not isinstance(canaries, int) or canaries < 2:
     raise ValueError(f"canaries must be an integer >= 2, got {canaries!r}")
-  defense = (None if config.defense is None
-             or config.defense not in defenses.CLIENT_DEFENSES
-             else defenses.CLIENT_DEFENSES[config.defense])
-  why = None
-  if config.defense is None and run_claim(run_dir)["relation_run"]:
-    why = (f"the run's DP claim is made by its method ({config.method!r}), "
-           "whose mechanism is not audited yet")
-  elif config.defense is None:
-    why = "the run has no client-side defence: no per-upload claim"
-  elif defense is None:
-    why = (f"defense {config.defense!r} is server-side (a client-level claim); "
-           "client-level canaries are not audited yet")
-  elif defense.canary is defenses.UpdateDefense.canary:
-    why = f"defense {config.defense!r} makes no per-upload claim"
-  if why is not None:
-    return {"upload_audit": {"computed": False, "reason": why},
+  audit, why = None, _not_audited(run_dir, config)
+  if why is None and config.defense in defenses.CLIENT_DEFENSES:
+    audit = uploads.audit_defense(
+        defenses.build(config.defense, **config.defense_kwargs),
+        _shapes(run_dir, config), config.dp_delta, canaries, seed)
+  elif why is None:
+    audit = clients.audit_round(
+        defenses.build(config.defense, **config.defense_kwargs),
+        _shapes(run_dir, config), config.dp_delta, config.sampled_per_round,
+        canaries, seed)
+  if audit is None:
+    return {"canary_audit": {"computed": False, "reason": why},
             "epsilon_claimed": None, "epsilon_lower_bound": None}
-  built = defenses.build(config.defense, **config.defense_kwargs)
-  audit = uploads.audit_defense(built, _shapes(run_dir, config), config.dp_delta,
-                                canaries, seed)
   claimed, bound = audit["epsilon_claimed"], audit["epsilon_lower_bound"]
-  return {"upload_audit": {"computed": True, **audit},
+  return {"canary_audit": {"computed": True, **audit},
           "epsilon_claimed": claimed, "epsilon_lower_bound": bound,
           "epsilon_interval": audit["epsilon_interval"],
           "confidence": audit["confidence"], "relation": audit["relation"],
-          "canaries": audit["canaries"],
+          "unit": audit["unit"], "canaries": audit["canaries"],
           "claim_refuted": None if claimed is None else bool(bound > claimed)}
+
+
+def _not_audited(run_dir: str, config) -> Optional[str]:
+  """Why the run's claim has no canary audit here; None where it has."""
+  if config.defense is None and run_claim(run_dir)["relation_run"]:
+    return (f"the run's DP claim is made by its method ({config.method!r}), "
+            "whose mechanism is not audited yet")
+  if config.defense is None:
+    return "the run has no defence: no claim to audit"
+  cls = defenses.defense_class(config.defense)
+  if cls is DPFedAvg:
+    return None
+  if config.defense not in defenses.CLIENT_DEFENSES:
+    return f"defense {config.defense!r}: its claim is not audited yet"
+  if cls.canary is defenses.UpdateDefense.canary:
+    return f"defense {config.defense!r} makes no per-upload claim"
+  return None
 
 
 def _shapes(run_dir: str, config) -> list[tuple[int, ...]]:

@@ -47,7 +47,7 @@ COLUMNS = ("label", "protocol", "seeds", "entry", "parameter", "strength", "defa
            "attack_converged", "unaware_attack", "unaware_ssim", "unaware_ssim_ci", "asr_max", "asr_max_ci",
            "chance", "balanced_asr_max", "balanced_asr_max_ci",
            "balanced_chance", "epsilon", "delta", "relation", "equal_epsilon",
-           "equal_delta", "epsilon_claimed_upload", "epsilon_audited",
+           "equal_delta", "epsilon_claimed_once", "epsilon_audited",
            "epsilon_audited_ci", "claim_refuted", "mia_auc",
            "time_ratio", "upload_bytes", "upload_bytes_encoded")
 
@@ -230,16 +230,16 @@ def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
   with the bound's interval, whether the claim is refuted, the
   membership-inference AUC, and why a part was not computed."""
   audit = audit or {}
-  upload = audit.get("upload_audit") or {}
+  upload = audit.get("canary_audit") or {}
   mia = audit.get("membership_inference") or {}
   return {"audited": bool(audit),
-          "epsilon_claimed_upload": audit.get("epsilon_claimed"),
+          "epsilon_claimed_once": audit.get("epsilon_claimed"),
           "epsilon_audited": audit.get("epsilon_lower_bound"),
           "epsilon_audited_ci": audit.get("epsilon_interval"),
           "audit_confidence": audit.get("confidence"),
           "audit_canaries": audit.get("canaries"),
           "claim_refuted": audit.get("claim_refuted"),
-          "upload_audit_note": upload.get("reason"),
+          "canary_audit_note": upload.get("reason"),
           "mia_auc": audit.get("mia_auc"),
           "mia_attack": mia.get("best_attack"),
           "mia_note": mia.get("reason")}
@@ -593,9 +593,9 @@ def _audits(rows: Sequence[dict]) -> list[str]:
            "| row | epsilon of the run (relation) | one upload: claimed | audited lower bound | refuted | MIA AUC (attack) |",
            "|---|---|---|---|---|---|"]
   for r in audited:
-    claimed = r["epsilon_claimed_upload"]
+    claimed = r["epsilon_claimed_once"]
     if r["epsilon_audited"] is None:
-      bound = f"not audited: {r['upload_audit_note']}"
+      bound = f"not audited: {r['canary_audit_note']}"
     else:
       low, high = r["epsilon_audited_ci"]
       bound = (f"{r['epsilon_audited']:.2f} [{low:.2f}, "

@@ -1,0 +1,78 @@
+"""Audit of a client-level (central DP) claim, one round's aggregation at a
+time, after Andrew et al. (ICLR 2024, "One-shot Empirical Privacy
+Estimation for Federated Learning").
+
+m canary clients take part in one call of the defence's own TFF
+aggregation process (`DPFedAvg.aggregator`: clipping, the noised sum,
+the division by the clients of a round). Canary j's update is a random
+unit direction scaled to twice the clip norm, so that clipping acts; each
+canary is included with probability 1/2, and an excluded one uploads
+zeros, which is the same sum as its absence under a fixed denominator. In
+high dimension random directions are nearly orthogonal, so every canary is
+scored in the one released aggregate: the score is the aggregate's inner
+product with the canary's direction. `one_run.audit_scores` gives Steinke
+et al.'s lower bound on the epsilon of one round for adding or removing
+one client, beside the round's claimed epsilon and `one_shot`'s estimate.
+
+This audits the mechanism each round applies, without client sampling;
+the run's epsilon composes it over rounds with sampling's amplification,
+which one round cannot show.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import dp_accounting
+import numpy as np
+import tensorflow_federated as tff
+
+from tff_privacy.audit import one_run, one_shot
+from tff_privacy.audit.uploads import DEFAULT_CANARIES, _finite
+from tff_privacy.defenses.central import DPFedAvg
+from tff_privacy.dp import accounting
+
+_PAST_CLIP = 2.0  # canaries' norm over the clip norm
+
+
+def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float,
+                clients_per_round: int, canaries: int = DEFAULT_CANARIES,
+                seed: int = 0, confidence: float = one_run.CONFIDENCE) -> dict:
+  """The one-round audit of `defense` on updates of tensors `shapes`.
+
+  Returns:
+    {'epsilon_claimed' (one round, all clients taking part), 'epsilon_estimate',
+    'relation', 'unit': "a client's data", and `one_run.Audit`'s fields}.
+
+  Raises:
+    ValueError: canaries < 2, or as `one_run.audit_scores`.
+  """
+  if not isinstance(canaries, int) or canaries < 2:
+    raise ValueError(f"canaries must be an integer >= 2, got {canaries!r}")
+  rng = np.random.default_rng(seed)
+  num_params = sum(math.prod(s) for s in shapes)
+  directions = rng.standard_normal((canaries, num_params))
+  directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+  included = rng.random(canaries) < 0.5
+  updates = [_split(defense.clip * _PAST_CLIP * direction * keep, shapes)
+             for direction, keep in zip(directions, included)]
+  process = defense.aggregator(clients_per_round, seed).create(
+      tff.to_type([tff.TensorType(np.float32, s) for s in shapes]),
+      tff.TensorType(np.float32))
+  released = process.next(process.initialize(), updates, [1.0] * canaries).result
+  flat = np.concatenate([np.ravel(t) for t in released])
+  scores = directions @ flat
+  audit = one_run.audit_scores(scores, included, delta, confidence)
+  claimed = (None if defense.noise_multiplier == 0 else accounting.epsilon(
+      dp_accounting.GaussianDpEvent(defense.noise_multiplier), delta, "pld"))
+  return {"epsilon_claimed": claimed,
+          "epsilon_estimate": _finite(one_shot.epsilon_estimate(scores, included, delta)),
+          "relation": defense.dp_relation,
+          "unit": accounting.protected(defense.dp_relation), **audit.to_json()}
+
+
+def _split(flat: np.ndarray, shapes: Sequence[Sequence[int]]) -> list[np.ndarray]:
+  sizes = [math.prod(s) for s in shapes]
+  parts = np.split(flat.astype(np.float32), np.cumsum(sizes)[:-1])
+  return [p.reshape(s) for p, s in zip(parts, shapes)]
