@@ -35,6 +35,10 @@ def test_the_p_value_by_hand():
   assert one_run.p_value(5, 2, 2, math.log(3), 0.0) == pytest.approx(0.5625)
   # one guess: q + 2 m delta P[Bin(1, q) = 0] = 0.75 + 2 * 10 * 0.01 * 0.25
   assert one_run.p_value(10, 1, 1, math.log(3), 0.01) == pytest.approx(0.8)
+  # ten of ten at q = 1/2: delta's term is largest at i = 6, P[4 <= Bin < 10]
+  # / 6 = (10 + 45 + 120 + 210 + 252 + 210) / 1024 / 6 = 847 / 6144
+  assert one_run.p_value(10, 10, 10, 0.0, 0.01) == pytest.approx(
+      1 / 1024 + 2 * 10 * 0.01 * 847 / 6144)
 
 
 def test_every_guess_right_gives_the_closed_form_bound():
@@ -59,6 +63,29 @@ def test_the_guesses_are_the_extreme_scores_and_the_bound_is_corrected():
   assert audit.epsilon_lower_bound == pytest.approx(
       _logit((0.05 / LEVELS) ** (1 / 100)), rel=1e-5)
   assert audit.epsilon_interval == [audit.epsilon_lower_bound, None]
+
+
+def test_the_closed_form_gaussian_epsilon_is_dp_accountings():
+  for multiplier, delta in [(0.5, 1e-5), (3.0, 1e-5), (1.0, 0.01)]:
+    expected = accounting.epsilon(dp_accounting.GaussianDpEvent(multiplier), delta, "pld")
+    assert accounting.gaussian_epsilon_once(multiplier, delta) == pytest.approx(
+        expected, rel=1e-6)
+
+
+def test_each_defense_declares_the_farthest_pair_of_its_relation_as_canary():
+  direction = np.random.default_rng(0).standard_normal(100)
+  gaussian = defenses.LocalGaussian(2.0, 1.0).canary(direction)
+  assert np.linalg.norm(gaussian) == pytest.approx(2.0)
+  assert np.dot(gaussian, direction) == pytest.approx(2.0 * np.linalg.norm(direction))
+  # L2-clipped Laplace: L1 sensitivity sqrt(d) C, reached by a sign vector
+  laplace = defenses.LocalLaplace(2.0, 1.0).canary(direction)
+  assert np.linalg.norm(laplace) == pytest.approx(2.0)
+  assert np.abs(laplace).sum() == pytest.approx(10 * 2.0)
+  corner = defenses.LocalLaplace(2.0, 1.0, norm="l1").canary(direction)
+  assert np.count_nonzero(corner) == 1 and np.abs(corner).sum() == pytest.approx(2.0)
+  ldp_fed = defenses.LDPFed(clip=0.05).canary(direction)
+  np.testing.assert_allclose(ldp_fed, 0.05 * np.sign(direction))
+  assert defenses.Sparsification(0.5).canary(direction) is None
 
 
 def test_the_closed_form_laplace_epsilon_is_dp_accountings():
@@ -124,6 +151,8 @@ def test_without_noise_the_bound_is_the_most_the_canaries_can_show():
   assert (audit["guesses"], audit["right"]) == (600, 600)
   assert audit["epsilon_lower_bound"] == pytest.approx(
       _logit((0.05 / LEVELS) ** (1 / 600)), rel=1e-5)
+  # every guess right at the widest k: the most these canaries can show
+  assert audit["epsilon_reachable"] == audit["epsilon_lower_bound"]
   assert audit["unit"] == "one upload"
 
 

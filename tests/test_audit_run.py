@@ -50,11 +50,13 @@ def test_the_threshold_attacks_auc_is_scikit_learns_of_the_loss():
 
 
 def test_a_local_dp_run_is_audited_per_upload_and_a_missing_model_is_named(tmp_path):
+  # z 4: one upload claims 1.99, within the 4.5 that 200 canaries can show
   run = _config_only(tmp_path, defense="ldp_gaussian",
-                     defense_kwargs={"clip": 1.0, "noise_multiplier": 1.0})
+                     defense_kwargs={"clip": 1.0, "noise_multiplier": 4.0})
   result = report.audit_run(run, canaries=200)
   assert result["canary_audit"]["computed"] and result["canaries"] == 200
   assert result["relation"].startswith("local DP")
+  assert result["epsilon_claimed"] < result["canary_audit"]["epsilon_reachable"]
   assert result["epsilon_lower_bound"] <= result["epsilon_claimed"]
   assert result["claim_refuted"] is False
   assert not result["membership_inference"]["computed"]
@@ -76,6 +78,7 @@ def test_runs_without_a_claim_to_audit_say_why(tmp_path, fields, reason):
 
 
 def test_a_dp_fedavg_run_is_audited_one_round_at_a_time(tmp_path):
+  # z 2: one round claims 2.13 for adding or removing a client
   run = _config_only(tmp_path, defense="dp_fedavg",
                      defense_kwargs={"clip": 1.0, "noise_multiplier": 2.0})
   result = report.audit_run(run, canaries=200)
@@ -85,7 +88,7 @@ def test_a_dp_fedavg_run_is_audited_one_round_at_a_time(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--canaries", "1"], "argument --canaries: takes an integer >= 2, got '1'"),
-    (["--mia-samples", "x"], "argument --mia-samples: takes an integer >= 2"),
+    (["--mia-samples", "5"], "argument --mia-samples: takes an integer >= 20, got '5'"),
     ([], "no run here (config.json is missing)"),
 ])
 def test_audit_errors_name_the_flag_or_folder(capsys, tmp_path, argv, message):
@@ -103,15 +106,21 @@ def test_the_audit_command_on_a_trained_local_dp_run(capsys, tmp_path):
   run = tmp_path / "run"
   config = runner.RunConfig(out=str(run), method="fedsgd", rounds=2,
                             capture_rounds=(2,), defense="ldp_gaussian",
-                            defense_kwargs={"clip": 1.0, "noise_multiplier": 0.5},
+                            defense_kwargs={"clip": 1.0, "noise_multiplier": 4.0},
                             **SMALL)
-  runner.run(config, progress=False)
+  history = runner.run(config, progress=False)
   assert cli.main(["audit", "--run", str(run), "--canaries", "300",
                    "--mia-samples", "200"]) == 0
   out = capsys.readouterr().out
   assert "audited lower bound" in out and "membership inference: AUC" in out
   audit = json.load(open(run / "audit.json"))
-  # one upload's claim: the Gaussian mechanism at noise multiplier z / 2
+  # one upload's claim: the Gaussian mechanism at noise multiplier z / 2,
+  # 1.99, within what 300 canaries can show
   assert audit["epsilon_claimed"] > audit["epsilon_lower_bound"] > 0
-  assert audit["membership_inference"]["computed"]
-  assert 0 <= audit["mia_auc"] <= 1 and (run / "mia_roc.png").exists()
+  assert audit["epsilon_claimed"] < audit["canary_audit"]["epsilon_reachable"]
+  mia = audit["membership_inference"]
+  assert mia["computed"] and (run / "mia_roc.png").exists()
+  # the attacked model is the run's final one: its test accuracy is the run's
+  assert mia["model_test_accuracy"] == pytest.approx(history[-1]["test_accuracy"],
+                                                     abs=1e-6)
+  assert 0 <= audit["mia_auc"] <= 1

@@ -925,7 +925,8 @@ def test_audited_rows_have_their_audit_columns_and_table():
   clip["audit"] = {
       "epsilon_claimed": 2.5, "epsilon_lower_bound": 3.1, "epsilon_interval": [3.1, None],
       "confidence": 0.95, "canaries": 1000, "claim_refuted": True,
-      "canary_audit": {"computed": True}, "mia_auc": 0.52,
+      "unit": "one upload",
+      "canary_audit": {"computed": True, "epsilon_reachable": 5.31}, "mia_auc": 0.52,
       "membership_inference": {"computed": True, "best_attack": "knn"}}
   plain = _result(rows["FedSGD"], {"ig": 0.9})
   plain["audit"] = {"epsilon_claimed": None, "epsilon_lower_bound": None,
@@ -939,9 +940,9 @@ def test_audited_rows_have_their_audit_columns_and_table():
   assert not table["Sparse"]["audited"]
   text = report.markdown(tiny, list(table.values()))
   audits = text.split("## Audits")[1].split("\n## ")[0]
-  assert ("| Clip | 40 (one upload) | 2.5 | 3.10 [3.10, unbounded] (1000 canaries) "
-          "| **refuted** | 0.520 (knn) |") in audits
-  assert ("| FedSGD | none | none | not audited: no defence here |  | "
+  assert ("| Clip | 40 (one upload) | upload | 2.5 | 3.10 [3.10, unbounded] of 5.31 "
+          "(1000 canaries) | **refuted** | 0.520 (knn) |") in audits
+  assert ("| FedSGD | none |  | none | not audited: no defence here |  | "
           "not computed: no global model |") in audits
   assert "Sparse" not in audits
   assert "## Audits" not in report.markdown(tiny, [table["Sparse"]])

@@ -657,7 +657,7 @@ def _audit_parser(sub) -> None:
   p.add_argument("--canaries", type=_int_at_least(2), default=1000,
                  help="canaries of the canary audit (1000: a bound of at most "
                  "4.8 to 5.3, what that many guesses can show)")
-  p.add_argument("--mia-samples", type=_int_at_least(2), default=1000,
+  p.add_argument("--mia-samples", type=_int_at_least(20), default=1000,
                  help="training and test samples each scored by the "
                  "membership-inference attacks")
   p.add_argument("--seed", type=int, default=0)

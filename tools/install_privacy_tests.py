@@ -45,9 +45,15 @@ def main() -> int:
     staged = os.path.join(tmp, PACKAGE)
     # on the same file system as the target, then renamed: never half-there
     partial = tempfile.mkdtemp(dir=os.path.dirname(target.rstrip("/")))
-    shutil.copytree(staged, os.path.join(partial, "p"))
-    os.rename(os.path.join(partial, "p"), target.rstrip("/"))
-    os.rmdir(partial)
+    try:
+      shutil.copytree(staged, os.path.join(partial, "p"))
+      try:
+        os.rename(os.path.join(partial, "p"), target.rstrip("/"))
+      except OSError:
+        if not os.path.isdir(target):  # else a concurrent run put it there
+          raise
+    finally:
+      shutil.rmtree(partial, ignore_errors=True)
   print(f"installed {PACKAGE} of {WHEEL} into {root}")
   return 0
 

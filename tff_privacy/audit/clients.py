@@ -14,9 +14,14 @@ product with the canary's direction. `one_run.audit_scores` gives Steinke
 et al.'s lower bound on the epsilon of one round for adding or removing
 one client, beside the round's claimed epsilon and `one_shot`'s estimate.
 
-This audits the mechanism each round applies, without client sampling;
-the run's epsilon composes it over rounds with sampling's amplification,
-which one round cannot show.
+This audits the mechanism each round applies, without client sampling,
+for adding or removing one client (its sum moves by C: the Gaussian
+mechanism at multiplier z). A run that samples a fixed number of clients
+accounts each round for replacing one client instead (the sum moves by 2C:
+multiplier z / 2, then amplified by sampling) and composes the rounds;
+one round's add-or-remove audit checks the noise and clipping those
+claims rest on, not the composition. Memory: the canaries' directions,
+canaries x parameters float32, and their updates as much again.
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import dp_accounting
 import numpy as np
 import tensorflow_federated as tff
 
@@ -52,7 +56,7 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
     raise ValueError(f"canaries must be an integer >= 2, got {canaries!r}")
   rng = np.random.default_rng(seed)
   num_params = sum(math.prod(s) for s in shapes)
-  directions = rng.standard_normal((canaries, num_params))
+  directions = rng.standard_normal((canaries, num_params), dtype=np.float32)
   directions /= np.linalg.norm(directions, axis=1, keepdims=True)
   included = rng.random(canaries) < 0.5
   updates = [_split(defense.clip * _PAST_CLIP * direction * keep, shapes)
@@ -64,8 +68,8 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
   flat = np.concatenate([np.ravel(t) for t in released])
   scores = directions @ flat
   audit = one_run.audit_scores(scores, included, delta, confidence)
-  claimed = (None if defense.noise_multiplier == 0 else accounting.epsilon(
-      dp_accounting.GaussianDpEvent(defense.noise_multiplier), delta, "pld"))
+  claimed = (None if defense.noise_multiplier == 0 else
+             accounting.gaussian_epsilon_once(defense.noise_multiplier, delta))
   return {"epsilon_claimed": claimed,
           "epsilon_estimate": _finite(one_shot.epsilon_estimate(scores, included, delta)),
           "relation": defense.dp_relation,

@@ -2,7 +2,10 @@
 attack library (`privacy_tests.membership_inference_attack`).
 
 Members are training samples of clients that trained (sampled in some
-round); non-members are test samples, which no client held. From the
+round); non-members are test samples, which no client held. Where the
+clients' data are skewed and some were never sampled, the members'
+distribution differs from the test set's, and the AUC measures that shift
+as well. From the
 model's logits on up to `samples` of each, the library's threshold
 (loss), entropy-threshold, logistic-regression, MLP, random-forest and
 k-NN attacks each report their AUC and attacker advantage (max |TPR -
@@ -30,6 +33,8 @@ from tff_privacy import io, models, runner
 from tff_privacy.data import federated, sources
 
 DEFAULT_SAMPLES = 1000
+# each side, for the library's 3-fold grid searches and a usable ROC
+FEWEST_SAMPLES = 20
 ROC_FILE = "mia_roc.png"
 MODEL_WEIGHTS = "model_weights.npz"  # the runner's final global model
 
@@ -63,14 +68,17 @@ def membership_inference(run_dir: str, samples: int = DEFAULT_SAMPLES,
   Returns:
     {'computed': True, 'mia_auc', 'mia_advantage' (the largest of each),
     'attacks': {name: {'auc', 'advantage'}}, 'members', 'non_members'
-    (samples scored), 'roc': the plot's file name} or {'computed': False,
-    'reason': why}.
+    (samples scored), 'roc': the plot's file name, 'model_test_accuracy'
+    (the loaded model's, on the run's whole test set)} or
+    {'computed': False, 'reason': why}.
 
   Raises:
-    ValueError: samples < 2, or `run_dir` holds no run (config.json).
+    ValueError: samples < FEWEST_SAMPLES, `run_dir` holds no run
+      (config.json), or its weights file lacks the model's variables.
   """
-  if not isinstance(samples, int) or samples < 2:
-    raise ValueError(f"mia samples must be an integer >= 2, got {samples!r}")
+  if not isinstance(samples, int) or samples < FEWEST_SAMPLES:
+    raise ValueError(f"mia samples must be an integer >= {FEWEST_SAMPLES}, "
+                     f"got {samples!r}")
   config = run_config(run_dir)
   library, why = _library()
   if library is None:
@@ -89,17 +97,43 @@ def membership_inference(run_dir: str, samples: int = DEFAULT_SAMPLES,
             f"{config.dataset!r} is {fed.source.task}"}
   spec = spec_of(config, fed.source)
   rng = np.random.default_rng(seed)
+  tested = (fed.test_indices if fed.test_indices is not None
+            else np.arange(len(fed.source.y_test)))
   inside = _some(rng, members(config, fed), samples)
-  outside = _some(rng, fed.test_indices if fed.test_indices is not None
-                  else np.arange(len(fed.source.y_test)), samples)
-  model = spec.keras()
-  with np.load(os.path.join(run_dir, MODEL_WEIGHTS)) as f:
-    for variable, name in zip(model.trainable_variables, spec.variable_names()):
-      variable.assign(f[name])
+  outside = _some(rng, tested, samples)
+  if min(len(inside), len(outside)) < FEWEST_SAMPLES:
+    return {"computed": False, "reason": f"{len(inside)} training and "
+            f"{len(outside)} test samples: the attacks need {FEWEST_SAMPLES} "
+            "of each"}
+  model = _final_model(run_dir, spec)
   src = fed.source
-  return _attack(library, model.predict(src.x_train[inside], verbose=0),
-                 model.predict(src.x_test[outside], verbose=0),
-                 src.y_train[inside], src.y_test[outside], run_dir)
+  try:
+    result = _attack(library, model.predict(src.x_train[inside], verbose=0),
+                     model.predict(src.x_test[outside], verbose=0),
+                     src.y_train[inside], src.y_test[outside], run_dir)
+  except ValueError as e:  # the library's refusals (too few of a class)
+    return {"computed": False, "reason": f"tensorflow_privacy's attacks: {e}"}
+  logits = model.predict(src.x_test[tested], verbose=0)
+  result["model_test_accuracy"] = float(np.mean(
+      np.argmax(logits, -1) == src.y_test[tested]))
+  return result
+
+
+def _final_model(run_dir: str, spec: models.ModelSpec):
+  """The run's final global model as a Keras model.
+
+  Raises:
+    ValueError: the weights file does not hold the model's variables.
+  """
+  model = spec.keras()
+  try:
+    weights = runner.load_model_weights(run_dir, spec)
+  except KeyError as e:
+    raise ValueError(f"{os.path.join(run_dir, MODEL_WEIGHTS)}: no variable {e} "
+                     f"of model {spec.name!r}") from None
+  for variable, value in zip(model.trainable_variables, weights, strict=True):
+    variable.assign(value)
+  return model
 
 
 def run_config(run_dir: str) -> runner.RunConfig:

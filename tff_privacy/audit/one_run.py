@@ -25,9 +25,11 @@ Choices where the paper leaves them to the auditor:
 * The interval beside the bound (`epsilon_interval`) is where the audited
   epsilon lies for the guesser used, at the same corrected level on each
   side: from the lower bound to the epsilon at which v + 1 or more right
-  guesses have probability 1 - level (None, unbounded, where every guess
-  was right). With delta 0 it is the Clopper-Pearson interval of the
-  guessing accuracy, mapped through q = e^eps / (1 + e^eps). Its upper end
+  guesses have probability 1 - level at delta 0 (None, unbounded, where
+  every guess was right; delta's term only loosens the tail's bound, and
+  would pull this end down). It is the Clopper-Pearson interval of the
+  guessing accuracy, mapped through q = e^eps / (1 + e^eps), with the
+  lower end loosened by delta. Its upper end
   bounds nothing about the mechanism (a weak guesser makes it small); only
   the lower bound is a claim about the mechanism.
 """
@@ -46,6 +48,7 @@ CONFIDENCE = 0.95
 # k as fractions of the canaries, each side (2k guesses)
 GUESS_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 _EPSILON_CAP = 100.0  # an accuracy of 1 - e^-100 is past float64
+_XTOL = 1e-6
 
 
 def _check(m: int, r: int, v: int, delta: float) -> None:
@@ -83,8 +86,9 @@ def _epsilon_at(m: int, r: int, v: int, delta: float, level: float) -> float:
     return 0.0
   if p_value(m, r, v, _EPSILON_CAP, delta) <= level:
     return _EPSILON_CAP
-  return float(scipy.optimize.brentq(
-      lambda e: p_value(m, r, v, e, delta) - level, 0.0, _EPSILON_CAP, xtol=1e-6))
+  root = scipy.optimize.brentq(lambda e: p_value(m, r, v, e, delta) - level,
+                               0.0, _EPSILON_CAP, xtol=_XTOL)
+  return max(0.0, float(root) - _XTOL)  # the bracket's lower end: conservative
 
 
 def epsilon_lower_bound(m: int, r: int, v: int, delta: float,
@@ -112,6 +116,10 @@ class Audit:
       candidate guess counts.
     epsilon_interval: [the lower bound, high] for the guesser used (high
       None: unbounded; see the module docstring).
+    epsilon_reachable: the bound if every guess at the widest k that the
+      canaries drawn on each side allow were right: the most these
+      canaries can show. A claim above it can be
+      neither confirmed nor refuted by them.
     confidence, delta: as audited.
   """
 
@@ -120,6 +128,7 @@ class Audit:
   right: int
   epsilon_lower_bound: float
   epsilon_interval: list[Optional[float]]
+  epsilon_reachable: float
   confidence: float
   delta: float
 
@@ -145,12 +154,23 @@ def audit_scores(scores: Sequence[float], included: Sequence[bool], delta: float
   order = included[np.argsort(scores, kind="stable")]
   level = (1 - confidence) / len(fractions)
   best = None
-  for k in sorted({max(1, int(f * m)) for f in fractions if 2 * max(1, int(f * m)) <= m}):
+  for k in _guess_counts(m, fractions):
     right = int(np.sum(order[-k:]) + np.sum(~order[:k]))
     bound = epsilon_lower_bound(m, 2 * k, right, delta, 1 - level)
     if best is None or bound > best[0]:
       best = (bound, k, right)
   bound, k, right = best
+  # delta's term only loosens the tail's bound: the upper end without it
   high = (None if right == 2 * k else
-          _epsilon_at(m, 2 * k, right + 1, delta, 1 - level))
-  return Audit(m, 2 * k, right, bound, [bound, high], confidence, delta)
+          _epsilon_at(m, 2 * k, right + 1, 0.0, 1 - level))
+  # all right is possible only where k fits the canaries drawn on each side
+  sides = min(int(included.sum()), m - int(included.sum()))
+  widest = max([c for c in _guess_counts(m, fractions) if c <= sides]
+               or [min(_guess_counts(m, fractions))])
+  reachable = epsilon_lower_bound(m, 2 * widest, 2 * widest, delta, 1 - level)
+  return Audit(m, 2 * k, right, bound, [bound, high], reachable, confidence, delta)
+
+
+def _guess_counts(m: int, fractions: Sequence[float]) -> list[int]:
+  """The candidate k (guesses each side) for m canaries."""
+  return sorted({max(1, int(f * m)) for f in fractions if 2 * max(1, int(f * m)) <= m})

@@ -52,10 +52,16 @@ def _finite(value: Optional[float]) -> Optional[float]:
 def claimed_epsilon(defense: UpdateDefense, num_params: int,
                     delta: float) -> Optional[float]:
   """What `defense` claims for one upload of `num_params` entries: its DP
-  event's epsilon at `delta` (a Laplace event's in closed form, others by
-  the PLD accountant, both tight for one application), or its pure
-  epsilon; None for a defence without a claim."""
+  event's epsilon at `delta` (Gaussian and Laplace events in closed form,
+  others by the PLD accountant: exact for the event), or its pure epsilon;
+  None for a defence without a claim. The event is the defence's own
+  reading: L2-clipped Laplace's L1 sensitivity 2 sqrt(d) C is attained
+  only by a sign vector, and LDP-Fed composes its per-entry claims over
+  every entry, so their claims are loose and may lie beyond what the
+  canaries can show (`epsilon_reachable`)."""
   event = defense.dp_event(num_params)
+  if isinstance(event, dp_accounting.GaussianDpEvent):
+    return accounting.gaussian_epsilon_once(event.noise_multiplier, delta)
   if isinstance(event, dp_accounting.LaplaceDpEvent):
     return accounting.laplace_epsilon_once(event.noise_multiplier, delta)
   if event is not None:
@@ -70,7 +76,8 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
 
   Returns:
     {'epsilon_claimed' (one upload; None without a claim),
-    'epsilon_estimate' (`one_shot`'s; None at delta 0, or unbounded),
+    'epsilon_estimate' (`one_shot`'s; None at delta 0, where the included
+    canaries do not score higher, or unbounded: no spread, no noise),
     'delta',
     'relation' (the defence's neighbouring relation), 'unit': 'one upload',
     and `one_run.Audit`'s fields: 'canaries', 'guesses', 'right',

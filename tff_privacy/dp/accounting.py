@@ -25,6 +25,9 @@ import math
 from typing import Sequence
 
 import dp_accounting
+import numpy as np
+import scipy.optimize
+import scipy.stats
 
 ACCOUNTANTS = ("rdp", "pld")
 NeighborRel = dp_accounting.NeighboringRelation
@@ -112,6 +115,31 @@ def laplace_epsilon(noise_multiplier: float, rounds: int, delta: float) -> float
     raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
   step = dp_accounting.LaplaceDpEvent(noise_multiplier)
   return epsilon(dp_accounting.SelfComposedDpEvent(step, rounds), delta, "pld")
+
+
+def gaussian_epsilon_once(noise_multiplier: float, delta: float) -> float:
+  """Epsilon at `delta` of one Gaussian mechanism with `noise_multiplier`
+  (noise std over sensitivity), from its exact privacy profile (Balle and
+  Wang 2018): delta(eps) = Phi(1/(2 s) - eps s) - e^eps Phi(-1/(2 s) - eps s).
+  dp_accounting's PLD accountant agrees, but takes seconds at small
+  multipliers."""
+  _check(delta)
+  if not noise_multiplier > 0:
+    raise ValueError(f"noise_multiplier must be > 0, got {noise_multiplier}")
+  sigma = noise_multiplier
+  phi = scipy.stats.norm.cdf
+
+  def excess(eps):  # delta(eps) - delta, decreasing in eps
+    with np.errstate(over="ignore", invalid="ignore"):
+      tail = math.exp(eps) * phi(-1 / (2 * sigma) - eps * sigma) if eps < 700 else 0.0
+    return phi(1 / (2 * sigma) - eps * sigma) - (0.0 if np.isnan(tail) else tail) - delta
+
+  if excess(0.0) <= 0:
+    return 0.0
+  high = 1.0
+  while excess(high) > 0:
+    high *= 2
+  return float(scipy.optimize.brentq(excess, 0.0, high, xtol=1e-9))
 
 
 def laplace_epsilon_once(noise_multiplier: float, delta: float) -> float:

@@ -341,7 +341,11 @@ def audit(out: str, canaries: int, mia_samples: int, seed: int = 0,
       log(f"[{i}/{len(results)}] {r['label']}: audited before")
       continue
     start = time.perf_counter()
-    audits.audit_run(run, canaries, mia_samples, seed)
+    try:
+      audits.audit_run(run, canaries, mia_samples, seed)
+    except ValueError as e:  # this row's: the others are still audited
+      print(f"{r['label']}: not audited: {e}", file=sys.stderr, flush=True)
+      continue
     log(f"[{i}/{len(results)}] {r['label']}: audited in "
         f"{time.perf_counter() - start:.0f} s")
 

@@ -226,9 +226,10 @@ def _protocol_rows(grid: Grid, results: Sequence[dict], grid_rows: dict,
 
 def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
   """A row's audit (`tff-privacy audit`'s audit.json of its run; None where
-  it was not audited) as columns: one upload's claimed and audited epsilon
-  with the bound's interval, whether the claim is refuted, the
-  membership-inference AUC, and why a part was not computed."""
+  it was not audited) as columns: the claimed and audited epsilon of the
+  one application audited (`audit_unit`: one upload, or one round for a
+  client's data), the bound's interval and reach, whether the claim is
+  refuted, the membership-inference AUC, and why a part was not computed."""
   audit = audit or {}
   upload = audit.get("canary_audit") or {}
   mia = audit.get("membership_inference") or {}
@@ -236,6 +237,8 @@ def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
           "epsilon_claimed_once": audit.get("epsilon_claimed"),
           "epsilon_audited": audit.get("epsilon_lower_bound"),
           "epsilon_audited_ci": audit.get("epsilon_interval"),
+          "epsilon_reachable": upload.get("epsilon_reachable"),
+          "audit_unit": audit.get("unit"),
           "audit_confidence": audit.get("confidence"),
           "audit_canaries": audit.get("canaries"),
           "claim_refuted": audit.get("claim_refuted"),
@@ -583,30 +586,35 @@ def _audits(rows: Sequence[dict]) -> list[str]:
   if not audited:
     return []
   lines = ["## Audits", "",
-           "What each row's claim survives: the epsilon of one upload claimed "
-           "by a local DP defence beside Steinke et al.'s one-run lower bound "
-           "on it (canaries at the edge of what the defence lets through, "
-           "each uploaded as itself or its negation), with the bound's "
-           "interval; 'refuted' where the bound exceeds the claim. MIA AUC is "
+           "What each row's claim survives: the epsilon claimed for one "
+           "application of its mechanism (one upload of a local DP defence; "
+           "one round of DP-FedAvg, for adding or removing a client) beside "
+           "Steinke et al.'s one-run lower bound on it from canaries, with the "
+           "bound's interval and, after 'of', the most its canaries can show "
+           "(a claim above that can be neither confirmed nor refuted by them); "
+           "'refuted' where the bound exceeds the claim. MIA AUC is "
            "the best of tensorflow_privacy's membership-inference attacks on "
            "the final model (training against test samples; 0.5 is chance).", "",
-           "| row | epsilon of the run (relation) | one upload: claimed | audited lower bound | refuted | MIA AUC (attack) |",
-           "|---|---|---|---|---|---|"]
+           "| row | epsilon of the run (relation) | audited: one | claimed | audited lower bound | refuted | MIA AUC (attack) |",
+           "|---|---|---|---|---|---|---|"]
   for r in audited:
     claimed = r["epsilon_claimed_once"]
     if r["epsilon_audited"] is None:
       bound = f"not audited: {r['canary_audit_note']}"
     else:
       low, high = r["epsilon_audited_ci"]
+      reach = ("" if r["epsilon_reachable"] is None
+               else f" of {r['epsilon_reachable']:.2f}")
       bound = (f"{r['epsilon_audited']:.2f} [{low:.2f}, "
-               f"{'unbounded' if high is None else f'{high:.2f}'}] "
+               f"{'unbounded' if high is None else f'{high:.2f}'}]{reach} "
                f"({r['audit_canaries']} canaries)")
     run = ("none" if r["epsilon"] is None else
            f"{r['epsilon']:.3g} ({accounting.protected(r['relation'])})")
     mia = (f"{r['mia_auc']:.3f} ({r['mia_attack']})" if r["mia_auc"] is not None
            else f"not computed: {r['mia_note']}")
     refuted = {True: "**refuted**", False: "no", None: ""}[r["claim_refuted"]]
-    lines.append(f"| {_where(r)} | {run} | "
+    unit = {"one upload": "upload", "a client's data": "round"}.get(r["audit_unit"], "")
+    lines.append(f"| {_where(r)} | {run} | {unit} | "
                  f"{'none' if claimed is None else f'{claimed:.3g}'} | {bound} | "
                  f"{refuted} | {mia} |")
   return lines + [""]
