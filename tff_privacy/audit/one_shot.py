@@ -30,16 +30,18 @@ def epsilon_estimate(scores: Sequence[float], included: Sequence[bool],
                      delta: float) -> Optional[float]:
   """The estimate from each canary's score and whether it was included:
   infinite where the scores barely spread (a mechanism without noise), None
-  where the included canaries do not score higher on average.
+  where the included canaries do not score higher on average or fewer than
+  2 are on a side.
 
   Raises:
-    ValueError: fewer than 2 canaries on either side, lengths that differ,
-      or delta outside (0, 1).
+    ValueError: lengths that differ, or delta outside (0, 1).
   """
   scores, included = np.asarray(scores, float), np.asarray(included, bool)
-  if scores.shape != included.shape or min(included.sum(), (~included).sum()) < 2:
-    raise ValueError("scores and included: need one of each per canary and at "
-                     "least 2 canaries included and 2 not")
+  if scores.shape != included.shape:
+    raise ValueError(f"scores and included: need one of each per canary, got "
+                     f"{scores.shape} and {included.shape}")
+  if min(included.sum(), (~included).sum()) < 2:
+    return None  # no spread to measure on one side
   inside, outside = scores[included], scores[~included]
   pooled = np.sqrt(((len(inside) - 1) * inside.var(ddof=1)
                     + (len(outside) - 1) * outside.var(ddof=1))

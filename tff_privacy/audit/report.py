@@ -36,7 +36,9 @@ def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
   """Audits the run in `run_dir` and writes `run_dir`/audit.json.
 
   Raises:
-    ValueError: no run in `run_dir`, canaries < 2 or mia_samples < 2.
+    ValueError: no run in `run_dir`, canaries < 2, mia_samples <
+      `membership.FEWEST_SAMPLES`, or a weights file without the model's
+      variables.
   """
   config = membership.run_config(run_dir)
   result = {"run": os.path.abspath(run_dir), "method": config.method,

@@ -76,12 +76,12 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
 
   Returns:
     {'epsilon_claimed' (one upload; None without a claim),
-    'epsilon_estimate' (`one_shot`'s; None at delta 0, where the included
-    canaries do not score higher, or unbounded: no spread, no noise),
-    'delta',
-    'relation' (the defence's neighbouring relation), 'unit': 'one upload',
-    and `one_run.Audit`'s fields: 'canaries', 'guesses', 'right',
-    'epsilon_lower_bound', 'epsilon_interval', 'confidence'}.
+    'epsilon_estimate' (`one_shot`'s; None at delta 0, where `one_shot`
+    gives none, or unbounded: no spread, no noise), 'relation' (the
+    defence's neighbouring relation), 'unit': 'one upload', and
+    `one_run.Audit`'s fields: 'canaries', 'guesses', 'right',
+    'epsilon_lower_bound', 'epsilon_interval', 'epsilon_reachable',
+    'confidence', 'delta'}.
 
   Raises:
     ValueError: the defence declares no canary (no per-upload claim to

@@ -334,7 +334,7 @@ def audit(out: str, canaries: int, mia_samples: int, seed: int = 0,
     ValueError: no leaderboard in `out`.
   """
   from tff_privacy.audit import report as audits
-  grid, results = read(out)
+  _, results = read(out)
   for i, r in enumerate(results, start=1):
     run = os.path.join(out, "rows", r["key"], "train")
     if r.get("audit") is not None:
