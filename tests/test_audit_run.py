@@ -47,6 +47,8 @@ def test_the_threshold_attacks_auc_is_scikit_learns_of_the_loss():
   assert set(result["attacks"]) == {"threshold", "threshold-entropy", "lr", "mlp",
                                     "rf", "knn"}
   assert result["mia_auc"] == max(a["auc"] for a in result["attacks"].values())
+  low, high = result["mia_auc_ci"]
+  assert 0.5 < low < high <= 1.0  # the members stand out
 
 
 def test_a_local_dp_run_is_audited_per_upload_and_a_missing_model_is_named(tmp_path):

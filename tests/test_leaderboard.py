@@ -927,7 +927,8 @@ def test_audited_rows_have_their_audit_columns_and_table():
       "confidence": 0.95, "canaries": 1000, "claim_refuted": True,
       "unit": "one upload",
       "canary_audit": {"computed": True, "epsilon_reachable": 5.31}, "mia_auc": 0.52,
-      "membership_inference": {"computed": True, "best_attack": "knn"}}
+      "membership_inference": {"computed": True, "best_attack": "knn",
+                               "mia_auc_ci": [0.5, 0.54]}}
   plain = _result(rows["FedSGD"], {"ig": 0.9})
   plain["audit"] = {"epsilon_claimed": None, "epsilon_lower_bound": None,
                     "canary_audit": {"computed": False, "reason": "no defence here"},
@@ -941,7 +942,7 @@ def test_audited_rows_have_their_audit_columns_and_table():
   text = report.markdown(tiny, list(table.values()))
   audits = text.split("## Audits")[1].split("\n## ")[0]
   assert ("| Clip | 40 (one upload) | upload | 2.5 | 3.10 [3.10, unbounded] of 5.31 "
-          "(1000 canaries) | **refuted** | 0.520 (knn) |") in audits
+          "(1000 canaries) | **refuted** | 0.520 [0.500, 0.540] (knn) |") in audits
   assert ("| FedSGD | none |  | none | not audited: no defence here |  | "
           "not computed: no global model |") in audits
   assert "Sparse" not in audits

@@ -307,3 +307,25 @@ def test_the_seeded_interval_draws_units_inside_the_seeds_drawn():
   weights = seen[0]
   assert weights.shape == (4000, 2) and (weights.sum(axis=1) == 2).all()
   assert np.mean(weights[:, 0] == 1) == pytest.approx(0.5, abs=0.03)
+
+
+def test_the_best_auc_interval_is_a_plain_bootstrap_of_the_best_attack():
+  import sklearn.metrics
+  rng = np.random.default_rng(1)
+  scores = {"a": (rng.normal(0.3, 1, 40), rng.normal(0, 1, 30)),
+            "b": (rng.normal(0, 1, 25), rng.normal(0, 1, 35))}
+  got = intervals.best_auc_interval(scores, seed=5, resamples=200)
+  # the same draws, in a plain loop
+  draw, best = np.random.default_rng(5), []
+  for _ in range(200):
+    aucs = []
+    for inside, outside in scores.values():
+      a, b = draw.choice(inside, len(inside)), draw.choice(outside, len(outside))
+      aucs.append(sklearn.metrics.roc_auc_score([1] * len(a) + [0] * len(b),
+                                                np.r_[a, b]))
+    best.append(max(aucs))
+  assert got == pytest.approx([np.percentile(best, 2.5), np.percentile(best, 97.5)])
+  separated = {"a": ([2.0, 3.0, 4.0], [0.0, 1.0])}
+  assert intervals.best_auc_interval(separated, resamples=50) == [1.0, 1.0]
+  with pytest.raises(ValueError, match="members and non-members"):
+    intervals.best_auc_interval({"a": ([1.0], [])})

@@ -48,7 +48,7 @@ COLUMNS = ("label", "protocol", "seeds", "entry", "parameter", "strength", "defa
            "chance", "balanced_asr_max", "balanced_asr_max_ci",
            "balanced_chance", "epsilon", "delta", "relation", "equal_epsilon",
            "equal_delta", "epsilon_claimed_once", "epsilon_audited",
-           "epsilon_audited_ci", "claim_refuted", "mia_auc",
+           "epsilon_audited_ci", "claim_refuted", "mia_auc", "mia_auc_ci",
            "time_ratio", "upload_bytes", "upload_bytes_encoded")
 
 
@@ -244,6 +244,7 @@ def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
           "claim_refuted": audit.get("claim_refuted"),
           "canary_audit_note": upload.get("reason"),
           "mia_auc": audit.get("mia_auc"),
+          "mia_auc_ci": mia.get("mia_auc_ci"),
           "mia_attack": mia.get("best_attack"),
           "mia_note": mia.get("reason")}
 
@@ -594,7 +595,10 @@ def _audits(rows: Sequence[dict]) -> list[str]:
            "(a claim above that can be neither confirmed nor refuted by them); "
            "'refuted' where the bound exceeds the claim. MIA AUC is "
            "the best of tensorflow_privacy's membership-inference attacks on "
-           "the final model (training against test samples; 0.5 is chance).", "",
+           "the final model (training against test samples; 0.5 is chance), "
+           "with its interval over the scored samples, the best attack chosen "
+           "inside each resample; the best of six attacks lies above 0.5 even "
+           "where none has an edge.", "",
            "| row | epsilon of the run (relation) | audited: one | claimed | audited lower bound | refuted | MIA AUC (attack) |",
            "|---|---|---|---|---|---|---|"]
   for r in audited:
@@ -610,7 +614,9 @@ def _audits(rows: Sequence[dict]) -> list[str]:
                f"({r['audit_canaries']} canaries)")
     run = ("none" if r["epsilon"] is None else
            f"{r['epsilon']:.3g} ({accounting.protected(r['relation'])})")
-    mia = (f"{r['mia_auc']:.3f} ({r['mia_attack']})" if r["mia_auc"] is not None
+    ci = ("" if not r.get("mia_auc_ci") else
+          " [{:.3f}, {:.3f}]".format(*r["mia_auc_ci"]))
+    mia = (f"{r['mia_auc']:.3f}{ci} ({r['mia_attack']})" if r["mia_auc"] is not None
            else f"not computed: {r['mia_note']}")
     refuted = {True: "**refuted**", False: "no", None: ""}[r["claim_refuted"]]
     unit = {"one upload": "upload", "a client's data": "round"}.get(r["audit_unit"], "")
