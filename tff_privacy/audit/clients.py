@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow_federated as tff
 
 from tff_privacy.audit import one_run, one_shot
-from tff_privacy.audit.uploads import DEFAULT_CANARIES, _finite
+from tff_privacy.audit.uploads import DEFAULT_CANARIES
 from tff_privacy.defenses.central import DPFedAvg
 from tff_privacy.dp import accounting
 
@@ -71,7 +71,7 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
   claimed = (None if defense.noise_multiplier == 0 else
              accounting.gaussian_epsilon_once(defense.noise_multiplier, delta))
   return {"epsilon_claimed": claimed,
-          "epsilon_estimate": _finite(one_shot.epsilon_estimate(scores, included, delta)),
+          "epsilon_estimate": one_shot.reported_estimate(scores, included, delta),
           "relation": defense.dp_relation,
           "unit": accounting.protected(defense.dp_relation), **audit.to_json()}
 

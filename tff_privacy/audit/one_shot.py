@@ -52,3 +52,11 @@ def epsilon_estimate(scores: Sequence[float], included: Sequence[bool],
   if pooled * _LARGEST_MU <= gap:
     return float("inf")  # no spread to speak of: no noise
   return accounting.epsilon(dp_accounting.GaussianDpEvent(pooled / gap), delta, "pld")
+
+
+def reported_estimate(scores: Sequence[float], included: Sequence[bool],
+                      delta: float) -> Optional[float]:
+  """`epsilon_estimate` as audit.json records it: None where it is None or
+  unbounded (JSON has no infinity)."""
+  value = epsilon_estimate(scores, included, delta)
+  return None if value is None or np.isinf(value) else value

@@ -45,10 +45,6 @@ def _uploads(defense: UpdateDefense, like: list[tf.Tensor]):
       autograph=False)
 
 
-def _finite(value: Optional[float]) -> Optional[float]:
-  return None if value is None or np.isinf(value) else value
-
-
 def claimed_epsilon(defense: UpdateDefense, num_params: int,
                     delta: float) -> Optional[float]:
   """What `defense` claims for one upload of `num_params` entries: its DP
@@ -108,7 +104,7 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
     scores[start:rows.stop] = np.sum(noised * marked, axis=1)
   audit = one_run.audit_scores(scores, included, delta, confidence)
   return {"epsilon_claimed": claimed_epsilon(defense, num_params, delta),
-          "epsilon_estimate": _finite(one_shot.epsilon_estimate(
-              scores, included, delta)) if delta > 0 else None,
+          "epsilon_estimate": (one_shot.reported_estimate(scores, included, delta)
+                               if delta > 0 else None),
           "relation": defense.dp_relation, "unit": accounting.protected(
               defense.dp_relation), **audit.to_json()}

@@ -231,18 +231,18 @@ def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
   client's data), the bound's interval and reach, whether the claim is
   refuted, the membership-inference AUC, and why a part was not computed."""
   audit = audit or {}
-  upload = audit.get("canary_audit") or {}
+  canary = audit.get("canary_audit") or {}
   mia = audit.get("membership_inference") or {}
   return {"audited": bool(audit),
           "epsilon_claimed_once": audit.get("epsilon_claimed"),
           "epsilon_audited": audit.get("epsilon_lower_bound"),
           "epsilon_audited_ci": audit.get("epsilon_interval"),
-          "epsilon_reachable": upload.get("epsilon_reachable"),
+          "epsilon_reachable": canary.get("epsilon_reachable"),
           "audit_unit": audit.get("unit"),
           "audit_confidence": audit.get("confidence"),
           "audit_canaries": audit.get("canaries"),
           "claim_refuted": audit.get("claim_refuted"),
-          "canary_audit_note": upload.get("reason"),
+          "canary_audit_note": canary.get("reason"),
           "mia_auc": audit.get("mia_auc"),
           "mia_auc_ci": mia.get("mia_auc_ci"),
           "mia_attack": mia.get("best_attack"),
