@@ -319,9 +319,15 @@ def _cached(row: Row, out: str) -> Optional[dict[str, Any]]:
     return None
   # the entry's name and default mark are presentation, not settings
   result.update(entry=row.entry, label=row.label, is_default=row.is_default)
-  audit = os.path.join(out, "rows", row.key, "train", AUDIT_FILE)
-  result["audit"] = io.read_json(audit) if os.path.exists(audit) else None
-  return result
+  return _with_audit(result, os.path.dirname(path))
+
+
+def _with_audit(result: dict[str, Any], folder: str) -> dict[str, Any]:
+  """`result` with the audit of its row's run (train/audit.json in the
+  row's `folder`; None before `audit`), the same whether the row ran now
+  or was cached."""
+  path = os.path.join(folder, "train", AUDIT_FILE)
+  return {**result, "audit": io.read_json(path) if os.path.exists(path) else None}
 
 
 def audit(out: str, canaries: int, mia_samples: int, seed: int = 0,
@@ -385,7 +391,7 @@ def run_row(row: Row, grid: Grid, out: str, progress: bool = True,
   for name, why in failures(result).items():
     print(f"{row.label}, {name}: failed, run again by the next run: {why}",
           file=sys.stderr, flush=True)
-  return result
+  return _with_audit(result, folder)
 
 
 def _on_clients(row: Row, config: runner.RunConfig, federations: Optional[dict]
