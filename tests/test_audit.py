@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import scipy.optimize
 import scipy.stats
+import tensorflow as tf
 
-from tff_privacy import defenses
+from tff_privacy import defenses, models
+from tff_privacy.algorithms import fedre
 from tff_privacy.audit import clients, one_run, uploads
 from tff_privacy.dp import accounting
 
@@ -153,7 +155,7 @@ def test_without_noise_the_bound_is_the_most_the_canaries_can_show():
       _logit((0.05 / LEVELS) ** (1 / 600)), rel=1e-5)
   # every guess right at the widest k: the most these canaries can show
   assert audit["epsilon_reachable"] == audit["epsilon_lower_bound"]
-  assert audit["unit"] == "one upload"
+  assert (audit["unit"], audit["applied_to"]) == ("one upload", "one upload")
 
 
 def test_a_defense_without_a_per_upload_claim_is_refused():
@@ -187,3 +189,59 @@ def test_one_round_of_dp_fedavg_is_audited_through_its_aggregator():
   # dimensions the estimate fell 25% short); 500 canaries a side estimate
   # epsilon to about 10% (one standard error): 5.11 here, within 25%
   assert audit["epsilon_estimate"] == pytest.approx(claim, rel=0.25)
+
+
+FEDRE_SPEC = models.ModelSpec("mlp", (5, 4, 2), 3, {"hidden": (6,)})  # 4 tensors
+
+
+def _fedre_client(sensitivity: str):
+  """FedRE at epsilon 2 for one round (the accountant's multiplier z, the
+  even split) and a client of 4 samples, fixed for the audit."""
+  mechanism = fedre.FedREMechanism(
+      FEDRE_SPEC, epsilon=2.0, delta=1e-5, rounds=1, clip=0.5, budget_split="even",
+      noise_calibration="accountant", psi_samples=1, psi_pixels=None,
+      sensitivity=sensitivity)
+  x = np.random.default_rng(0).random((4, 5, 4, 2)).astype(np.float32)
+  view = defenses.ClientView(
+      [tf.constant(w) for w in FEDRE_SPEC.initial_weights(0)],
+      tf.data.Dataset.from_tensor_slices({"x": x, "y": np.arange(4) % 3}).batch(2),
+      {fedre.MASK_KEY: tf.ones([5, 4])})
+  return mechanism, mechanism.for_client(view, tf.constant([1, 2], tf.int64)), view
+
+
+def test_fedres_noise_for_one_client_is_eq_8s_and_its_rounds():
+  shapes = [w.shape for w in FEDRE_SPEC.initial_weights(0)]
+  for sensitivity, per_clip in [("update", 2.0), ("sample", 2.0 * 2 / 4)]:
+    mechanism, fixed, view = _fedre_client(sensitivity)
+    z = mechanism.round_multiplier
+    # the even split over L = 4 tensors: each sigma_l = z sqrt(L) / m (m 1/2
+    # for 'update', 1 for 'sample'); std C sigma_l times 1 or 2 / |D_k|
+    m = 0.5 if sensitivity == "update" else 1.0
+    np.testing.assert_allclose(fixed.stddevs.numpy(),
+                               [0.5 * z * 2 / m * per_clip / 2] * 4, rtol=1e-5)
+    update = [tf.fill(s, 3.0) for s in shapes]
+    seed = tf.constant([1, 2], tf.int64)
+    _, noise_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+    for ran, fixed_upload in zip(mechanism.apply(update, seed, view),
+                                 fixed.apply(update, noise_seed)):
+      np.testing.assert_allclose(ran.numpy(), fixed_upload.numpy(), rtol=1e-6)
+
+
+def test_fedres_update_reading_holds_and_its_sample_reading_is_refuted():
+  # 'update': the canary pair moves every tensor by 2C against std 2 z C:
+  # mu = 1 / z, the claim. 'sample' claims the same of noise |D_k| / 2 = 2
+  # times smaller against one sample's white-box gradient, which moves the
+  # clipped update as far: mu = 2 / z (epsilon 4.0 against the claimed 1.6)
+  shapes = [tuple(w.shape) for w in FEDRE_SPEC.initial_weights(0)]
+  delta = 1e-5
+  update_mechanism, update_fixed, _ = _fedre_client("update")
+  z = update_mechanism.round_multiplier
+  held = uploads.audit_defense(update_fixed, shapes, delta, canaries=1000)
+  assert held["epsilon_claimed"] == pytest.approx(_gaussian_epsilon(1 / z, delta), rel=1e-2)
+  assert held["unit"] == "one upload" and held["epsilon_lower_bound"] <= held["epsilon_claimed"]
+  _, sample_fixed, _ = _fedre_client("sample")
+  refuted = uploads.audit_defense(sample_fixed, shapes, delta, canaries=1000)
+  assert refuted["epsilon_claimed"] == pytest.approx(held["epsilon_claimed"], rel=1e-6)
+  assert refuted["unit"] == "one record"
+  assert (refuted["epsilon_claimed"] < refuted["epsilon_lower_bound"]
+          <= _gaussian_epsilon(2 / z, delta))

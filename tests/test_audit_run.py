@@ -18,8 +18,8 @@ SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
 
 def _config_only(tmp_path, **fields):
   """A run folder holding only config.json, as a run writes it."""
-  config = runner.RunConfig(out=str(tmp_path), method="fedsgd", rounds=2,
-                            **SMALL, **fields)
+  config = runner.RunConfig(out=str(tmp_path), rounds=2,
+                            **{"method": "fedsgd", **SMALL, **fields})
   io.write_json(os.path.join(tmp_path, "config.json"), config.to_json())
   return str(tmp_path)
 
@@ -79,12 +79,29 @@ def test_runs_without_a_claim_to_audit_say_why(tmp_path, fields, reason):
   assert result["epsilon_lower_bound"] is None
 
 
+def test_fedres_own_mechanism_is_audited_per_upload_of_one_record(tmp_path):
+  run = _config_only(tmp_path, method="fedre", method_kwargs={
+      "budget_split": "even", "aggregation": "mean", "epsilon": 10.0})
+  result = report.audit_run(run, canaries=100)
+  assert result["canary_audit"]["computed"]
+  assert (result["unit"], result["applied_to"]) == ("one record", "one upload")
+  assert result["relation"].startswith("sample-level local DP, heuristic")
+
+
+def test_a_claim_made_inside_the_local_steps_says_so(tmp_path):
+  run = _config_only(tmp_path, method="fedre", method_kwargs={
+      "noise_on": "steps", "budget_split": "even", "aggregation": "mean"})
+  result = report.audit_run(run, canaries=100)
+  assert "inside the local steps of method 'fedre'" in result["canary_audit"]["reason"]
+
+
 def test_a_dp_fedavg_run_is_audited_one_round_at_a_time(tmp_path):
   # z 2: one round claims 2.13 for adding or removing a client
   run = _config_only(tmp_path, defense="dp_fedavg",
                      defense_kwargs={"clip": 1.0, "noise_multiplier": 2.0})
   result = report.audit_run(run, canaries=200)
-  assert result["canary_audit"]["computed"] and result["unit"] == "a client's data"
+  assert result["canary_audit"]["computed"]
+  assert (result["unit"], result["applied_to"]) == ("a client's data", "one round")
   assert 0 <= result["epsilon_lower_bound"] <= result["epsilon_claimed"]
 
 

@@ -925,7 +925,7 @@ def test_audited_rows_have_their_audit_columns_and_table():
   clip["audit"] = {
       "epsilon_claimed": 2.5, "epsilon_lower_bound": 3.1, "epsilon_interval": [3.1, None],
       "confidence": 0.95, "canaries": 1000, "claim_refuted": True,
-      "unit": "one upload",
+      "unit": "one upload", "applied_to": "one upload",
       "canary_audit": {"computed": True, "epsilon_reachable": 5.31}, "mia_auc": 0.52,
       "membership_inference": {"computed": True, "best_attack": "knn",
                                "mia_auc_ci": [0.5, 0.54]}}

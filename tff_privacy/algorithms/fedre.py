@@ -540,18 +540,42 @@ class FedREMechanism(UpdateDefense):
 
   def _noised(self, update, seed, client: Optional[ClientView]):
     """The noised upload of `apply` and its `spent_epsilons`."""
-    if client is None:
-      raise ValueError("fedre needs the client's data, region and model (a ClientView)")
     psi_seed, noise_seed = tf.unstack(
         tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2))
+    layer_epsilons, sigmas, stddevs = self._noise(client, psi_seed)
+    upload = self._clipped_noised(update, noise_seed, stddevs)
+    return upload, self.spent_epsilons(layer_epsilons, sigmas)
+
+  def _noise(self, client: Optional[ClientView], psi_seed):
+    """(epsilon_l, sigma_l, noise std) of every tensor for `client`'s
+    update: eq. 6's split under `psi_seed`, eq. 9 (or the accountant) and
+    eq. 8's std in the model's units."""
+    if client is None:
+      raise ValueError("fedre needs the client's data, region and model (a ClientView)")
     layer_epsilons = self.layer_epsilons(client, psi_seed)
     sigmas = self.noise_multipliers(layer_epsilons)
     # eqs. 7-8 in gradient units, scaled by eta into the model's units
+    stddevs = self.eta * self.clip * sigmas * self.sensitivity_per_clip(client)
+    return layer_epsilons, sigmas, stddevs
+
+  def _clipped_noised(self, update, noise_seed, stddevs) -> list[tf.Tensor]:
+    """Eqs. 7-8: every tensor clipped to eta C_l, plus noise of `stddevs`."""
     clip = self.eta * self.clip
     query = LayerwiseGaussianQuery([clip] * self.num_layers, [1.0] * self.num_layers)
-    stddevs = clip * sigmas * self.sensitivity_per_clip(client)
-    upload = run_local_query(query, list(update), noise_seed, stddevs=stddevs)[0]
-    return list(upload), self.spent_epsilons(layer_epsilons, sigmas)
+    return list(run_local_query(query, list(update), noise_seed, stddevs=stddevs)[0])
+
+  def for_client(self, client: ClientView, seed) -> UpdateDefense:
+    """noise_on='update': the mechanism `client`'s uploads go through, its
+    noise fixed as the client's data set it under `seed` (the PSI split,
+    |D_k|): `FixedFedRENoise`, for the per-upload audit
+    (`tff_privacy.audit.uploads`), which applies it many times."""
+    if not self.acts_on_update:
+      raise ValueError("fedre's noise on the update is audited per upload; "
+                       f"noise_on={self.noise_on!r}, perturbation="
+                       f"{self.perturbation!r} add none")
+    psi_seed, _ = tf.unstack(
+        tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2))
+    return FixedFedRENoise(self, self._noise(client, psi_seed)[2])
 
   def spent_epsilons(self, layer_epsilons, sigmas) -> tf.Tensor:
     """Each tensor's epsilon_l that eq. 9 assigns to a round's noise
@@ -580,6 +604,51 @@ class FedREMechanism(UpdateDefense):
       return budget.layerwise_event(sigmas.numpy(), self.sensitivity)
     return dp_accounting.GaussianDpEvent(budget.paper_round_multiplier_bound(
         self.epsilon, self.delta, self.rounds, self.num_layers, self.sensitivity))
+
+
+class FixedFedRENoise(UpdateDefense):
+  """FedRE's eqs. 7-8 at one client's noise std per tensor (`stddevs`,
+  `FedREMechanism.for_client`), as a mechanism of the update alone: the
+  same clipping, `LayerwiseGaussianQuery` and claim (`dp_event`,
+  `dp_relation`) as the client's round.
+
+  Its canary (`canary`): every tensor's part of the direction at the clip
+  norm eta C_l, whose negation is its farthest neighbour, 2 eta C_l away in
+  every tensor. Under sensitivity 'update' (any two uploads of a client)
+  that is the claim's own relation. Under 'sample' (two data sets that
+  differ in one sample) it is the white-box gradient canary: a sample whose
+  gradient is +M or -M times the direction, M large enough that its
+  steps move the model past the clip norm, beside samples of zero gradient
+  (the model at their optimum), so that the two clipped updates are the
+  canary and its negation. FedRE clips the update, not each sample's
+  gradient, so such a sample is in its relation."""
+
+  name = "fedre"
+
+  def __init__(self, mechanism: FedREMechanism, stddevs):
+    self.mechanism = mechanism
+    self.stddevs = tf.constant(stddevs, tf.float32)
+    self.dp_relation = mechanism.dp_relation
+    sizes = [int(np.prod(w.shape)) for w in mechanism.spec.initial_weights(0)]
+    self._splits = np.cumsum(sizes)[:-1]
+    self._variances = np.repeat(self.stddevs.numpy() ** 2, sizes)
+
+  def apply(self, update, seed, client=None):
+    return self.mechanism._clipped_noised(update, seed, self.stddevs)
+
+  def dp_event(self, num_params: int):
+    return self.mechanism.dp_event(num_params)
+
+  def canary(self, direction):
+    clip = self.mechanism.eta * self.mechanism.clip
+    return np.concatenate([clip * part / np.linalg.norm(part)
+                           for part in np.split(direction, self._splits)])
+
+  def canary_score(self, uploads: np.ndarray, canaries: np.ndarray) -> np.ndarray:
+    """The Gaussian likelihood ratio's statistic: each tensor's inner
+    product over its noise variance (the tensors' noise differs by the
+    split)."""
+    return np.sum(uploads * canaries / np.maximum(self._variances, 1e-30), axis=1)
 
 
 def _check_steps(steps: Optional[local_dp_sgd.DPSGD], **settings) -> None:
@@ -847,6 +916,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       # score and regularise them
       defense={"name": mechanism.name, **mechanism.params(), "regions": regions},
       dp_event=mechanism.dp_event, dp_relation=mechanism.dp_relation,
+      update_mechanism=mechanism if mechanism.acts_on_update else None,
       # a client's PSI scores (and PDA-PAM's of an upload) of the documents'
       # U-Net need 1.4 GB: one client at a time
       concurrent_clients=1 if aggregation == "pda_pam" or (

@@ -47,7 +47,8 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
 
   Returns:
     {'epsilon_claimed' (one round, all clients taking part), 'epsilon_estimate',
-    'relation', 'unit': "a client's data", and `one_run.Audit`'s fields}.
+    'relation', 'unit': "a client's data", 'applied_to': 'one round', and
+    `one_run.Audit`'s fields}.
 
   Raises:
     ValueError: canaries < 2, or as `one_run.audit_scores`.
@@ -73,7 +74,8 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
   return {"epsilon_claimed": claimed,
           "epsilon_estimate": one_shot.reported_estimate(scores, included, delta),
           "relation": defense.dp_relation,
-          "unit": accounting.protected(defense.dp_relation), **audit.to_json()}
+          "unit": accounting.protected(defense.dp_relation),
+          "applied_to": "one round", **audit.to_json()}
 
 
 def _split(flat: np.ndarray, shapes: Sequence[Sequence[int]]) -> list[np.ndarray]:

@@ -2,29 +2,37 @@
 DIR/audit.json.
 
 * The canary audit: per upload (`uploads`) where the run's client-side
-  defence declares a canary (its local DP claim), per round (`clients`)
-  for DP-FedAvg's client-level claim: the claimed epsilon of that one
-  application beside the lower bound on it, with interval and confidence,
-  and the relation audited; 'claim_refuted' where the bound exceeds the
-  claim.
+  defence declares a canary (its local DP claim) or its method runs a
+  mechanism on the update (`Algorithm.update_mechanism`: FedRE's, under
+  either sensitivity, on the largest client's data at the last round),
+  per round (`clients`) for DP-FedAvg's client-level claim: the claimed
+  epsilon of that one application beside the lower bound on it, with
+  interval and confidence, and the relation audited; 'claim_refuted'
+  where the bound exceeds the claim.
 * Membership inference on the final model (`membership`), for every run.
 * Beside them, what the whole run claims (metrics.json's last epsilon,
   composed over its rounds, and its relation).
 
 What does not apply, or cannot be computed, is named with the reason.
-Record-level canaries and the mechanisms of methods that make their own
-claim (FedRE, the DP-SGD baselines) are not audited yet: audit.json says
-so for those runs.
+Claims made inside the local steps (DP-SGD: the DP-SGD baselines, FedRE
+with noise_on='steps') need record-level canaries in the steps and are not
+audited yet: audit.json says so for those runs.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Optional
 
-from tff_privacy import defenses, io, provenance
+import numpy as np
+import tensorflow as tf
+
+from tff_privacy import defenses, io, provenance, runner
+from tff_privacy.algorithms.defended import SEED_KEY
 from tff_privacy.audit import clients, membership, uploads
 from tff_privacy.defenses.central import DPFedAvg
+from tff_privacy.defenses.updates import ClientView
 from tff_privacy.updates import UpdateStore
 
 AUDIT_FILE = "audit.json"
@@ -70,7 +78,9 @@ def _canary_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, A
   if not isinstance(canaries, int) or canaries < 2:
     raise ValueError(f"canaries must be an integer >= 2, got {canaries!r}")
   audit, why = None, _not_audited(run_dir, config)
-  if why is None and config.defense in defenses.CLIENT_DEFENSES:
+  if why is None and config.defense is None:
+    audit, why = _method_audit(run_dir, config, canaries, seed)
+  elif why is None and config.defense in defenses.CLIENT_DEFENSES:
     audit = uploads.audit_defense(
         defenses.build(config.defense, **config.defense_kwargs),
         _shapes(run_dir, config), config.dp_delta, canaries, seed)
@@ -87,17 +97,15 @@ def _canary_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, A
           "epsilon_claimed": claimed, "epsilon_lower_bound": bound,
           "epsilon_interval": audit["epsilon_interval"],
           "confidence": audit["confidence"], "relation": audit["relation"],
-          "unit": audit["unit"], "canaries": audit["canaries"],
+          "unit": audit["unit"], "applied_to": audit["applied_to"],
+          "canaries": audit["canaries"],
           "claim_refuted": None if claimed is None else bool(bound > claimed)}
 
 
 def _not_audited(run_dir: str, config) -> Optional[str]:
   """Why the run's claim has no canary audit here; None where it has."""
-  if config.defense is None and run_claim(run_dir)["relation_run"]:
-    return (f"the run's DP claim is made by its method ({config.method!r}), "
-            "whose mechanism is not audited yet")
   if config.defense is None:
-    return "the run has no defence: no claim to audit"
+    return None  # the method's own claim, if any: `_method_audit`
   cls = defenses.defense_class(config.defense)
   if cls is DPFedAvg:
     return None
@@ -106,6 +114,46 @@ def _not_audited(run_dir: str, config) -> Optional[str]:
   if cls.canary is defenses.UpdateDefense.canary:
     return f"defense {config.defense!r} makes no per-upload claim"
   return None
+
+
+def _method_audit(run_dir: str, config, canaries: int, seed: int):
+  """(audit, None) of the mechanism a method runs on its clients' updates
+  (`Algorithm.update_mechanism`, FedRE's), per upload of the run's largest
+  client at its last round, or (None, why not)."""
+  run = runner.Run(config)
+  mechanism, algorithm = run.algorithm.update_mechanism, run.algorithm
+  shapes = _shapes(run_dir, config)
+  num_params = sum(math.prod(s) for s in shapes)
+  claims = ((algorithm.dp_event and algorithm.dp_event(num_params)) is not None or (
+      algorithm.pure_epsilon and algorithm.pure_epsilon(num_params)) is not None)
+  if mechanism is None and not claims:
+    return None, "the run has no defence: no claim to audit"
+  if mechanism is None:
+    return None, (f"the run's DP claim is made inside the local steps of method "
+                  f"{config.method!r}: record-level canaries are not audited yet")
+  client = int(np.argmax([len(i) for i in run.fed.client_indices]))
+  view = _client_view(run, client, run_dir)
+  # the split that the client's own round seed gave it in the run
+  fixed = mechanism.for_client(view, view.inputs[SEED_KEY])
+  return uploads.audit_defense(fixed, shapes, config.dp_delta, canaries, seed), None
+
+
+def _client_view(run: "runner.Run", client: int, run_dir: str) -> ClientView:
+  """What client `client` sees at the run's last round: the final global
+  model (the initial one without it), the round's batches and inputs."""
+  config, indices = run.config, run.fed.client_indices[client]
+  order = indices[runner.local_order(len(indices), run.algorithm, config,
+                                     config.rounds, client)]
+  source = run.fed.source
+  dataset = runner.client_dataset(
+      source.x_train[order], source.y_train[order],
+      runner.local_batches(len(indices), run.algorithm, config))
+  weights = (runner.load_model_weights(run_dir, run.spec)
+             if os.path.exists(os.path.join(run_dir, membership.MODEL_WEIGHTS))
+             else run.spec.initial_weights(config.seed))
+  inputs = run.algorithm.client_inputs(client, config.rounds)
+  return ClientView([tf.constant(w) for w in weights], dataset,
+                    {k: tf.constant(v) for k, v in inputs.items()})
 
 
 def _shapes(run_dir: str, config) -> list[tuple[int, ...]]:

@@ -74,7 +74,9 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
     {'epsilon_claimed' (one upload; None without a claim),
     'epsilon_estimate' (`one_shot`'s; None at delta 0, where `one_shot`
     gives none, or unbounded: no spread, no noise), 'relation' (the
-    defence's neighbouring relation), 'unit': 'one upload', and
+    defence's neighbouring relation), 'unit' (what it protects: one
+    upload, or one record for FedRE's sensitivity 'sample'), 'applied_to':
+    'one upload', and
     `one_run.Audit`'s fields: 'canaries', 'guesses', 'right',
     'epsilon_lower_bound', 'epsilon_interval', 'epsilon_reachable',
     'confidence', 'delta'}.
@@ -101,10 +103,10 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
     signs = np.where(included[start:rows.stop], 1.0, -1.0).astype(np.float32)
     seeds = np.array([[seed, j] for j in rows], np.int64)
     noised = upload(tf.constant(marked * signs[:, None]), tf.constant(seeds)).numpy()
-    scores[start:rows.stop] = np.sum(noised * marked, axis=1)
+    scores[start:rows.stop] = defense.canary_score(noised, marked)
   audit = one_run.audit_scores(scores, included, delta, confidence)
   return {"epsilon_claimed": claimed_epsilon(defense, num_params, delta),
           "epsilon_estimate": (one_shot.reported_estimate(scores, included, delta)
                                if delta > 0 else None),
           "relation": defense.dp_relation, "unit": accounting.protected(
-              defense.dp_relation), **audit.to_json()}
+              defense.dp_relation), "applied_to": "one upload", **audit.to_json()}

@@ -180,6 +180,20 @@ class UpdateDefense(abc.ABC):
     del direction
     return None
 
+  def canary_score(self, uploads: np.ndarray, canaries: np.ndarray) -> np.ndarray:
+    """The audit's score of each upload (rows of `uploads`) for the canary
+    in the same row of `canaries`: how far the upload lies along it, here
+    their inner product. Mechanisms whose noise differs between entries
+    weigh them (`tff_privacy.algorithms.fedre.FixedFedRENoise`)."""
+    return np.sum(uploads * canaries, axis=1)
+
+  def for_client(self, client: ClientView, seed) -> "UpdateDefense":
+    """The mechanism one client's uploads go through, with what the defence
+    computes from the client's data (`client`) fixed under `seed`, for the
+    per-upload audit; the defence itself where it reads no client data."""
+    del client, seed
+    return self
+
   def pure_epsilon(self, num_params: int) -> Optional[float]:
     """The pure-DP epsilon of one application, for DP mechanisms that
     `dp_accounting` does not model (composed over rounds by the basic

@@ -227,8 +227,8 @@ def _protocol_rows(grid: Grid, results: Sequence[dict], grid_rows: dict,
 def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
   """A row's audit (`tff-privacy audit`'s audit.json of its run; None where
   it was not audited) as columns: the claimed and audited epsilon of the
-  one application audited (`audit_unit`: one upload, or one round for a
-  client's data), the bound's interval and reach, whether the claim is
+  one application audited (`audit_unit`: 'one upload', or 'one round' of
+  a central mechanism), the bound's interval and reach, whether the claim is
   refuted, the membership-inference AUC, and why a part was not computed."""
   audit = audit or {}
   canary = audit.get("canary_audit") or {}
@@ -238,7 +238,7 @@ def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
           "epsilon_audited": audit.get("epsilon_lower_bound"),
           "epsilon_audited_ci": audit.get("epsilon_interval"),
           "epsilon_reachable": canary.get("epsilon_reachable"),
-          "audit_unit": audit.get("unit"),
+          "audit_unit": audit.get("applied_to"),
           "audit_confidence": audit.get("confidence"),
           "audit_canaries": audit.get("canaries"),
           "claim_refuted": audit.get("claim_refuted"),
@@ -619,7 +619,7 @@ def _audits(rows: Sequence[dict]) -> list[str]:
     mia = (f"{r['mia_auc']:.3f}{ci} ({r['mia_attack']})" if r["mia_auc"] is not None
            else f"not computed: {r['mia_note']}")
     refuted = {True: "**refuted**", False: "no", None: ""}[r["claim_refuted"]]
-    unit = {"one upload": "upload", "a client's data": "round"}.get(r["audit_unit"], "")
+    unit = {"one upload": "upload", "one round": "round"}.get(r["audit_unit"], "")
     lines.append(f"| {_where(r)} | {run} | {unit} | "
                  f"{'none' if claimed is None else f'{claimed:.3g}'} | {bound} | "
                  f"{refuted} | {mia} |")
