@@ -67,7 +67,7 @@ def test_a_local_dp_run_is_audited_per_upload_and_a_missing_model_is_named(tmp_p
 
 
 @pytest.mark.parametrize("fields, reason", [
-    ({}, "no defence: no claim to audit"),
+    ({}, "method 'fedsgd' claims no epsilon: no claim to audit"),
     ({"defense": "sparsification", "defense_kwargs": {"p": 0.5}},
      "makes no per-upload claim"),
 ])
@@ -88,11 +88,18 @@ def test_fedres_own_mechanism_is_audited_per_upload_of_one_record(tmp_path):
   assert result["relation"].startswith("sample-level local DP, heuristic")
 
 
-def test_a_claim_made_inside_the_local_steps_says_so(tmp_path):
-  run = _config_only(tmp_path, method="fedre", method_kwargs={
-      "noise_on": "steps", "budget_split": "even", "aggregation": "mean"})
+@pytest.mark.slow  # 9 to 23 s: FedRE's PSI split, a round's steps per canary
+@pytest.mark.parametrize("method, method_kwargs", [
+    ("fedre", {"noise_on": "steps", "budget_split": "even", "aggregation": "mean"}),
+    ("dp_sgd_fedavg", {"local_epochs": 1}),
+])
+def test_dp_sgd_in_the_local_steps_is_audited_per_record(tmp_path, method,
+                                                         method_kwargs):
+  run = _config_only(tmp_path, method=method, method_kwargs=method_kwargs)
   result = report.audit_run(run, canaries=100)
-  assert "inside the local steps of method 'fedre'" in result["canary_audit"]["reason"]
+  assert result["canary_audit"]["computed"]
+  assert (result["unit"], result["applied_to"]) == ("one record", "one upload")
+  assert result["relation"].startswith("sample-level: add or remove one")
 
 
 def test_a_dp_fedavg_run_is_audited_one_round_at_a_time(tmp_path):

@@ -125,10 +125,12 @@ class Algorithm:
       methods that run their own DP mechanism (default: the defence's).
     pure_epsilon: the same for pure-DP mechanisms that `dp_accounting` does
       not model: maps the number of parameters to one round's epsilon.
-    update_mechanism: the method's own DP mechanism on a client's update
-      (an `UpdateDefense`, e.g. FedRE's), for the per-upload audit
-      (`tff_privacy.audit`); None where the method has none or its noise
-      acts inside the local steps.
+    audited_mechanism: the method's own DP mechanism as the per-upload
+      audit (`tff_privacy.audit.uploads`) runs it, an `UpdateDefense` whose
+      `for_client` fixes what it reads of a client's data: FedRE's noise on
+      the update, or a round of DP-SGD steps fed a white-box gradient
+      canary (`local_dp_sgd.StepsCanary`); None where the method claims
+      nothing.
     private_state: for personalised methods, the per-client state the
       clients keep (see `PrivateState`); None for methods with one global
       model, which personalised evaluation tests on every client.
@@ -164,7 +166,7 @@ class Algorithm:
   dp_event: Optional[Callable[[int], "dp_accounting.DpEvent | tuple | None"]] = None
   dp_relation: Optional[str] = None
   pure_epsilon: Optional[Callable[[int], Optional[float]]] = None
-  update_mechanism: Optional[Any] = None
+  audited_mechanism: Optional[Any] = None
   private_state: Optional[PrivateState] = None
   aggregates_uploads: bool = True
   stated_privacy: Optional[Callable[[int, Sequence[dict]], dict[str, Any]]] = None

@@ -151,7 +151,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
           model_aggregator=aggregator, **sgd),
       protocol={**sgd, **dp.protocol(), "batch_size": batch_size,
                 "client_optimizer": "sgd_momentum_coupled_weight_decay"},
-      **local_dp_sgd.algorithm_fields(dp, seed),
+      **local_dp_sgd.algorithm_fields(dp, seed, federation),
       private_state=private,
       # what the client trained: its uploaded body and its classifier
       local_model=model_from_upload(private))

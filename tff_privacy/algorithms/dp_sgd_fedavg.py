@@ -142,7 +142,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
                 "client_optimizer": "dp_sgd_momentum_coupled_weight_decay",
                 "delta_convention": "broadcast_minus_local"},
       local_model=broadcast_minus_upload,
-      **local_dp_sgd.algorithm_fields(dp, seed))
+      **local_dp_sgd.algorithm_fields(dp, seed, federation))
 
 
 METHOD = Method("dp_sgd_fedavg", PARAMETERS, algorithm,

@@ -565,16 +565,23 @@ class FedREMechanism(UpdateDefense):
     return list(run_local_query(query, list(update), noise_seed, stddevs=stddevs)[0])
 
   def for_client(self, client: ClientView, seed) -> UpdateDefense:
-    """noise_on='update': the mechanism `client`'s uploads go through, its
-    noise fixed as the client's data set it under `seed` (the PSI split,
-    |D_k|): `FixedFedRENoise`, for the per-upload audit
-    (`tff_privacy.audit.uploads`), which applies it many times."""
-    if not self.acts_on_update:
-      raise ValueError("fedre's noise on the update is audited per upload; "
-                       f"noise_on={self.noise_on!r}, perturbation="
-                       f"{self.perturbation!r} add none")
-    psi_seed, _ = tf.unstack(
-        tf.random.experimental.stateless_split(tf.cast(seed, tf.int64), 2))
+    """The mechanism `client`'s round runs, with what it reads of the
+    client's data fixed as under its round seed `seed`, for the per-upload
+    audit (`tff_privacy.audit.uploads`), which applies it many times:
+    noise_on='update', `FixedFedRENoise` (the PSI split, |D_k|); 'steps',
+    `local_dp_sgd.StepsCanary` at the round's per-tensor multipliers.
+
+    Raises:
+      ValueError: perturbation='pixels', which claims no DP guarantee."""
+    seed = tf.cast(seed, tf.int64)
+    if self.perturbation == "pixels":
+      raise ValueError("fedre with perturbation='pixels' claims no DP guarantee")
+    if self.steps is not None:
+      return local_dp_sgd.StepsCanary(
+          self.steps, self.delta, self.step_noise_multipliers(
+              client, tf.random.experimental.stateless_fold_in(seed, PSI_STREAM)),
+          [w.shape for w in self.spec.initial_weights(0)])
+    psi_seed, _ = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
     return FixedFedRENoise(self, self._noise(client, psi_seed)[2])
 
   def spent_epsilons(self, layer_epsilons, sigmas) -> tf.Tensor:
@@ -916,7 +923,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
       # score and regularise them
       defense={"name": mechanism.name, **mechanism.params(), "regions": regions},
       dp_event=mechanism.dp_event, dp_relation=mechanism.dp_relation,
-      update_mechanism=mechanism if mechanism.acts_on_update else None,
+      audited_mechanism=None if perturbation == "pixels" else mechanism,
       # a client's PSI scores (and PDA-PAM's of an upload) of the documents'
       # U-Net need 1.4 GB: one client at a time
       concurrent_clients=1 if aggregation == "pda_pam" or (

@@ -58,7 +58,8 @@ from tff_privacy.aggregation.wide_sum import federated_wide_sum
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import Federation, PrivateState
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
-from tff_privacy.dp import dp_sgd
+from tff_privacy.defenses.updates import UpdateDefense
+from tff_privacy.dp import accounting, dp_sgd
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import num_extractor_tensors
 
@@ -165,6 +166,95 @@ class DPSGD:
             "batch_sampling": self.batch_sampling}
 
 
+class StepsCanary(UpdateDefense):
+  """One client's round of DP-SGD steps (`dp`) as the per-upload audit
+  (`tff_privacy.audit.uploads`) runs them: the white-box gradient canary.
+
+  The audited record's per-example gradient is the canary, whatever the
+  model, and every other record's is zero (the model at their optimum), so
+  the upload depends on the record alone: over the round's steps it joins
+  each Poisson batch with the group's probability q, its gradient clipped
+  (`clipped_sum`) and Gaussian noise added to the batch's sum
+  (`dp_sgd.private_gradient`, or per tensor `layerwise_private_gradient`
+  at `noise_multipliers`, FedRE's noise_on='steps'), the same functions
+  the clients' steps call. The upload is the sum of the steps' noisy
+  gradients: the model change up to the factor learning rate over expected
+  batch size, which the audit's score does not depend on. The relation is
+  DP-SGD's, adding or removing one record, so the canary is told apart from
+  zeros (`neighbour`). Audited: the group of clients (`DPSGD.samplings`)
+  whose round claims the largest epsilon at `delta`. The upload sums the
+  steps' outputs; a client's optimiser may weigh them otherwise (momentum),
+  another post-processing of the same steps, which the claim covers
+  alike."""
+
+  name = "dp_sgd"
+  dp_relation = dp_sgd.RELATION
+
+  def __init__(self, dp: DPSGD, delta: float,
+               noise_multipliers: Optional[Sequence[float]] = None,
+               shapes: Sequence[Sequence[int]] = ()):
+    events = dp.round_event()
+    if not events:
+      raise ValueError("DP-SGD without an accounted claim (no noise, shuffled "
+                       "batches or outside a run) has nothing to audit")
+    self.dp, self.layerwise = dp, noise_multipliers is not None
+    claims = [accounting.epsilon(e, delta, "pld") for e in events]
+    group = int(np.argmax(claims))
+    self.event = events[group]
+    self.sample_rate, self.steps = dp.samplings[group]
+    self.noise_multipliers = (None if noise_multipliers is None else
+                              np.asarray(noise_multipliers, np.float32))
+    # per-tensor clipping and noise: the tensors' `shapes`
+    sizes = [int(np.prod(s)) for s in shapes]
+    self._splits = np.cumsum(sizes)[:-1]
+    self._weights = (1.0 if noise_multipliers is None
+                     else np.repeat(self.noise_multipliers ** -2.0, sizes))
+
+  def apply(self, update, seed, client=None):
+    seed = tf.cast(seed, tf.int64)
+    clip = self.dp.l2_norm_clip
+
+    def step(total, i):
+      sampled = dp_sgd.poisson_sample(tf.constant(1), self.sample_rate,
+                                      tf.random.experimental.stateless_fold_in(
+                                          seed, SAMPLING_STREAM + i))
+      per_example = [tf.boolean_mask(u[tf.newaxis], sampled) for u in update]
+      noise_seed = tf.random.experimental.stateless_fold_in(seed, i)
+      grads = (dp_sgd.layerwise_private_gradient(per_example, clip,
+                                                 self.noise_multipliers,
+                                                 noise_seed, 1.0)
+               if self.layerwise else
+               dp_sgd.private_gradient(per_example, clip, self.dp.noise_multiplier,
+                                       noise_seed, 1.0))
+      return [t + g for t, g in zip(total, grads)]
+
+    return tf.foldl(step, tf.range(self.steps, dtype=tf.int64),
+                    initializer=[tf.zeros_like(u) for u in update])
+
+  def dp_event(self, num_params: int):
+    return self.event
+
+  def canary(self, direction):
+    """`direction` at the clip norm, or each tensor's part of it for
+    per-tensor clipping: a record's largest clipped gradient."""
+    clip = self.dp.l2_norm_clip
+    if not self.layerwise:
+      return clip * direction / np.linalg.norm(direction)
+    return np.concatenate([clip * part / np.linalg.norm(part)
+                           for part in np.split(direction, self._splits)])
+
+  def neighbour(self, canary):
+    return np.zeros_like(canary)
+
+  def canary_score(self, uploads, canaries):
+    """The inner product, per tensor over its noise variance where the
+    tensors' noise differs."""
+    return np.sum(uploads * canaries * self._weights, axis=1)
+
+  def for_client(self, client, seed):
+    return self
+
+
 def configure(method: str, federation: Optional[Federation], batch_size: int,
               dp_epochs: int, *, l2_norm_clip: float,
               noise_multiplier: Optional[float], target_epsilon: float,
@@ -204,13 +294,17 @@ def client_samplings(client_sizes: Sequence[int], batch_size: int,
   return tuple((rate, steps) for steps, rate in groups.items())
 
 
-def algorithm_fields(dp: DPSGD, run_seed: int) -> dict:
+def algorithm_fields(dp: DPSGD, run_seed: int,
+                     federation: Optional[Federation] = None) -> dict:
   """The `Algorithm` fields of a method whose clients run `dp`: their noise
-  seeds, the DP event of a round, its neighbouring relation and the batch
-  sampling."""
+  seeds, the DP event of a round, its neighbouring relation, its audit
+  (`StepsCanary` at the `federation`'s delta, where it claims an epsilon)
+  and the batch sampling."""
+  audited = (StepsCanary(dp, federation.dp_delta)
+             if federation is not None and dp.round_event() else None)
   return {"client_inputs": seed_inputs(run_seed),
           "dp_event": lambda num_params: dp.round_event(),
-          "dp_relation": dp_sgd.RELATION,
+          "dp_relation": dp_sgd.RELATION, "audited_mechanism": audited,
           "stated_privacy": lambda rounds, history: dp.stated_privacy()}
 
 

@@ -3,8 +3,9 @@ DIR/audit.json.
 
 * The canary audit: per upload (`uploads`) where the run's client-side
   defence declares a canary (its local DP claim) or its method runs a
-  mechanism on the update (`Algorithm.update_mechanism`: FedRE's, under
-  either sensitivity, on the largest client's data at the last round),
+  mechanism (`Algorithm.audited_mechanism`: FedRE's noise under either
+  sensitivity, DP-SGD's steps; on the largest client's data at the last
+  round),
   per round (`clients`) for DP-FedAvg's client-level claim: the claimed
   epsilon of that one application beside the lower bound on it, with
   interval and confidence, and the relation audited; 'claim_refuted'
@@ -15,8 +16,8 @@ DIR/audit.json.
 
 What does not apply, or cannot be computed, is named with the reason.
 Claims made inside the local steps (DP-SGD: the DP-SGD baselines, FedRE
-with noise_on='steps') need record-level canaries in the steps and are not
-audited yet: audit.json says so for those runs.
+with noise_on='steps') are audited per upload of one record's white-box
+gradient canary (`tff_privacy.algorithms.local_dp_sgd.StepsCanary`).
 """
 
 from __future__ import annotations
@@ -117,20 +118,22 @@ def _not_audited(run_dir: str, config) -> Optional[str]:
 
 
 def _method_audit(run_dir: str, config, canaries: int, seed: int):
-  """(audit, None) of the mechanism a method runs on its clients' updates
-  (`Algorithm.update_mechanism`, FedRE's), per upload of the run's largest
-  client at its last round, or (None, why not)."""
+  """(audit, None) of the mechanism a method runs on its clients
+  (`Algorithm.audited_mechanism`: FedRE's noise, DP-SGD's steps), per
+  upload of the run's largest client at its last round, or (None, why
+  not)."""
   run = runner.Run(config)
-  mechanism, algorithm = run.algorithm.update_mechanism, run.algorithm
+  mechanism, algorithm = run.algorithm.audited_mechanism, run.algorithm
   shapes = _shapes(run_dir, config)
   num_params = sum(math.prod(s) for s in shapes)
   claims = ((algorithm.dp_event and algorithm.dp_event(num_params)) is not None or (
       algorithm.pure_epsilon and algorithm.pure_epsilon(num_params)) is not None)
   if mechanism is None and not claims:
-    return None, "the run has no defence: no claim to audit"
+    return None, (f"the run has no defence and method {config.method!r} claims "
+                  "no epsilon: no claim to audit")
   if mechanism is None:
-    return None, (f"the run's DP claim is made inside the local steps of method "
-                  f"{config.method!r}: record-level canaries are not audited yet")
+    return None, (f"method {config.method!r} declares no mechanism to audit "
+                  "(Algorithm.audited_mechanism)")
   client = int(np.argmax([len(i) for i in run.fed.client_indices]))
   view = _client_view(run, client, run_dir)
   # the split that the client's own round seed gave it in the run

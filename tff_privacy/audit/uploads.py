@@ -100,9 +100,10 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
     rows = range(start, min(start + _CHUNK, canaries))
     marked = np.stack([defense.canary(rng.standard_normal(num_params))
                        for _ in rows]).astype(np.float32)
-    signs = np.where(included[start:rows.stop], 1.0, -1.0).astype(np.float32)
+    inputs = np.where(included[start:rows.stop, None], marked,
+                      defense.neighbour(marked)).astype(np.float32)
     seeds = np.array([[seed, j] for j in rows], np.int64)
-    noised = upload(tf.constant(marked * signs[:, None]), tf.constant(seeds)).numpy()
+    noised = upload(tf.constant(inputs), tf.constant(seeds)).numpy()
     scores[start:rows.stop] = defense.canary_score(noised, marked)
   audit = one_run.audit_scores(scores, included, delta, confidence)
   return {"epsilon_claimed": claimed_epsilon(defense, num_params, delta),

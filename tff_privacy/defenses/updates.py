@@ -180,6 +180,13 @@ class UpdateDefense(abc.ABC):
     del direction
     return None
 
+  def neighbour(self, canary: np.ndarray) -> np.ndarray:
+    """What the audit tells `canary` apart from: its farthest neighbour
+    under `dp_relation`, its negation for relations that replace one
+    input by another (two uploads of a client); `StepsCanary` (add or
+    remove one record) gives zeros."""
+    return -canary
+
   def canary_score(self, uploads: np.ndarray, canaries: np.ndarray) -> np.ndarray:
     """The audit's score of each upload (rows of `uploads`) for the canary
     in the same row of `canaries`: how far the upload lies along it, here
