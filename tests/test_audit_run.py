@@ -5,12 +5,14 @@ its one-line errors."""
 import json
 import os
 
+import dp_accounting
 import numpy as np
 import pytest
 import sklearn.metrics
 
 from tff_privacy import cli, io, runner
 from tff_privacy.audit import membership, report
+from tff_privacy.dp import queries
 
 SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
              clients=4, batch_size=8, seed=3)
@@ -18,8 +20,8 @@ SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
 
 def _config_only(tmp_path, **fields):
   """A run folder holding only config.json, as a run writes it."""
-  config = runner.RunConfig(out=str(tmp_path), rounds=2,
-                            **{"method": "fedsgd", **SMALL, **fields})
+  config = runner.RunConfig(out=str(tmp_path),
+                            **{"method": "fedsgd", "rounds": 2, **SMALL, **fields})
   io.write_json(os.path.join(tmp_path, "config.json"), config.to_json())
   return str(tmp_path)
 
@@ -150,3 +152,68 @@ def test_the_audit_command_on_a_trained_local_dp_run(capsys, tmp_path):
   assert mia["model_test_accuracy"] == pytest.approx(history[-1]["test_accuracy"],
                                                      abs=1e-6)
   assert 0 <= audit["mia_auc"] <= 1
+
+
+def test_a_personalised_run_is_attacked_through_each_clients_own_model(tmp_path):
+  run = _config_only(tmp_path, method="hyperfl", rounds=1, clients_per_round=2)
+  config = membership.run_config(run)
+  fed = membership.federated.load(config.dataset, config.clients, config.partition,
+                                  config.alpha, config.seed, config.data_dir,
+                                  config.samples_per_client, config.data_kwargs)
+  spec = membership.spec_of(config, fed.source)
+  own = {c: spec.initial_weights(10 + c) for c in range(config.clients)}
+  io.write_npz(os.path.join(run, runner.PERSONAL_MODELS), {
+      f"client_{c:04d}/{name}": w for c, weights in own.items()
+      for name, w in zip(spec.variable_names(), weights)})
+  (logits_in, labels_in), (logits_out, labels_out), accuracy = \
+      membership._personal_logits(run, config, fed, spec, np.random.default_rng(0), 10**6)
+  trained = runner.sample_clients(config, 1)
+  assert len(trained) == 2
+  # every training and own-test sample of the round's two clients, in order
+  owners_in = [(c, i) for c in trained for i in fed.client_indices[c]]
+  owners_out = [(c, i) for c in trained for i in fed.client_test_indices[c]]
+  assert len(labels_in) == len(owners_in) and len(labels_out) == len(owners_out)
+
+  def by_own_model(pairs, x):
+    model = spec.keras()
+    rows = []
+    for c, i in pairs:
+      model.set_weights(own[c])
+      rows.append(model(x[i][None]).numpy()[0])
+    return np.stack(rows)
+
+  np.testing.assert_allclose(logits_in, by_own_model(owners_in, fed.source.x_train),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(logits_out, by_own_model(owners_out, fed.source.x_test),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(labels_in, fed.source.y_train[[i for _, i in owners_in]])
+  accuracies = [np.mean(np.argmax(by_own_model([(c, i) for i in fed.client_test_indices[c]],
+                                               fed.source.x_test), 1)
+                        == fed.source.y_test[fed.client_test_indices[c]]) for c in trained]
+  assert accuracy == pytest.approx(np.mean(accuracies))
+
+
+@pytest.mark.slow  # a 2-round training through TFF
+def test_canary_clients_train_with_dp_fedavg_and_audit_the_whole_training(tmp_path):
+  run = tmp_path / "run"
+  config = runner.RunConfig(out=str(run), method="fedavg", rounds=2,
+                            defense="dp_fedavg", defense_kwargs={
+                                "clip": 1.0, "noise_multiplier": 0.1,
+                                "audit_canaries": 40}, **SMALL)
+  runner.run(config, progress=False)
+  audit = report._training_audit(str(run), membership.run_config(str(run)))
+  assert audit["computed"] and audit["canaries"] == 40
+  # every client takes part in both rounds: a canary's claim is the
+  # Gaussian mechanism at z 0.1 composed twice, dp_accounting's
+  event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.1), 2)
+  assert audit["epsilon_claimed"] == pytest.approx(
+      dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(1e-5), rel=1e-3)
+  # the inserted canaries are in the model's descent, the held-out ones not
+  spec = membership.spec_of(config)
+  initial, final = spec.initial_weights(3), runner.load_model_weights(str(run), spec)
+  descent = np.concatenate([np.ravel(a - b) for a, b in zip(initial, final)])
+  directions = np.concatenate([d.numpy().reshape(40, -1) for d in queries.canary_directions(
+      [w.shape for w in initial], 40, 3)], axis=1)
+  inserted = queries.inserted_canaries(40, 3)
+  scores = directions @ descent
+  assert scores[inserted].min() > scores[~inserted].max()

@@ -683,6 +683,15 @@ def _audit(args) -> int:
           + (" -- claim refuted" if result["claim_refuted"] else ""))
   else:
     print(f"canary audit: not computed: {canary['reason']}")
+  whole = result["canary_clients"]
+  if whole["computed"]:
+    claimed = whole["epsilon_claimed"]
+    print(f"the whole training, {whole['canaries']} canary clients: epsilon claimed "
+          f"{'none' if claimed is None else f'{claimed:.4g}'}, audited lower bound "
+          f"{whole['epsilon_lower_bound']:.3f}, estimate "
+          + ("none" if whole["epsilon_estimate"] is None else
+             f"{whole['epsilon_estimate']:.3g}")
+          + (" -- claim refuted" if whole["claim_refuted"] else ""))
   mia = result["membership_inference"]
   print(f"membership inference: AUC {mia['mia_auc']:.3f} ({mia['best_attack']}), "
         f"advantage {mia['mia_advantage']:.3f}" if mia["computed"]

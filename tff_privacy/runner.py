@@ -960,7 +960,8 @@ class Run:
     """
     if capture not in self._processes:
       n = self.config.sampled_per_round
-      inner = (self.central.aggregator(n, self.config.seed) if self.central
+      inner = (self.central.aggregator(n, self.config.seed, self.config.clients)
+               if self.central
                else wide_sum.wide_mean_factory())
       view = self.central.server_view if self.central else None
       aggregator = ClientPlacedCapture(inner, n, view) if capture else inner

@@ -35,7 +35,7 @@ import tensorflow_federated as tff
 from tff_privacy.audit import one_run, one_shot
 from tff_privacy.audit.uploads import DEFAULT_CANARIES
 from tff_privacy.defenses.central import DPFedAvg
-from tff_privacy.dp import accounting
+from tff_privacy.dp import accounting, queries
 
 _PAST_CLIP = 2.0  # canaries' norm over the clip norm
 
@@ -62,7 +62,9 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
   included = rng.random(canaries) < 0.5
   updates = [_split(defense.clip * _PAST_CLIP * direction * keep, shapes)
              for direction, keep in zip(directions, included)]
-  process = defense.aggregator(clients_per_round, seed).create(
+  # the round's own canaries only, without a training's canary clients
+  plain = DPFedAvg(defense.clip, defense.noise_multiplier)
+  process = plain.aggregator(clients_per_round, seed).create(
       tff.to_type([tff.TensorType(np.float32, s) for s in shapes]),
       tff.TensorType(np.float32))
   released = process.next(process.initialize(), updates, [1.0] * canaries).result
@@ -76,6 +78,50 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
           "relation": defense.dp_relation,
           "unit": accounting.protected(defense.dp_relation),
           "applied_to": "one round", **audit.to_json()}
+
+
+TRAINING_RELATION = ("central DP, user level: adding or removing one canary "
+                     "client, which takes part in each round independently "
+                     "with a client's chance")
+
+
+def audit_training(defense: DPFedAvg, initial: Sequence[np.ndarray],
+                   final: Sequence[np.ndarray], num_clients: int,
+                   clients_per_round: int, rounds: int, delta: float, seed: int,
+                   confidence: float = one_run.CONFIDENCE) -> dict:
+  """The audit of a whole DP-FedAvg training that ran with canary clients
+  (`defense.audit_canaries`, `tff_privacy.dp.queries.CanaryClientsQuery`
+  seeded by the run's `seed`), from its `initial` and `final` models: each
+  canary is scored by the cosine between its direction and the model's
+  descent w_0 - w_T (the server steps against the aggregate, which holds
+  C u_j in the rounds canary j took part in), inserted canaries against
+  held-out ones, as Andrew et al. do with the final model. The claim is
+  the training's for one canary client (`DPFedAvg.canary_event`).
+
+  Returns:
+    As `audit_round`, with 'applied_to': 'the whole training'.
+
+  Raises:
+    ValueError: the run had no canary clients, or as
+      `one_run.audit_scores`.
+  """
+  count = defense.audit_canaries
+  if count < 2:
+    raise ValueError("the run trained without canary clients (audit_canaries)")
+  shapes = [np.shape(w) for w in initial]
+  directions = np.concatenate(
+      [d.numpy().reshape(count, -1) for d in queries.canary_directions(shapes, count, seed)],
+      axis=1)
+  descent = np.concatenate([np.ravel(a) - np.ravel(b) for a, b in zip(initial, final)])
+  scores = directions @ descent / max(float(np.linalg.norm(descent)), 1e-30)
+  included = queries.inserted_canaries(count, seed)
+  audit = one_run.audit_scores(scores, included, delta, confidence)
+  event = defense.canary_event(num_clients, clients_per_round, rounds)
+  return {"epsilon_claimed": None if event is None else
+          accounting.epsilon(event, delta, "pld"),
+          "epsilon_estimate": one_shot.reported_estimate(scores, included, delta),
+          "relation": TRAINING_RELATION, "unit": accounting.protected(TRAINING_RELATION),
+          "applied_to": "the whole training", **audit.to_json()}
 
 
 def _split(flat: np.ndarray, shapes: Sequence[Sequence[int]]) -> list[np.ndarray]:

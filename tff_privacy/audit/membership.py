@@ -5,7 +5,10 @@ Members are training samples of clients that trained (sampled in some
 round); non-members are test samples, which no client held. Where the
 clients' data are skewed and some were never sampled, the members'
 distribution differs from the test set's, and the AUC measures that shift
-as well. From the
+as well. A personalised method's run (runner.PERSONAL_MODELS, one model
+per client) is attacked through each client's own model: its training
+samples against its own test split, pooled over the clients that
+trained. From the
 model's logits on up to `samples` of each, the library's threshold
 (loss), entropy-threshold, logistic-regression, MLP, random-forest and
 k-NN attacks each report their AUC and attacker advantage (max |TPR -
@@ -15,9 +18,8 @@ plotted by the library.
 The library ships in tensorflow-privacy up to 0.8.12 but not in the 0.9.0
 wheel that tensorflow-federated 0.87 pins; `make` installs it from the
 0.8.12 wheel (`tools/install_privacy_tests.py`). Where it is missing, or
-the run has no global model (personalised methods keep one per client,
-not audited here yet), or its task is not classification, the result says
-so instead of giving numbers.
+the run has no final model, or its task is not classification, the result
+says so instead of giving numbers.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def membership_inference(run_dir: str, samples: int = DEFAULT_SAMPLES,
     {'computed': True, 'mia_auc', 'mia_advantage' (the largest of each),
     'mia_auc_ci' (the best AUC's 95% interval, `_auc_interval`),
     'attacks': {name: {'auc', 'advantage'}}, 'members', 'non_members'
-    (samples scored), 'roc': the plot's file name, 'model_test_accuracy'
-    (the loaded model's, on the run's whole test set)} or
+    (samples scored), 'roc': the plot's file name, 'models': 'global' or
+    "each client's own", 'model_test_accuracy' (the global model's on the
+    run's test set; the mean of the clients' own on their test splits)} or
     {'computed': False, 'reason': why}.
 
   Raises:
@@ -86,9 +89,10 @@ def membership_inference(run_dir: str, samples: int = DEFAULT_SAMPLES,
   library, why = _library()
   if library is None:
     return {"computed": False, "reason": why}
-  if not os.path.exists(os.path.join(run_dir, MODEL_WEIGHTS)):
-    return {"computed": False, "reason": "no global model (model_weights.npz): a "
-            "personalised method's clients' own models are not audited yet"}
+  personal = not os.path.exists(os.path.join(run_dir, MODEL_WEIGHTS))
+  if personal and not os.path.exists(os.path.join(run_dir, runner.PERSONAL_MODELS)):
+    return {"computed": False, "reason": f"no final model ({MODEL_WEIGHTS} or "
+            f"{runner.PERSONAL_MODELS}): the run has not finished"}
   if config.partition == federated.CLIENT_DATA:
     return {"computed": False, "reason": "a run on the caller's ClientData: "
             "its samples are not in the run's folder"}
@@ -99,28 +103,74 @@ def membership_inference(run_dir: str, samples: int = DEFAULT_SAMPLES,
     return {"computed": False, "reason": f"the attacks score class labels; "
             f"{config.dataset!r} is {fed.source.task}"}
   spec = spec_of(config, fed.source)
-  rng = np.random.default_rng(seed)
+  scored = (_personal_logits if personal else _global_logits)(
+      run_dir, config, fed, spec, np.random.default_rng(seed), samples)
+  (logits_in, labels_in), (logits_out, labels_out), accuracy = scored
+  if min(len(labels_in), len(labels_out)) < FEWEST_SAMPLES:
+    return {"computed": False, "reason": f"{len(labels_in)} training and "
+            f"{len(labels_out)} test samples: the attacks need {FEWEST_SAMPLES} "
+            "of each"}
+  try:
+    with _global_numpy_seed(seed):
+      result = _attack(library, logits_in, logits_out, labels_in, labels_out, run_dir)
+  except ValueError as e:  # the library's refusals (too few of a class)
+    return {"computed": False, "reason": f"tensorflow_privacy's attacks: {e}"}
+  return {**result, "models": "each client's own" if personal else "global",
+          "model_test_accuracy": accuracy}
+
+
+def _global_logits(run_dir, config, fed, spec, rng, samples):
+  """((member logits, labels), (non-member logits, labels), test accuracy)
+  of the final global model: members from every client that trained,
+  non-members from the test set, which no client held."""
   tested = (fed.test_indices if fed.test_indices is not None
             else np.arange(len(fed.source.y_test)))
   inside = _some(rng, members(config, fed), samples)
   outside = _some(rng, tested, samples)
-  if min(len(inside), len(outside)) < FEWEST_SAMPLES:
-    return {"computed": False, "reason": f"{len(inside)} training and "
-            f"{len(outside)} test samples: the attacks need {FEWEST_SAMPLES} "
-            "of each"}
-  model = _final_model(run_dir, spec)
-  src = fed.source
-  try:
-    with _global_numpy_seed(seed):
-      result = _attack(library, model.predict(src.x_train[inside], verbose=0),
-                       model.predict(src.x_test[outside], verbose=0),
-                       src.y_train[inside], src.y_test[outside], run_dir)
-  except ValueError as e:  # the library's refusals (too few of a class)
-    return {"computed": False, "reason": f"tensorflow_privacy's attacks: {e}"}
+  model, src = _final_model(run_dir, spec), fed.source
   logits = model.predict(src.x_test[tested], verbose=0)
-  result["model_test_accuracy"] = float(np.mean(
-      np.argmax(logits, -1) == src.y_test[tested]))
-  return result
+  return ((model.predict(src.x_train[inside], verbose=0), src.y_train[inside]),
+          (model.predict(src.x_test[outside], verbose=0), src.y_test[outside]),
+          float(np.mean(np.argmax(logits, -1) == src.y_test[tested])))
+
+
+def _personal_logits(run_dir, config, fed, spec, rng, samples):
+  """The same of a personalised run's models (runner.PERSONAL_MODELS), each
+  client's samples scored by its own model: members are training samples
+  of clients that trained, non-members the test samples of the same
+  clients (their own test split, which they never trained on); the
+  accuracy is the mean over those clients of their model's on their split."""
+  trained = sorted({int(c) for r in range(1, config.rounds + 1)
+                    for c in runner.sample_clients(config, r)})
+  pairs_in = [(c, i) for c in trained for i in fed.client_indices[c]]
+  pairs_out = [(c, i) for c in trained for i in fed.client_test_indices[c]]
+  chosen_in = [pairs_in[j] for j in _some(rng, np.arange(len(pairs_in)), samples)]
+  chosen_out = [pairs_out[j] for j in _some(rng, np.arange(len(pairs_out)), samples)]
+  src, model = fed.source, spec.keras()
+  logits_in, logits_out, accuracies = {}, {}, []
+  path = os.path.join(run_dir, runner.PERSONAL_MODELS)
+  with np.load(path) as saved:
+    for c in trained:
+      try:
+        values = [saved[f"{federated.client_id(c)}/{name}"]
+                  for name in spec.variable_names()]
+      except KeyError as e:
+        raise ValueError(f"{path}: no variable {e} of model {spec.name!r}") from None
+      for variable, value in zip(model.trainable_variables, values, strict=True):
+        variable.assign(value)
+      x_test, y_test = fed.client_test_arrays(c)
+      if len(y_test):
+        accuracies.append(np.mean(np.argmax(model.predict(x_test, verbose=0), -1) == y_test))
+      for chosen, x, out in ((chosen_in, src.x_train, logits_in),
+                             (chosen_out, src.x_test, logits_out)):
+        mine = [i for owner, i in chosen if owner == c]
+        if mine:  # keyed by client too: test splits may share samples
+          out.update(zip([(c, i) for i in mine], model.predict(x[mine], verbose=0)))
+  return ((np.stack([logits_in[p] for p in chosen_in]),
+           src.y_train[[i for _, i in chosen_in]]),
+          (np.stack([logits_out[p] for p in chosen_out]),
+           src.y_test[[i for _, i in chosen_out]]),
+          float(np.mean(accuracies)) if accuracies else None)
 
 
 @contextlib.contextmanager

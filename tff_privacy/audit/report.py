@@ -6,7 +6,9 @@ DIR/audit.json.
   mechanism (`Algorithm.audited_mechanism`: FedRE's noise under either
   sensitivity, DP-SGD's steps; on the largest client's data at the last
   round),
-  per round (`clients`) for DP-FedAvg's client-level claim: the claimed
+  per round (`clients`) for DP-FedAvg's client-level claim, and over the
+  whole training where it ran with canary clients ('canary_clients',
+  `clients.audit_training`): the claimed
   epsilon of that one application beside the lower bound on it, with
   interval and confidence, and the relation audited; 'claim_refuted'
   where the bound exceeds the claim.
@@ -55,6 +57,7 @@ def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
             "defense_kwargs": config.defense_kwargs or {},
             **run_claim(run_dir),
             **_canary_audit(run_dir, config, canaries, seed),
+            "canary_clients": _training_audit(run_dir, config),
             "membership_inference": membership.membership_inference(
                 run_dir, mia_samples, seed),
             provenance.KEY: [provenance.code_version()]}
@@ -101,6 +104,27 @@ def _canary_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, A
           "unit": audit["unit"], "applied_to": audit["applied_to"],
           "canaries": audit["canaries"],
           "claim_refuted": None if claimed is None else bool(bound > claimed)}
+
+
+def _training_audit(run_dir: str, config) -> dict[str, Any]:
+  """The audit of the whole training by its canary clients (DP-FedAvg
+  with audit_canaries, `clients.audit_training`), or why there is none."""
+  if config.defense is None or defenses.defense_class(config.defense) is not DPFedAvg:
+    return {"computed": False, "reason": "canary clients go with defense 'dp_fedavg'"}
+  defense = defenses.build(config.defense, **config.defense_kwargs)
+  if not defense.audit_canaries:
+    return {"computed": False, "reason": "the run trained without canary clients "
+            "(--audit-canaries)"}
+  if not os.path.exists(os.path.join(run_dir, membership.MODEL_WEIGHTS)):
+    return {"computed": False, "reason": "the run has not finished (no final model)"}
+  spec = membership.spec_of(config)
+  audit = clients.audit_training(
+      defense, spec.initial_weights(config.seed), runner.load_model_weights(run_dir, spec),
+      config.clients, config.sampled_per_round, config.rounds, config.dp_delta,
+      config.seed)
+  claimed = audit["epsilon_claimed"]
+  return {"computed": True, **audit, "claim_refuted":
+          None if claimed is None else bool(audit["epsilon_lower_bound"] > claimed)}
 
 
 def _not_audited(run_dir: str, config) -> Optional[str]:

@@ -23,33 +23,69 @@ import tensorflow_federated as tff
 from tensorflow_privacy.privacy.dp_query.normalized_query import NormalizedQuery
 
 from tff_privacy.defenses.updates import CLIP, NOISE_MULTIPLIER
-from tff_privacy.dp import accounting
+from tff_privacy.dp import accounting, dp_sgd
 from tff_privacy.dp import SeededGaussianSumQuery
-from tff_privacy.params import Params
+from tff_privacy.dp.queries import CanaryClientsQuery
+from tff_privacy.params import Param, Params
+
+AUDIT_CANARIES = Param(
+    "audit_canaries", int, 0, "canary clients in the noised sum for "
+    "`tff-privacy audit` of the whole training (Andrew et al.): half of them "
+    "take part, each round with a client's chance; 0: none. They steer the "
+    "model too: keep the inserted half x clients_per_round / clients small "
+    "against clients_per_round", minimum=0)
 
 
 class DPFedAvg:
   name = "dp_fedavg"
-  PARAMETERS = Params(CLIP, NOISE_MULTIPLIER)
+  PARAMETERS = Params(CLIP, NOISE_MULTIPLIER, AUDIT_CANARIES)
   dp_relation = ("central DP, user level: adding or removing one client's "
                  "data (sensitivity of the sum: the clip)")
 
-  def __init__(self, clip: float, noise_multiplier: float):
-    self.clip, self.noise_multiplier = self.PARAMETERS.check(
-        clip=clip, noise_multiplier=noise_multiplier).values()
+  def __init__(self, clip: float, noise_multiplier: float, audit_canaries: int = 0):
+    self.clip, self.noise_multiplier, self.audit_canaries = self.PARAMETERS.check(
+        clip=clip, noise_multiplier=noise_multiplier,
+        audit_canaries=audit_canaries).values()
+    if self.audit_canaries == 1:
+      raise ValueError("audit_canaries must be 0 or at least 2, got 1")
 
   def params(self) -> dict[str, Any]:
-    return {"clip": self.clip, "noise_multiplier": self.noise_multiplier}
+    return {"clip": self.clip, "noise_multiplier": self.noise_multiplier,
+            **({"audit_canaries": self.audit_canaries} if self.audit_canaries else {})}
 
-  def aggregator(self, clients_per_round: int,
-                 seed: int = 0) -> tff.aggregators.WeightedAggregationFactory:
+  def aggregator(self, clients_per_round: int, seed: int = 0,
+                 num_clients: Optional[int] = None
+                 ) -> tff.aggregators.WeightedAggregationFactory:
     """Clip, sum, noise, divide by `clients_per_round` (unweighted, as in
-    the paper; client weights are ignored)."""
-    query = NormalizedQuery(
-        SeededGaussianSumQuery(self.clip, self.clip * self.noise_multiplier, seed),
-        denominator=float(clients_per_round))
+    the paper; client weights are ignored). With `audit_canaries`, the sum
+    holds canary clients that take part at the rate clients_per_round /
+    `num_clients` (`CanaryClientsQuery`, seeded by `seed`)."""
+    stddev = self.clip * self.noise_multiplier
+    summed = (CanaryClientsQuery(self.clip, stddev, seed, canaries=self.audit_canaries,
+                                 rate=self.canary_rate(clients_per_round, num_clients))
+              if self.audit_canaries else
+              SeededGaussianSumQuery(self.clip, stddev, seed))
+    query = NormalizedQuery(summed, denominator=float(clients_per_round))
     return tff.aggregators.as_weighted_aggregator(
         tff.aggregators.DifferentiallyPrivateFactory(query))
+
+  @staticmethod
+  def canary_rate(clients_per_round: int, num_clients: Optional[int]) -> float:
+    """A canary client's chance to take part in a round: a real client's."""
+    if num_clients is None:
+      raise ValueError("audit_canaries needs the run's number of clients")
+    return min(1.0, clients_per_round / num_clients)
+
+  def canary_event(self, num_clients: int, clients_per_round: int,
+                   rounds: int) -> Optional[dp_accounting.DpEvent]:
+    """What the run claims for one canary client, which takes part in each
+    of `rounds` rounds independently at `canary_rate`: the Poisson-sampled
+    Gaussian mechanism at multiplier z, composed (adding or removing it
+    moves the sum by C). None without noise."""
+    if self.noise_multiplier == 0:
+      return None
+    return dp_sgd.steps_event(self.noise_multiplier,
+                              self.canary_rate(clients_per_round, num_clients), rounds)
 
   def server_view(self, update: Sequence[tf.Tensor]) -> list[tf.Tensor]:
     """What the server receives from one client: the clipped update."""

@@ -14,6 +14,8 @@ advanced, and a client can run a query under its own seed
   model: layer l is clipped to C_l and receives N(0, (C_l sigma_l)^2).
 * `LaplaceSumQuery`: clipping plus Laplace noise of scale b, which
   tensorflow-privacy lacks.
+* `CanaryClientsQuery`: `SeededGaussianSumQuery` with canary clients in
+  its sum, for the audit of a whole training.
 
 All are `SumAggregationDPQuery`s, so TFF's `DifferentiallyPrivateFactory`
 accepts them too.
@@ -84,6 +86,65 @@ class SeededGaussianSumQuery(gaussian_query.GaussianSumQuery):
     event = dp_accounting.GaussianDpEvent(
         global_state.stddev / global_state.l2_norm_clip)
     return result, global_state._replace(seed=seeds[-1]), event
+
+
+# folded into a round's seed for which canary clients take part
+_CANARY_STREAM = 2**31 - 3
+
+
+def canary_directions(shapes: Sequence[Sequence[int]], count: int, seed: int
+                      ) -> list[tf.Tensor]:
+  """`count` random directions over tensors of `shapes`, each of global L2
+  norm 1: one tensor [count, *shape] per shape, a pure function of `seed`
+  (the same in a TFF computation and eagerly)."""
+  parts = [tf.random.stateless_normal([count, *s], seed=[seed, 7919 + i])
+           for i, s in enumerate(shapes)]
+  squares = tf.add_n([tf.reduce_sum(tf.reshape(p, [count, -1]) ** 2, axis=1)
+                      for p in parts])
+  norms = tf.sqrt(squares)
+  return [p / tf.reshape(norms, [count] + [1] * len(s)) for p, s in zip(parts, shapes)]
+
+
+def inserted_canaries(count: int, seed: int) -> np.ndarray:
+  """bool[count]: which canary clients take part in training, each with
+  probability 1/2 (the others are held out)."""
+  return np.random.default_rng([seed, 7919]).random(count) < 0.5
+
+
+class CanaryClientsQuery(SeededGaussianSumQuery):
+  """`SeededGaussianSumQuery` whose sum holds canary clients beside the
+  real ones, for the audit of a whole training (Andrew et al., ICLR 2024).
+
+  `canaries` canary clients have fixed random directions u_j
+  (`canary_directions`); half of them are inserted (`inserted_canaries`),
+  the others held out. Each round, each inserted canary takes part with
+  probability `rate` (drawn from the round's seed), and its update, u_j at
+  or past the clip norm, enters the sum clipped: C u_j, before the noise,
+  as a real client's would. The round's noise is the parent's, from the
+  same seed."""
+
+  def __init__(self, l2_norm_clip: float, stddev: float, seed=0, *,
+               canaries: int, rate: float):
+    super().__init__(l2_norm_clip, stddev, seed)
+    if not isinstance(canaries, int) or canaries < 2:
+      raise ValueError(f"canaries must be an integer >= 2, got {canaries!r}")
+    if not 0 < rate <= 1:
+      raise ValueError(f"rate must lie in (0, 1], got {rate}")
+    self.canaries, self.rate, self.canary_seed = canaries, rate, int(seed)
+
+  def get_noised_result(self, sample_state, global_state):
+    leaves = tf.nest.flatten(sample_state)
+    directions = canary_directions([v.shape for v in leaves], self.canaries,
+                                   self.canary_seed)
+    joins = tf.random.stateless_uniform(
+        [self.canaries], tf.random.experimental.stateless_fold_in(
+            global_state.seed, _CANARY_STREAM)) < self.rate
+    weights = global_state.l2_norm_clip * tf.cast(
+        joins & inserted_canaries(self.canaries, self.canary_seed), tf.float32)
+    with_canaries = [v + tf.tensordot(weights, d, axes=1)
+                     for v, d in zip(leaves, directions)]
+    return super().get_noised_result(
+        tf.nest.pack_sequence_as(sample_state, with_canaries), global_state)
 
 
 class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
