@@ -3,6 +3,7 @@ does not apply, the membership-inference wrapper against scikit-learn, and
 its one-line errors."""
 
 import json
+import math
 import os
 
 import dp_accounting
@@ -83,11 +84,18 @@ def test_runs_without_a_claim_to_audit_say_why(tmp_path, fields, reason):
 
 def test_fedres_own_mechanism_is_audited_per_upload_of_one_record(tmp_path):
   run = _config_only(tmp_path, method="fedre", method_kwargs={
-      "budget_split": "even", "aggregation": "mean", "epsilon": 10.0})
+      "aggregation": "mean", "epsilon": 10.0, "psi_samples": 2, "psi_pixels": 4})
   result = report.audit_run(run, canaries=100)
   assert result["canary_audit"]["computed"]
   assert (result["unit"], result["applied_to"]) == ("one record", "one upload")
   assert result["relation"].startswith("sample-level local DP, heuristic")
+  # the PSI split's claim for one round, whatever the split: the Gaussian
+  # mechanism at sqrt(2 T ln(L / delta)) / epsilon, T 2 rounds, L 4 tensors
+  multiplier = math.sqrt(2 * 2 * math.log(4 / 1e-5)) / 10.0
+  assert result["epsilon_claimed"] == pytest.approx(
+      dp_accounting.pld.PLDAccountant().compose(
+          dp_accounting.GaussianDpEvent(multiplier)).get_epsilon(1e-5), rel=1e-2)
+  assert result["claim_refuted"] in (True, False)
 
 
 @pytest.mark.slow  # 9 to 23 s: FedRE's PSI split, a round's steps per canary
@@ -217,3 +225,13 @@ def test_canary_clients_train_with_dp_fedavg_and_audit_the_whole_training(tmp_pa
   inserted = queries.inserted_canaries(40, 3)
   scores = directions @ descent
   assert scores[inserted].min() > scores[~inserted].max()
+
+
+@pytest.mark.parametrize("method", ["ppsgd", "hyperfl"])
+def test_canary_clients_are_refused_where_the_server_averages_weights(tmp_path, method):
+  config = runner.RunConfig(out=str(tmp_path), method=method, rounds=1,
+                            defense="dp_fedavg", defense_kwargs={
+                                "clip": 1.0, "noise_multiplier": 1.0,
+                                "audit_canaries": 10}, **SMALL)
+  with pytest.raises(ValueError, match=f"audit_canaries: method '{method}' uploads"):
+    runner.Run(config)

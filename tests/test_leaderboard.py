@@ -954,13 +954,15 @@ def test_auditing_a_leaderboard_audits_each_row_not_audited_yet(tmp_path, monkey
   tiny = _adaptive_grid()
   rows = {r.entry: r for r in tiny.rows()}
   done, fresh = _result(rows["Clip"], {"ig": 0.2}), _result(rows["FedSGD"], {"ig": 0.9})
-  done["audit"], fresh["audit"] = {"mia_auc": 0.5}, None
-  monkeypatch.setattr(board, "read", lambda out: (tiny, [done, fresh]))
+  older = _result(rows["Sparse"], {"ig": 0.5})
+  done["audit"], fresh["audit"] = {"format": 2, "mia_auc": 0.5}, None
+  older["audit"] = {"mia_auc": 0.5}  # format 1: before the methods' own audits
+  monkeypatch.setattr(board, "read", lambda out: (tiny, [done, fresh, older]))
   calls = []
   monkeypatch.setattr(audits, "audit_run", lambda run, *args: calls.append((run, args)))
   board.audit(str(tmp_path), 300, 200, log=lambda line: None)
-  assert calls == [(os.path.join(str(tmp_path), "rows", fresh["key"], "train"),
-                    (300, 200, 0))]
+  assert calls == [(os.path.join(str(tmp_path), "rows", r["key"], "train"), (300, 200, 0))
+                   for r in (fresh, older)]
 
 
 def test_the_equal_epsilon_rows_have_one_table_per_unit_their_epsilon_protects():

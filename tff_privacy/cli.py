@@ -684,7 +684,9 @@ def _audit(args) -> int:
   else:
     print(f"canary audit: not computed: {canary['reason']}")
   whole = result["canary_clients"]
-  if whole["computed"]:
+  if not whole["computed"] and result["defense"] == "dp_fedavg":
+    print(f"the whole training: not audited: {whole['reason']}")
+  elif whole["computed"]:
     claimed = whole["epsilon_claimed"]
     print(f"the whole training, {whole['canaries']} canary clients: epsilon claimed "
           f"{'none' if claimed is None else f'{claimed:.4g}'}, audited lower bound "

@@ -901,6 +901,13 @@ class Run:
             config.rounds, tuple(len(i) for i in self.fed.client_indices),
             self.fed.test, config.dp_delta, self.fed),
         **config.method_kwargs)
+    if (self.central and self.central.audit_canaries and (
+        self.algorithm.upload_kind not in ("gradient", "model_delta")
+        or self.algorithm.private_state is not None)):
+      raise ValueError(f"audit_canaries: method {config.method!r} uploads "
+                       f"{self.algorithm.upload_kind}; canary clients audit a "
+                       "model that steps along the aggregate of its clients' "
+                       "model deltas or gradients")
     if self.central and not self.algorithm.aggregates_uploads:
       raise ValueError(f"defense {config.defense!r} transforms the aggregate, "
                        f"which method {config.method!r} does not use; choose "

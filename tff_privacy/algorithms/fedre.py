@@ -624,10 +624,10 @@ class FixedFedRENoise(UpdateDefense):
   every tensor. Under sensitivity 'update' (any two uploads of a client)
   that is the claim's own relation. Under 'sample' (two data sets that
   differ in one sample) it is the white-box gradient canary: a sample whose
-  gradient is +M or -M times the direction, M large enough that its
-  steps move the model past the clip norm, beside samples of zero gradient
-  (the model at their optimum), so that the two clipped updates are the
-  canary and its negation. FedRE clips the update, not each sample's
+  loss is linear in the weights, its gradient +M or -M times the direction
+  wherever the model is, M large enough that its steps move the model past
+  the clip norm, beside samples whose loss does not depend on the weights,
+  so that the two clipped updates are the canary and its negation. FedRE clips the update, not each sample's
   gradient, so such a sample is in its relation."""
 
   name = "fedre"

@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from typing import Optional, Sequence
@@ -171,7 +172,8 @@ class StepsCanary(UpdateDefense):
   (`tff_privacy.audit.uploads`) runs them: the white-box gradient canary.
 
   The audited record's per-example gradient is the canary, whatever the
-  model, and every other record's is zero (the model at their optimum), so
+  model, and every other record's is zero (losses that do not depend on
+  the weights), so
   the upload depends on the record alone: over the round's steps it joins
   each Poisson batch with the group's probability q, its gradient clipped
   (`clipped_sum`) and Gaussian noise added to the batch's sum
@@ -193,22 +195,39 @@ class StepsCanary(UpdateDefense):
   def __init__(self, dp: DPSGD, delta: float,
                noise_multipliers: Optional[Sequence[float]] = None,
                shapes: Sequence[Sequence[int]] = ()):
-    events = dp.round_event()
-    if not events:
+    if not dp.round_event():
       raise ValueError("DP-SGD without an accounted claim (no noise, shuffled "
                        "batches or outside a run) has nothing to audit")
-    self.dp, self.layerwise = dp, noise_multipliers is not None
-    claims = [accounting.epsilon(e, delta, "pld") for e in events]
-    group = int(np.argmax(claims))
-    self.event = events[group]
-    self.sample_rate, self.steps = dp.samplings[group]
+    self.dp, self.delta, self.layerwise = dp, delta, noise_multipliers is not None
     self.noise_multipliers = (None if noise_multipliers is None else
                               np.asarray(noise_multipliers, np.float32))
+    if self.layerwise and len(shapes) != len(self.noise_multipliers):
+      raise ValueError(f"{len(self.noise_multipliers)} noise_multipliers need as "
+                       f"many tensor shapes, got {len(shapes)}")
     # per-tensor clipping and noise: the tensors' `shapes`
     sizes = [int(np.prod(s)) for s in shapes]
     self._splits = np.cumsum(sizes)[:-1]
     self._weights = (1.0 if noise_multipliers is None
                      else np.repeat(self.noise_multipliers ** -2.0, sizes))
+
+  @functools.cached_property
+  def _group(self) -> int:
+    """The group whose round claims the most (priced when first needed:
+    the PLD accountant takes a second or two a group)."""
+    return int(np.argmax([accounting.epsilon(e, self.delta, "pld")
+                          for e in self.dp.round_event()]))
+
+  @functools.cached_property
+  def event(self) -> dp_accounting.DpEvent:
+    return self.dp.round_event()[self._group]
+
+  @property
+  def sample_rate(self) -> float:
+    return self.dp.samplings[self._group][0]
+
+  @property
+  def steps(self) -> int:
+    return self.dp.samplings[self._group][1]
 
   def apply(self, update, seed, client=None):
     seed = tf.cast(seed, tf.int64)

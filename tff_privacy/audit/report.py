@@ -39,6 +39,8 @@ from tff_privacy.defenses.updates import ClientView
 from tff_privacy.updates import UpdateStore
 
 AUDIT_FILE = "audit.json"
+# audit.json's format: 2 audits methods' own mechanisms and canary clients
+FORMAT = 2
 
 
 def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
@@ -52,7 +54,7 @@ def audit_run(run_dir: str, canaries: int = uploads.DEFAULT_CANARIES,
       variables.
   """
   config = membership.run_config(run_dir)
-  result = {"run": os.path.abspath(run_dir), "method": config.method,
+  result = {"format": FORMAT, "run": os.path.abspath(run_dir), "method": config.method,
             "defense": config.defense,
             "defense_kwargs": config.defense_kwargs or {},
             **run_claim(run_dir),
@@ -144,7 +146,7 @@ def _not_audited(run_dir: str, config) -> Optional[str]:
 def _method_audit(run_dir: str, config, canaries: int, seed: int):
   """(audit, None) of the mechanism a method runs on its clients
   (`Algorithm.audited_mechanism`: FedRE's noise, DP-SGD's steps), per
-  upload of the run's largest client at its last round, or (None, why
+  upload of the largest client of the run's last round, or (None, why
   not)."""
   run = runner.Run(config)
   mechanism, algorithm = run.algorithm.audited_mechanism, run.algorithm
@@ -158,16 +160,20 @@ def _method_audit(run_dir: str, config, canaries: int, seed: int):
   if mechanism is None:
     return None, (f"method {config.method!r} declares no mechanism to audit "
                   "(Algorithm.audited_mechanism)")
-  client = int(np.argmax([len(i) for i in run.fed.client_indices]))
+  last = runner.sample_clients(config, config.rounds)
+  client = int(last[np.argmax([len(run.fed.client_indices[c]) for c in last])])
   view = _client_view(run, client, run_dir)
-  # the split that the client's own round seed gave it in the run
+  # under the client's own round seed, as the run drew it
   fixed = mechanism.for_client(view, view.inputs[SEED_KEY])
   return uploads.audit_defense(fixed, shapes, config.dp_delta, canaries, seed), None
 
 
 def _client_view(run: "runner.Run", client: int, run_dir: str) -> ClientView:
-  """What client `client` sees at the run's last round: the final global
-  model (the initial one without it), the round's batches and inputs."""
+  """What client `client` sees at the run's last round: its batches and
+  inputs, with the final global model (the initial one without it) in
+  place of that round's broadcast, which the run does not keep. A data-
+  dependent split (FedRE's PSI) is then one the run could have drawn, not
+  the one it drew; the claims hold for every split."""
   config, indices = run.config, run.fed.client_indices[client]
   order = indices[runner.local_order(len(indices), run.algorithm, config,
                                      config.rounds, client)]

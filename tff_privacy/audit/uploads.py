@@ -1,16 +1,20 @@
-"""Audits of a per-upload (local DP) claim, one upload at a time.
+"""Audits of a per-upload claim, one upload at a time.
 
 A local mechanism's epsilon says how well the server can tell any two
 uploads of a client apart. The audit makes it tell: each of m canaries is a
 random direction taken to the edge of what the defence lets through
 (`UpdateDefense.canary`: the clip norm along it), included with probability
 1/2. The client's update is the canary where it is included and its
-negation where not, the two inputs of largest distance under the defence's
-neighbouring relation; the defence's own `apply` (its clipping and noise,
-its seeds) makes each upload, and the attacker scores it by its inner
-product with the canary. `one_run.audit_scores` turns the scores into
-Steinke et al.'s lower bound on the epsilon of one upload, beside what the
-defence claims for one upload (`claimed_epsilon`).
+farthest neighbour where not (`UpdateDefense.neighbour`: its negation for
+two uploads; zeros where the relation adds or removes a record); the
+mechanism's own `apply` (its clipping and noise, its seeds) makes each
+upload, and the attacker scores it by its inner product with the canary
+(`UpdateDefense.canary_score`, weighted where the noise differs between
+tensors). `one_run.audit_scores` turns the scores into Steinke et al.'s
+lower bound on the epsilon of one upload, beside what the mechanism claims
+for one upload (`claimed_epsilon`). The same runs methods' own mechanisms
+(`Algorithm.audited_mechanism`), whose canaries are records: FedRE's
+noise and DP-SGD's steps, fed a white-box gradient canary.
 
 Each upload is a separate run of the mechanism with its own noise, so the
 m trials are independent and the bound is about one upload's epsilon.

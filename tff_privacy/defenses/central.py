@@ -33,7 +33,8 @@ AUDIT_CANARIES = Param(
     "`tff-privacy audit` of the whole training (Andrew et al.): half of them "
     "take part, each round with a client's chance; 0: none. They steer the "
     "model too: keep the inserted half x clients_per_round / clients small "
-    "against clients_per_round", minimum=0)
+    "against clients_per_round. Memory: canaries x parameters floats a round",
+    minimum=0)
 
 
 class DPFedAvg:

@@ -333,8 +333,10 @@ def _with_audit(result: dict[str, Any], folder: str) -> dict[str, Any]:
 def audit(out: str, canaries: int, mia_samples: int, seed: int = 0,
           log: Callable[[str], None] = print) -> None:
   """Audits every finished row of the leaderboard in `out` that has no
-  audit yet (`tff_privacy.audit.report.audit_run` on its run, which writes
-  its train/audit.json), for the report's audit columns.
+  audit yet, or one in an earlier format (`tff_privacy.audit.report.FORMAT`:
+  audits that did not apply then may now), by
+  `tff_privacy.audit.report.audit_run` on its run, which writes its
+  train/audit.json, for the report's audit columns.
 
   Raises:
     ValueError: no leaderboard in `out`.
@@ -343,7 +345,7 @@ def audit(out: str, canaries: int, mia_samples: int, seed: int = 0,
   _, results = read(out)
   for i, r in enumerate(results, start=1):
     run = os.path.join(out, "rows", r["key"], "train")
-    if r.get("audit") is not None:
+    if (r.get("audit") or {}).get("format") == audits.FORMAT:
       log(f"[{i}/{len(results)}] {r['label']}: audited before")
       continue
     start = time.perf_counter()

@@ -239,6 +239,7 @@ def audit_columns(audit: Optional[dict]) -> dict[str, Any]:
           "epsilon_audited_ci": audit.get("epsilon_interval"),
           "epsilon_reachable": canary.get("epsilon_reachable"),
           "audit_unit": audit.get("applied_to"),
+          "audit_protects": audit.get("unit"),
           "audit_confidence": audit.get("confidence"),
           "audit_canaries": audit.get("canaries"),
           "claim_refuted": audit.get("claim_refuted"),
@@ -620,6 +621,8 @@ def _audits(rows: Sequence[dict]) -> list[str]:
            else f"not computed: {r['mia_note']}")
     refuted = {True: "**refuted**", False: "no", None: ""}[r["claim_refuted"]]
     unit = {"one upload": "upload", "one round": "round"}.get(r["audit_unit"], "")
+    if unit and r.get("audit_protects") == "one record":
+      unit += " (record)"
     lines.append(f"| {_where(r)} | {run} | {unit} | "
                  f"{'none' if claimed is None else f'{claimed:.3g}'} | {bound} | "
                  f"{refuted} | {mia} |")
