@@ -173,8 +173,8 @@ class StepsCanary(UpdateDefense):
 
   The audited record's per-example gradient is the canary, whatever the
   model, and every other record's is zero (losses that do not depend on
-  the weights), so
-  the upload depends on the record alone: over the round's steps it joins
+  the weights), so the upload depends on the record alone: over the
+  round's steps it joins
   each Poisson batch with the group's probability q, its gradient clipped
   (`clipped_sum`) and Gaussian noise added to the batch's sum
   (`dp_sgd.private_gradient`, or per tensor `layerwise_private_gradient`

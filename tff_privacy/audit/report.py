@@ -4,14 +4,12 @@ DIR/audit.json.
 * The canary audit: per upload (`uploads`) where the run's client-side
   defence declares a canary (its local DP claim) or its method runs a
   mechanism (`Algorithm.audited_mechanism`: FedRE's noise under either
-  sensitivity, DP-SGD's steps; on the largest client's data at the last
-  round),
+  sensitivity, DP-SGD's steps; the largest client of the last round),
   per round (`clients`) for DP-FedAvg's client-level claim, and over the
   whole training where it ran with canary clients ('canary_clients',
-  `clients.audit_training`): the claimed
-  epsilon of that one application beside the lower bound on it, with
-  interval and confidence, and the relation audited; 'claim_refuted'
-  where the bound exceeds the claim.
+  `clients.audit_training`): the claimed epsilon of that one application
+  beside the lower bound on it, with interval and confidence, and the
+  relation audited; 'claim_refuted' where the bound exceeds the claim.
 * Membership inference on the final model (`membership`), for every run.
 * Beside them, what the whole run claims (metrics.json's last epsilon,
   composed over its rounds, and its relation).
