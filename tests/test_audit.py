@@ -363,3 +363,22 @@ def test_a_training_with_canary_clients_holds_its_claim_and_without_noise_shows_
   # (598 of 600 guesses right here: 4.17 of the 4.72 in reach)
   assert bare["right"] >= 0.99 * bare["guesses"]
   assert bare["epsilon_lower_bound"] >= 0.85 * bare["epsilon_reachable"]
+
+
+def test_seeing_every_round_scores_each_canary_by_its_largest_cosine():
+  k, rounds = 200, 3
+  defense = defenses.DPFedAvg(1.0, 1.0, audit_canaries=k)
+  inserted = queries.inserted_canaries(k, 4)
+  # held-out canaries: 0.5 every round; inserted ones 1.0 in one round and
+  # 0 in the others, whose mean (1/3) lies below the held-out ones' 0.5
+  cosines = np.full((rounds, k), 0.5)
+  cosines[:, inserted] = 0.0
+  cosines[np.arange(k) % rounds, np.arange(k)] = np.where(inserted, 1.0, 0.5)
+  model = [np.ones((5, 4), np.float32)]
+  audit = clients.audit_training(defense, model, model, num_clients=10,
+                                 clients_per_round=5, rounds=rounds, delta=1e-5,
+                                 seed=4, every_round=cosines)
+  every = audit["every_round"]
+  assert every["right"] == every["guesses"] > 0
+  assert every["epsilon_lower_bound"] == every["epsilon_reachable"]
+  assert audit["epsilon_lower_bound"] < every["epsilon_lower_bound"]

@@ -211,6 +211,9 @@ def test_canary_clients_train_with_dp_fedavg_and_audit_the_whole_training(tmp_pa
   runner.run(config, progress=False)
   audit = report._training_audit(str(run), membership.run_config(str(run)))
   assert audit["computed"] and audit["canaries"] == 40
+  # the runner's cosines of each round's descent, scored by their largest
+  cosines = np.load(run / runner.CANARY_COSINES)["cosines"]
+  assert cosines.shape == (2, 40) and audit["every_round"]["canaries"] == 40
   # every client takes part in both rounds: a canary's claim is the
   # Gaussian mechanism at z 0.1 composed twice, dp_accounting's
   event = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.1), 2)

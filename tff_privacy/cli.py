@@ -690,16 +690,23 @@ def _audit(args) -> int:
     claimed = whole["epsilon_claimed"]
     print(f"the whole training, {whole['canaries']} canary clients: epsilon claimed "
           f"{'none' if claimed is None else f'{claimed:.4g}'}, audited lower bound "
-          f"{whole['epsilon_lower_bound']:.3f}, estimate "
-          + ("none" if whole["epsilon_estimate"] is None else
-             f"{whole['epsilon_estimate']:.3g}")
-          + (" -- claim refuted" if whole["claim_refuted"] else ""))
+          + _bound_text(whole) + (f"; seeing every round's model: "
+                                  + _bound_text(whole["every_round"])
+                                  if "every_round" in whole else ""))
   mia = result["membership_inference"]
   print(f"membership inference: AUC {mia['mia_auc']:.3f} ({mia['best_attack']}), "
         f"advantage {mia['mia_advantage']:.3f}" if mia["computed"]
         else f"membership inference: not computed: {mia['reason']}")
   print(f"audit: {os.path.join(args.run, report.AUDIT_FILE)}")
   return 0
+
+
+def _bound_text(audit: dict) -> str:
+  """A canary audit's bound, estimate and verdict, for `_audit`'s lines."""
+  estimate = audit["epsilon_estimate"]
+  return (f"{audit['epsilon_lower_bound']:.3f}, estimate "
+          f"{'none' if estimate is None else f'{estimate:.3g}'}"
+          + (" -- claim refuted" if audit["claim_refuted"] else ""))
 
 
 def _worker_parser(sub) -> None:

@@ -1432,6 +1432,8 @@ def run(config: RunConfig, progress: bool = True,
     sent = r.sent_models(state, clients) if capture else None
     evaluated = r.evaluated(round_num)
     state, metrics = r.step(state, clients, r.returns_uploads(round_num))
+    if r.central is not None and r.central.audit_canaries:
+      _record_canary_cosines(r, round_num, broadcast, r.server_weights(state))
     entry = {"round": round_num}
     if evaluated:
       entry.update(r.evaluate(evaluator, state))
@@ -1526,6 +1528,21 @@ def client_defense_measurements(metrics, clients: Sequence[int] = ()) -> dict:
 
 
 MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name
+# DP-FedAvg's canary clients: each round's cosines, 'cosines' [rounds, canaries]
+CANARY_COSINES = "canary_cosines.npz"
+
+
+def _record_canary_cosines(r: Run, round_num: int, before, after) -> None:
+  """Round `round_num`'s cosine between each canary client's direction and
+  the model's descent, appended to CANARY_COSINES (rows past the rounds a
+  resumed run kept are dropped), for the audit of every round's model
+  (`tff_privacy.audit.clients.audit_training`)."""
+  from tff_privacy.audit import clients  # here: tff_privacy.audit imports the runner
+  path = os.path.join(r.config.out, CANARY_COSINES)
+  kept = np.load(path)["cosines"][:round_num - 1] if os.path.exists(path) else []
+  now = clients.canary_cosines(r.central.audit_canaries, r.config.seed, before, after)
+  io.write_npz(path, {"cosines": np.concatenate([np.reshape(kept, (-1, len(now))),
+                                                 now[None]])})
 PERSONAL_MODELS = "personal_models.npz"  # personalised: 'client_0003/conv1/kernel'
 
 

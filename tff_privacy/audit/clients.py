@@ -26,8 +26,9 @@ canaries x parameters float32, and their updates as much again.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow_federated as tff
@@ -85,21 +86,46 @@ TRAINING_RELATION = ("central DP, user level: adding or removing one canary "
                      "with a client's chance")
 
 
+@functools.lru_cache(maxsize=1)
+def _directions(shapes: tuple, count: int, seed: int) -> np.ndarray:
+  """[count, parameters]: `queries.canary_directions`, flat (kept for a
+  run's rounds: canaries x parameters float32)."""
+  return np.concatenate([d.numpy().reshape(count, -1) for d in
+                         queries.canary_directions(shapes, count, seed)], axis=1)
+
+
+def canary_cosines(count: int, seed: int, before: Sequence[np.ndarray],
+                   after: Sequence[np.ndarray]) -> np.ndarray:
+  """The cosine between each of `count` canary clients' directions (seeded
+  by `seed`) and the model's descent from `before` to `after`, before -
+  after: the server steps against the aggregate, which holds C u_j in the
+  rounds canary j took part in."""
+  shapes = tuple(tuple(np.shape(w)) for w in before)
+  descent = np.concatenate([np.ravel(a) - np.ravel(b) for a, b in zip(before, after)])
+  return _directions(shapes, count, seed) @ descent / max(
+      float(np.linalg.norm(descent)), 1e-30)
+
+
 def audit_training(defense: DPFedAvg, initial: Sequence[np.ndarray],
                    final: Sequence[np.ndarray], num_clients: int,
                    clients_per_round: int, rounds: int, delta: float, seed: int,
+                   every_round: Optional[np.ndarray] = None,
                    confidence: float = one_run.CONFIDENCE) -> dict:
   """The audit of a whole DP-FedAvg training that ran with canary clients
   (`defense.audit_canaries`, `tff_privacy.dp.queries.CanaryClientsQuery`
   seeded by the run's `seed`), from its `initial` and `final` models: each
-  canary is scored by the cosine between its direction and the model's
-  descent w_0 - w_T (the server steps against the aggregate, which holds
-  C u_j in the rounds canary j took part in), inserted canaries against
-  held-out ones, as Andrew et al. do with the final model. The claim is
-  the training's for one canary client (`DPFedAvg.canary_event`).
+  canary is scored by its cosine with the model's descent w_0 - w_T
+  (`canary_cosines`), inserted canaries against held-out ones, as Andrew
+  et al. do with the final model. Given `every_round`, the runner's
+  cosines of each round's descent ([rounds, canaries]), an adversary who
+  sees every round's model scores each canary by the largest of its
+  cosines. The claim, the same for both, is the training's for one canary
+  client (`DPFedAvg.canary_event`).
 
   Returns:
-    As `audit_round`, with 'applied_to': 'the whole training'.
+    As `audit_round`, with 'applied_to': 'the whole training'; with
+    `every_round`, 'every_round': the same fields of that adversary's
+    audit.
 
   Raises:
     ValueError: the run had no canary clients, or as
@@ -108,20 +134,21 @@ def audit_training(defense: DPFedAvg, initial: Sequence[np.ndarray],
   count = defense.audit_canaries
   if count < 2:
     raise ValueError("the run trained without canary clients (audit_canaries)")
-  shapes = [np.shape(w) for w in initial]
-  directions = np.concatenate(
-      [d.numpy().reshape(count, -1) for d in queries.canary_directions(shapes, count, seed)],
-      axis=1)
-  descent = np.concatenate([np.ravel(a) - np.ravel(b) for a, b in zip(initial, final)])
-  scores = directions @ descent / max(float(np.linalg.norm(descent)), 1e-30)
   included = queries.inserted_canaries(count, seed)
-  audit = one_run.audit_scores(scores, included, delta, confidence)
+
+  def scored(scores) -> dict:
+    return {"epsilon_estimate": one_shot.reported_estimate(scores, included, delta),
+            **one_run.audit_scores(scores, included, delta, confidence).to_json()}
+
   event = defense.canary_event(num_clients, clients_per_round, rounds)
-  return {"epsilon_claimed": None if event is None else
-          accounting.epsilon(event, delta, "pld"),
-          "epsilon_estimate": one_shot.reported_estimate(scores, included, delta),
-          "relation": TRAINING_RELATION, "unit": accounting.protected(TRAINING_RELATION),
-          "applied_to": "the whole training", **audit.to_json()}
+  result = {"epsilon_claimed": None if event is None else
+            accounting.epsilon(event, delta, "pld"),
+            "relation": TRAINING_RELATION, "unit": accounting.protected(TRAINING_RELATION),
+            "applied_to": "the whole training",
+            **scored(canary_cosines(count, seed, initial, final))}
+  if every_round is not None:
+    result["every_round"] = scored(np.max(every_round, axis=0))
+  return result
 
 
 def _split(flat: np.ndarray, shapes: Sequence[Sequence[int]]) -> list[np.ndarray]:

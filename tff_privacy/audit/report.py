@@ -118,13 +118,22 @@ def _training_audit(run_dir: str, config) -> dict[str, Any]:
   if not os.path.exists(os.path.join(run_dir, membership.MODEL_WEIGHTS)):
     return {"computed": False, "reason": "the run has not finished (no final model)"}
   spec = membership.spec_of(config)
+  path = os.path.join(run_dir, runner.CANARY_COSINES)
+  every_round = np.load(path)["cosines"] if os.path.exists(path) else None
+  if every_round is not None and len(every_round) != config.rounds:
+    every_round = None  # a run resumed past rounds trained without them
   audit = clients.audit_training(
       defense, spec.initial_weights(config.seed), runner.load_model_weights(run_dir, spec),
       config.clients, config.sampled_per_round, config.rounds, config.dp_delta,
-      config.seed)
+      config.seed, every_round)
   claimed = audit["epsilon_claimed"]
-  return {"computed": True, **audit, "claim_refuted":
-          None if claimed is None else bool(audit["epsilon_lower_bound"] > claimed)}
+
+  def refuted(part):
+    return None if claimed is None else bool(part["epsilon_lower_bound"] > claimed)
+
+  if "every_round" in audit:
+    audit["every_round"]["claim_refuted"] = refuted(audit["every_round"])
+  return {"computed": True, **audit, "claim_refuted": refuted(audit)}
 
 
 def _not_audited(run_dir: str, config) -> Optional[str]:
