@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tff_privacy import defenses, models
 from tff_privacy.algorithms import fedre, local_dp_sgd
-from tff_privacy.audit import clients, one_run, uploads
+from tff_privacy.audit import clients, one_run, one_shot, uploads
 from tff_privacy.dp import accounting, queries
 
 LEVELS = len(one_run.GUESS_FRACTIONS)  # the Bonferroni factor of audit_scores
@@ -382,3 +382,22 @@ def test_seeing_every_round_scores_each_canary_by_its_largest_cosine():
   assert every["right"] == every["guesses"] > 0
   assert every["epsilon_lower_bound"] == every["epsilon_reachable"]
   assert audit["epsilon_lower_bound"] < every["epsilon_lower_bound"]
+
+
+def test_the_estimates_interval_is_scipys_bootstrap_mapped_to_epsilon():
+  rng = np.random.default_rng(1)
+  inside, outside = rng.normal(1.0, 1.0, 400), rng.normal(0.0, 1.0, 400)
+  scores, included = np.r_[inside, outside], np.r_[np.ones(400, bool), np.zeros(400, bool)]
+
+  def mu(a, b):
+    pooled = math.sqrt((399 * a.var(ddof=1) + 399 * b.var(ddof=1)) / 798)
+    return (a.mean() - b.mean()) / pooled
+
+  scipy_ci = scipy.stats.bootstrap((inside, outside), mu, vectorized=False,
+                                   method="percentile", n_resamples=4000,
+                                   random_state=2).confidence_interval
+  low, high = one_shot.estimate_interval(scores, included, 1e-5, resamples=4000)
+  assert low == pytest.approx(_gaussian_epsilon(scipy_ci.low, 1e-5), rel=0.03)
+  assert high == pytest.approx(_gaussian_epsilon(scipy_ci.high, 1e-5), rel=0.03)
+  assert low < one_shot.epsilon_estimate(scores, included, 1e-5) < high
+  assert low < _gaussian_epsilon(1.0, 1e-5) < high  # the mechanism's

@@ -703,9 +703,11 @@ def _audit(args) -> int:
 
 def _bound_text(audit: dict) -> str:
   """A canary audit's bound, estimate and verdict, for `_audit`'s lines."""
-  estimate = audit["epsilon_estimate"]
+  estimate, interval = audit["epsilon_estimate"], audit["epsilon_estimate_ci"]
+  ends = ("" if interval is None else " [" + ", ".join(
+      "unbounded" if e is None else f"{e:.3g}" for e in interval) + "]")
   return (f"{audit['epsilon_lower_bound']:.3f}, estimate "
-          f"{'none' if estimate is None else f'{estimate:.3g}'}"
+          f"{'none' if estimate is None else f'{estimate:.3g}'}{ends}"
           + (" -- claim refuted" if audit["claim_refuted"] else ""))
 
 

@@ -47,7 +47,8 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
   """The one-round audit of `defense` on updates of tensors `shapes`.
 
   Returns:
-    {'epsilon_claimed' (one round, all clients taking part), 'epsilon_estimate',
+    {'epsilon_claimed' (one round, all clients taking part), 'epsilon_estimate'
+    with its interval 'epsilon_estimate_ci' (`one_shot.reported_fields`),
     'relation', 'unit': "a client's data", 'applied_to': 'one round', and
     `one_run.Audit`'s fields}.
 
@@ -75,7 +76,7 @@ def audit_round(defense: DPFedAvg, shapes: Sequence[Sequence[int]], delta: float
   claimed = (None if defense.noise_multiplier == 0 else
              accounting.gaussian_epsilon_once(defense.noise_multiplier, delta))
   return {"epsilon_claimed": claimed,
-          "epsilon_estimate": one_shot.reported_estimate(scores, included, delta),
+          **one_shot.reported_fields(scores, included, delta),
           "relation": defense.dp_relation,
           "unit": accounting.protected(defense.dp_relation),
           "applied_to": "one round", **audit.to_json()}
@@ -137,7 +138,7 @@ def audit_training(defense: DPFedAvg, initial: Sequence[np.ndarray],
   included = queries.inserted_canaries(count, seed)
 
   def scored(scores) -> dict:
-    return {"epsilon_estimate": one_shot.reported_estimate(scores, included, delta),
+    return {**one_shot.reported_fields(scores, included, delta),
             **one_run.audit_scores(scores, included, delta, confidence).to_json()}
 
   event = defense.canary_event(num_clients, clients_per_round, rounds)

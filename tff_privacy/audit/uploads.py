@@ -77,7 +77,8 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
   Returns:
     {'epsilon_claimed' (one upload; None without a claim),
     'epsilon_estimate' (`one_shot`'s; None at delta 0, where `one_shot`
-    gives none, or unbounded: no spread, no noise), 'relation' (the
+    gives none, or unbounded: no spread, no noise) with its interval
+    'epsilon_estimate_ci' (`one_shot.reported_fields`), 'relation' (the
     defence's neighbouring relation), 'unit' (what it protects: one
     upload, or one record for FedRE's sensitivity 'sample'), 'applied_to':
     'one upload', and
@@ -111,7 +112,7 @@ def audit_defense(defense: UpdateDefense, shapes: Sequence[Sequence[int]],
     scores[start:rows.stop] = defense.canary_score(noised, marked)
   audit = one_run.audit_scores(scores, included, delta, confidence)
   return {"epsilon_claimed": claimed_epsilon(defense, num_params, delta),
-          "epsilon_estimate": (one_shot.reported_estimate(scores, included, delta)
-                               if delta > 0 else None),
+          **(one_shot.reported_fields(scores, included, delta) if delta > 0 else
+             {"epsilon_estimate": None, "epsilon_estimate_ci": None}),
           "relation": defense.dp_relation, "unit": accounting.protected(
               defense.dp_relation), "applied_to": "one upload", **audit.to_json()}
