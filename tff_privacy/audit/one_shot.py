@@ -60,8 +60,9 @@ def estimate_interval(scores: Sequence[float], included: Sequence[bool],
   mus = [_mu(rng.choice(inside, len(inside)), rng.choice(outside, len(outside)))
          for _ in range(resamples)]
   tail = (1 - confidence) / 2
+  # no interpolation: resamples without spread have an infinite ratio
   ends = [_epsilon_of_mu(m, delta) if m > 0 else 0.0
-          for m in np.quantile(mus, [tail, 1 - tail])]
+          for m in np.quantile(mus, [tail, 1 - tail], method="inverted_cdf")]
   return [None if np.isinf(e) else float(e) for e in ends]
 
 
