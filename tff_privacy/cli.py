@@ -676,7 +676,8 @@ def _audit(args) -> int:
   if canary["computed"]:
     low, high = result["epsilon_interval"]
     claimed = result["epsilon_claimed"]
-    print(f"{result['applied_to']}, protecting {result['unit']}: epsilon claimed {'none' if claimed is None else f'{claimed:.4g}'}"
+    print(f"{result['applied_to']}, protecting {result['unit']}: epsilon claimed "
+          f"{'none' if claimed is None else f'{claimed:.4g}'}"
           f", audited lower bound {result['epsilon_lower_bound']:.3f} "
           f"[{low:.3f}, {'unbounded' if high is None else f'{high:.3f}'}] at "
           f"{result['confidence']:.0%} from {result['canaries']} canaries"

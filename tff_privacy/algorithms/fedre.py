@@ -627,8 +627,9 @@ class FixedFedRENoise(UpdateDefense):
   loss is linear in the weights, its gradient +M or -M times the direction
   wherever the model is, M large enough that its steps move the model past
   the clip norm, beside samples whose loss does not depend on the weights,
-  so that the two clipped updates are the canary and its negation. FedRE clips the update, not each sample's
-  gradient, so such a sample is in its relation."""
+  so that the two clipped updates are the canary and its negation. FedRE
+  clips the update, not each sample's gradient, so such a sample is in its
+  relation."""
 
   name = "fedre"
 
