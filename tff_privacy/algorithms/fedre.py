@@ -156,7 +156,8 @@ from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Federation
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
 from tff_privacy.data.documents import PRIVACY_PREFERENCES
 from tff_privacy.defenses.updates import (LOCAL_RELATION, ClientView,
-                                          UpdateDefense, run_local_query)
+                                          UpdateDefense, per_tensor_at_norm,
+                                          run_local_query)
 from tff_privacy.dp import LayerwiseGaussianQuery, dp_sgd
 from tff_privacy.dp import layerwise_budget as budget
 from tff_privacy.models.functional import forward
@@ -637,9 +638,8 @@ class FixedFedRENoise(UpdateDefense):
     self.mechanism = mechanism
     self.stddevs = tf.constant(stddevs, tf.float32)
     self.dp_relation = mechanism.dp_relation
-    sizes = [int(np.prod(w.shape)) for w in mechanism.spec.initial_weights(0)]
-    self._splits = np.cumsum(sizes)[:-1]
-    self._variances = np.repeat(self.stddevs.numpy() ** 2, sizes)
+    self._sizes = [int(np.prod(w.shape)) for w in mechanism.spec.initial_weights(0)]
+    self._variances = np.repeat(self.stddevs.numpy() ** 2, self._sizes)
 
   def apply(self, update, seed, client=None):
     return self.mechanism._clipped_noised(update, seed, self.stddevs)
@@ -648,9 +648,8 @@ class FixedFedRENoise(UpdateDefense):
     return self.mechanism.dp_event(num_params)
 
   def canary(self, direction):
-    clip = self.mechanism.eta * self.mechanism.clip
-    return np.concatenate([clip * part / np.linalg.norm(part)
-                           for part in np.split(direction, self._splits)])
+    return per_tensor_at_norm(direction, self._sizes,
+                              self.mechanism.eta * self.mechanism.clip)
 
   def canary_score(self, uploads: np.ndarray, canaries: np.ndarray) -> np.ndarray:
     """The Gaussian likelihood ratio's statistic: each tensor's inner

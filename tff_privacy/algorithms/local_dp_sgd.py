@@ -59,7 +59,7 @@ from tff_privacy.aggregation.wide_sum import federated_wide_sum
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import Federation, PrivateState
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
-from tff_privacy.defenses.updates import UpdateDefense
+from tff_privacy.defenses.updates import UpdateDefense, per_tensor_at_norm
 from tff_privacy.dp import accounting, dp_sgd
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import num_extractor_tensors
@@ -205,10 +205,9 @@ class StepsCanary(UpdateDefense):
       raise ValueError(f"{len(self.noise_multipliers)} noise_multipliers need as "
                        f"many tensor shapes, got {len(shapes)}")
     # per-tensor clipping and noise: the tensors' `shapes`
-    sizes = [int(np.prod(s)) for s in shapes]
-    self._splits = np.cumsum(sizes)[:-1]
+    self._sizes = [int(np.prod(s)) for s in shapes]
     self._weights = (1.0 if noise_multipliers is None
-                     else np.repeat(self.noise_multipliers ** -2.0, sizes))
+                     else np.repeat(self.noise_multipliers ** -2.0, self._sizes))
 
   @functools.cached_property
   def _group(self) -> int:
@@ -259,8 +258,7 @@ class StepsCanary(UpdateDefense):
     clip = self.dp.l2_norm_clip
     if not self.layerwise:
       return clip * direction / np.linalg.norm(direction)
-    return np.concatenate([clip * part / np.linalg.norm(part)
-                           for part in np.split(direction, self._splits)])
+    return per_tensor_at_norm(direction, self._sizes, clip)
 
   def neighbour(self, canary):
     return np.zeros_like(canary)

@@ -103,7 +103,7 @@ def _canary_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, A
           "confidence": audit["confidence"], "relation": audit["relation"],
           "unit": audit["unit"], "applied_to": audit["applied_to"],
           "canaries": audit["canaries"],
-          "claim_refuted": None if claimed is None else bool(bound > claimed)}
+          "claim_refuted": _refuted(claimed, audit)}
 
 
 def _training_audit(run_dir: str, config) -> dict[str, Any]:
@@ -127,13 +127,15 @@ def _training_audit(run_dir: str, config) -> dict[str, Any]:
       config.clients, config.sampled_per_round, config.rounds, config.dp_delta,
       config.seed, every_round)
   claimed = audit["epsilon_claimed"]
-
-  def refuted(part):
-    return None if claimed is None else bool(part["epsilon_lower_bound"] > claimed)
-
   if "every_round" in audit:
-    audit["every_round"]["claim_refuted"] = refuted(audit["every_round"])
-  return {"computed": True, **audit, "claim_refuted": refuted(audit)}
+    audit["every_round"]["claim_refuted"] = _refuted(claimed, audit["every_round"])
+  return {"computed": True, **audit, "claim_refuted": _refuted(claimed, audit)}
+
+
+def _refuted(claimed: Optional[float], audit: dict) -> Optional[bool]:
+  """Whether `audit`'s lower bound exceeds the `claimed` epsilon; None
+  without a claim."""
+  return None if claimed is None else bool(audit["epsilon_lower_bound"] > claimed)
 
 
 def _not_audited(run_dir: str, config) -> Optional[str]:

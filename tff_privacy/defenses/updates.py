@@ -64,6 +64,15 @@ def run_local_query(query: dp_query.DPQuery, record, seed, stddevs=None):
   return result, event
 
 
+def per_tensor_at_norm(direction: np.ndarray, sizes: Sequence[int],
+                       norm: float) -> np.ndarray:
+  """Flat `direction` with each tensor's part (`sizes` entries each, in
+  order) scaled to L2 norm `norm`: the largest update along it that
+  clipping every tensor to `norm` lets through."""
+  parts = np.split(direction, np.cumsum(sizes)[:-1])
+  return np.concatenate([norm * p / np.linalg.norm(p) for p in parts])
+
+
 @dataclasses.dataclass
 class ClientView:
   """What a data-dependent defence sees on the client: the broadcast model's
