@@ -1528,6 +1528,7 @@ def client_defense_measurements(metrics, clients: Sequence[int] = ()) -> dict:
 
 
 MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name
+PERSONAL_MODELS = "personal_models.npz"  # personalised: 'client_0003/conv1/kernel'
 # DP-FedAvg's canary clients: each round's cosines, 'cosines' [rounds, canaries]
 CANARY_COSINES = "canary_cosines.npz"
 
@@ -1543,7 +1544,6 @@ def _record_canary_cosines(r: Run, round_num: int, before, after) -> None:
   now = clients.canary_cosines(r.central.audit_canaries, r.config.seed, before, after)
   io.write_npz(path, {"cosines": np.concatenate([np.reshape(kept, (-1, len(now))),
                                                  now[None]])})
-PERSONAL_MODELS = "personal_models.npz"  # personalised: 'client_0003/conv1/kernel'
 
 
 def _write_final_models(r: Run, state) -> None:
