@@ -274,3 +274,55 @@ def test_a_compressing_defence_gives_its_uploads_size_in_its_own_encoding():
   noise = {"clip": 1.0, "noise_multiplier": 0.1}
   for name, kwargs in ((None, {}), ("ldp_gaussian", noise), ("dp_fedavg", noise)):
     assert defenses.encoded_bytes(name, kwargs, upload) is None
+
+
+class _Negated(defenses.UpdateDefense):
+  """Uploads -update: a defence whose effect a test can undo exactly."""
+  name = "negated"
+
+  def apply(self, update, seed, client=None):
+    return [-u for u in update]
+
+
+@pytest.mark.parametrize("local", ["model_delta", "gradient"])
+def test_a_defended_client_uploads_tffs_own_update_defended(local):
+  import collections
+
+  import tensorflow_federated as tff
+  from tensorflow_federated.python.learning.algorithms import fed_sgd
+
+  from tff_privacy.algorithms import defended
+  from tff_privacy.aggregation.wide_sum import wide_sum_then_finalize
+
+  spec = ModelSpec("mlp", (8, 8, 1), 3, {"hidden": (5,)})
+  model_fn = spec.tff_model_fn()
+  optimizer = tff.learning.optimizers.build_sgdm(0.3)
+  if local == "model_delta":
+    plain = tff.learning.templates.build_model_delta_client_work(
+        model_fn, optimizer, tff.learning.ClientWeighting.NUM_EXAMPLES,
+        wide_sum_then_finalize)
+    update = defended.model_delta_update(model_fn, optimizer)
+  else:
+    plain = fed_sgd._build_fed_sgd_client_work(model_fn, wide_sum_then_finalize)
+    update = defended.fed_sgd_update(model_fn)
+  work = defended.with_update_defense(update, _Negated(), wide_sum_then_finalize)
+  rng = np.random.default_rng(0)
+  x = rng.uniform(size=(2, 7, 8, 8, 1)).astype(np.float32)
+  y = rng.integers(0, 3, size=(2, 7)).astype(np.int32)
+  weights = tff.learning.models.ModelWeights.from_model(spec.keras())
+  weights = tff.learning.models.ModelWeights(
+      [v.numpy() for v in weights.trainable], [v.numpy() for v in weights.non_trainable])
+
+  def batches(c, seeded):
+    data = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x[c], y=y[c]))
+    return data.batch(3).map(lambda b: collections.OrderedDict(
+        b, seed=tf.constant([c, 1], tf.int64))) if seeded else data.batch(3)
+
+  want = plain.next(plain.initialize(), [weights] * 2, [batches(c, False) for c in (0, 1)])
+  got = work.next(work.initialize(), [weights] * 2, [batches(c, True) for c in (0, 1)])
+  for g, w in zip(got.result, want.result):
+    assert float(g.update_weight) == float(w.update_weight) == 7.0
+    for gu, wu in zip(g.update, w.update):
+      np.testing.assert_array_equal(gu, -wu)
+  assert got.measurements["train"] == want.measurements["train"]
+  assert float(got.measurements["defense"]["unperturbed_share"]) == 0.0

@@ -70,10 +70,8 @@ def build_fedavg(
         model_aggregator=model_aggregator or wide_mean_factory(),
         metrics_aggregator=wide_sum_then_finalize)
   client_work = defended.with_update_defense(
-      tff.learning.templates.build_model_delta_client_work(
-          model_fn, client_optimizer, tff.learning.ClientWeighting.NUM_EXAMPLES,
-          wide_sum_then_finalize),
-      defense)
+      defended.model_delta_update(model_fn, client_optimizer), defense,
+      wide_sum_then_finalize)
   return defended.compose_defended(model_fn, client_work, server_optimizer,
                                    model_aggregator)
 

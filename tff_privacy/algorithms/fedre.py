@@ -743,10 +743,9 @@ def _client_work(spec, mechanism: FedREMechanism, weights_type, model_fn,
   (`steps_client_update`), the same client data."""
   if mechanism.noise_on == "update":
     return defended.with_update_defense(
-        tff.learning.templates.build_model_delta_client_work(
-            model_fn, build_client_optimizer(client_optimizer, learning_rate),
-            tff.learning.ClientWeighting.NUM_EXAMPLES, wide_sum_then_finalize),
-        mechanism)
+        defended.model_delta_update(
+            model_fn, build_client_optimizer(client_optimizer, learning_rate)),
+        mechanism, wide_sum_then_finalize)
   check_steps_optimizer(client_optimizer)
   return local_dp_sgd.local_training_client_work(steps_client_update(
       spec, mechanism, weights_type, learning_rate))

@@ -17,11 +17,6 @@ from typing import Callable, Optional
 
 import tensorflow_federated as tff
 
-# TFF exports no builder for FedSGD's client work alone; this is the one its
-# `build_fed_sgd` composes (TFF is pinned, see requirements.lock).
-from tensorflow_federated.python.learning.algorithms.fed_sgd import (
-    _build_fed_sgd_client_work as build_fed_sgd_client_work)
-
 from tff_privacy import params
 from tff_privacy.aggregation.wide_sum import wide_mean_factory, wide_sum_then_finalize
 from tff_privacy.algorithms import defended
@@ -49,8 +44,7 @@ def build_fedsgd(
         model_aggregator=model_aggregator or wide_mean_factory(),
         metrics_aggregator=wide_sum_then_finalize)
   client_work = defended.with_update_defense(
-      build_fed_sgd_client_work(model_fn, wide_sum_then_finalize),
-      defense)
+      defended.fed_sgd_update(model_fn), defense, wide_sum_then_finalize)
   return defended.compose_defended(model_fn, client_work, server_optimizer,
                                    model_aggregator)
 
