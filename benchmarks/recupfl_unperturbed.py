@@ -114,7 +114,7 @@ def tie_splitting_gradient(defenders, index, x, label, segments, attack_loss):
   through `tf.math.segment_max`, whose gradient splits each bin's share
   equally over every entry tied at the bin's maximum: the pooling RECUP-FL
   once had. A reference of that defect, with `recupfl._attack_gradient`'s
-  arguments."""
+  arguments and result (every entry's index, the gradient)."""
   ids = tf.constant(segments, tf.int32)
 
   def branch(defender):
@@ -126,7 +126,8 @@ def tie_splitting_gradient(defenders, index, x, label, segments, attack_loss):
           logits, label, attack_loss))
     return gradient
 
-  return tf.switch_case(index, [branch(d) for d in defenders])
+  return (tf.range(tf.size(x, out_type=tf.int64)),
+          tf.switch_case(index, [branch(d) for d in defenders]))
 
 
 @contextlib.contextmanager

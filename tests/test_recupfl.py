@@ -108,22 +108,22 @@ def test_first_maxima_on_ties_gather_the_adversaries_max_pooling():
                                 attribute.pooled(upload, LENGTH))
 
 
-SEGMENT_MAX = tf.math.segment_max
+REDUCE_MAX = tf.reduce_max
 
 
-def _segment_max_from_lowest(data, ids):
-  """`tf.math.segment_max` as TF's GPU kernel computes it: from -FLT_MAX,
-  so that an all -inf bin's maximum is -FLT_MAX, which no entry equals."""
+def _reduce_max_from_lowest(values, axis, keepdims):
+  """`tf.reduce_max` as a GPU kernel may compute it: from -FLT_MAX, so
+  that an all -inf bin's maximum is -FLT_MAX, which no entry equals."""
   lowest = tf.constant(np.finfo(np.float32).min)
-  maxima = SEGMENT_MAX(data, ids)
+  maxima = REDUCE_MAX(values, axis=axis, keepdims=keepdims)
   return tf.where(tf.math.is_nan(maxima), maxima, tf.maximum(maxima, lowest))
 
 
-@pytest.mark.parametrize("segment_max", [SEGMENT_MAX, _segment_max_from_lowest])
-def test_first_maxima_by_hand(monkeypatch, segment_max):
+@pytest.mark.parametrize("reduce_max", [REDUCE_MAX, _reduce_max_from_lowest])
+def test_first_maxima_by_hand(monkeypatch, reduce_max):
   """NaNs first, then the first maximum; an all -inf bin gives its first
-  entry, on the CPU's segment maximum and on the GPU's."""
-  monkeypatch.setattr(tf.math, "segment_max", segment_max)
+  entry, on the CPU's maximum and on one that starts from -FLT_MAX."""
+  monkeypatch.setattr(tf, "reduce_max", reduce_max)
   inf, nan = np.inf, np.nan
   flat = tf.constant([1.0, nan, 3.0, nan,  # two NaNs: the first, 1
                       -inf, -inf, -inf,  # all -inf: the first, 4
@@ -131,6 +131,11 @@ def test_first_maxima_by_hand(monkeypatch, segment_max):
                       -inf, -3.0, -3.0], tf.float32)  # the first -3, 12
   segments = np.repeat(np.arange(4), [4, 3, 4, 3])
   np.testing.assert_array_equal(recupfl.first_maxima(flat, segments), [1, 4, 8, 12])
+
+
+def test_first_maxima_refuses_bins_out_of_order():
+  with pytest.raises(ValueError, match="segments must number contiguous bins"):
+    recupfl.first_maxima(tf.zeros([4]), np.array([0, 1, 0, 1]))
 
 
 def test_a_step_moves_only_the_first_maximum_of_each_pooling_bin():

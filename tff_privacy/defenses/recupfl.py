@@ -105,17 +105,34 @@ def first_maxima(flat: tf.Tensor, segments: np.ndarray) -> tf.Tensor:
   """The int64 index of each bin's first maximum, [length] (its first NaN
   if it holds one, where `np.max` gives NaN), as PyTorch's max_pool1d picks
   it: gathered, the max-pooled upload, through which the gradient reaches
-  that one entry and not every tied one."""
-  ids = tf.constant(segments, tf.int32)
-  size = tf.size(flat, out_type=tf.int64)
-  positions = tf.range(size)
-  at_max = tf.equal(flat, tf.gather(tf.math.segment_max(flat, ids), ids))
-  # NaNs rank before maxima, maxima before the rest, each by position; in
-  # int64, as ranks reach 3 * size. An all -inf bin may match no maximum
-  # (TF's GPU kernel starts its maximum from -FLT_MAX): its first entry.
-  rank = tf.where(tf.math.is_nan(flat), positions,
-                  tf.where(at_max, positions + size, positions + 2 * size))
-  return tf.math.segment_min(rank, ids) % size
+  that one entry and not every tied one. `segments`: each entry's bin, the
+  bins contiguous and in order (`pool_segments`)."""
+  starts, table = _bin_table(segments)
+  width = table.shape[1]
+  values = tf.gather(flat, table)  # [bins, width], a bin's last entry repeated
+  column = tf.range(width)
+  at_max = tf.equal(values, tf.reduce_max(values, axis=1, keepdims=True))
+  # NaNs rank before maxima, maxima before the rest, each by column (a
+  # repeated entry after its first place). An all -inf bin may match no
+  # maximum (TF's GPU kernel may start its maximum from -FLT_MAX): its
+  # first entry.
+  rank = tf.where(tf.math.is_nan(values), column,
+                  tf.where(at_max, column + width, column + 2 * width))
+  offset = tf.cast(tf.reduce_min(rank, axis=1) % width, tf.int64)
+  return tf.constant(starts, tf.int64) + offset
+
+
+def _bin_table(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(each bin's first index, [bins, width] the indices of each bin's
+  entries, its last one repeated up to the longest bin's width)."""
+  segments = np.asarray(segments)
+  starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
+  lengths = np.diff(np.r_[starts, len(segments)])
+  if not (np.all(np.diff(segments) >= 0) and len(starts) == segments[-1] + 1):
+    raise ValueError("segments must number contiguous bins in order, from 0")
+  columns = np.arange(lengths.max())
+  table = starts[:, None] + np.minimum(columns[None], lengths[:, None] - 1)
+  return starts, table.astype(np.int32 if len(segments) < 2**31 else np.int64)
 
 
 def model_choices(seed, iterations: int, zoo_size: int, sampled: int) -> tf.Tensor:
@@ -142,7 +159,10 @@ def logit_gradient(logits: tf.Tensor, label, attack_loss: str) -> tf.Tensor:
 def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments,
                      attack_loss):
   """d loss(S_index(max-pooled x), label) / dx (`logit_gradient`): the
-  gradient at the pooled upload, placed at each bin's first maximum."""
+  gradient at the pooled upload, which reaches each bin's first maximum
+  only, as (the [k] int64 indices of its entries that may be non-zero,
+  their values): the steps touch those entries alone, not a vector of the
+  upload's size."""
   first = first_maxima(x, segments)
   pooled = tf.gather(x, first)[None]
 
@@ -155,9 +175,13 @@ def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments,
           logits, label, attack_loss))[0]
     return gradient
 
-  pooled_gradient = tf.switch_case(index, [branch(d) for d in defenders])
-  return tf.scatter_nd(first[:, None], pooled_gradient,
-                       tf.shape(x, out_type=tf.int64))
+  return first, tf.switch_case(index, [branch(d) for d in defenders])
+
+
+def _added(x: tf.Tensor, gradient, scale) -> tf.Tensor:
+  """x + scale * sign(the sparse `gradient` of `_attack_gradient`)."""
+  indices, values = gradient
+  return tf.tensor_scatter_nd_add(x, indices[:, None], scale * tf.sign(values))
 
 
 def _fgsm_steps(variant: str, iterations: int, sampled: int) -> int:
@@ -227,13 +251,13 @@ def measured_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender],
   choices = model_choices(seed, rounds, len(defenders), sampled)
 
   def grad(index, x):
-    """The gradient and 1 if it is zero in every entry, else 0."""
+    """The sparse gradient and 1 if it is zero in every entry, else 0."""
     g = _attack_gradient(defenders, index, x, label, segments, attack_loss)
-    return g, tf.cast(tf.reduce_all(tf.equal(g, 0)), tf.int32)
+    return g, tf.cast(tf.reduce_all(tf.equal(g[1], 0)), tf.int32)
 
   if variant == "one_step":
     g, zeros = grad(choices[0, 0], flat)
-    delta = epsilon * tf.sign(g)
+    delta = _added(tf.zeros_like(flat), g, epsilon)
   elif variant == "recupfl":
     current, zeros = _meta_steps(flat, grad, choices, epsilon, sampled)
     delta = current - flat
@@ -249,10 +273,13 @@ def _meta_steps(flat, grad, choices, epsilon, sampled):
   def body(i, current, x, zeros):
     q = i % sampled
     g, zero = grad(choices[i // sampled, q], x)
-    g = tf.sign(g)
-    meta_test = tf.equal(q, sampled - 1)
-    current = tf.where(meta_test, current + epsilon * g, current)
-    x = tf.where(meta_test, current, x + epsilon / sampled * g)
+
+    def meta_test():
+      moved = _added(current, g, epsilon)
+      return moved, moved
+
+    current, x = tf.cond(tf.equal(q, sampled - 1), meta_test,
+                         lambda: (current, _added(x, g, epsilon / sampled)))
     return i + 1, current, x, zeros + zero
 
   steps = choices.shape[0] * sampled
@@ -267,9 +294,12 @@ def _fgsm_variant(flat, grad, chosen, epsilon, sampled, variant):
   def body(q, x, u, total, zeros):
     g, zero = grad(chosen[q], flat if variant == "average" else x)
     if variant == "momentum":
-      u = MOMENTUM * u + g / tf.maximum(tf.reduce_sum(tf.abs(g)), 1e-30)
-      g = u
-    return (q + 1, x + epsilon / sampled * tf.sign(g), u, total + tf.sign(g),
+      indices, values = g
+      u = tf.tensor_scatter_nd_add(
+          MOMENTUM * u, indices[:, None],
+          values / tf.maximum(tf.reduce_sum(tf.abs(values)), 1e-30))
+      return (q + 1, x + epsilon / sampled * tf.sign(u), u, total, zeros + zero)
+    return (q + 1, _added(x, g, epsilon / sampled), u, _added(total, g, 1.0),
             zeros + zero)
 
   zeros = tf.zeros_like(flat)
