@@ -109,32 +109,42 @@ COLUMNS = ("configuration", "budget", "unperturbed_share", "zero_gradient_steps"
            "recupfl_moved_per_window_mean", "recupfl_moved_per_window_max")
 
 
-def tie_splitting_gradient(defenders, index, x, label, segments, attack_loss):
-  """d loss(S_index(segment_max(x)), label) / dx (`recupfl.logit_gradient`)
-  through `tf.math.segment_max`, whose gradient splits each bin's share
-  equally over every entry tied at the bin's maximum: the pooling RECUP-FL
-  once had. A reference of that defect, with `recupfl._attack_gradient`'s
-  arguments and result (every entry's index, the gradient)."""
-  ids = tf.constant(segments, tf.int32)
-
+def tie_splitting_gradient(defenders, index, x, label, attack_loss):
+  """d loss(S_index(each bin's maximum), label) / dx
+  (`recupfl.logit_gradient`) through `tf.reduce_max`, whose gradient splits
+  each bin's share equally over every entry tied at the bin's maximum: the
+  pooling RECUP-FL once had. A reference of that defect, with
+  `recupfl._attack_gradient`'s arguments (x: the upload's entries by bin,
+  [bins, width], `every_entry`'s) and result (every (bin, column) index,
+  the gradient there)."""
   def branch(defender):
     def gradient():
       with tf.GradientTape() as tape:
         tape.watch(x)
-        logits = defender(tf.math.segment_max(x, ids)[None])
+        logits = defender(tf.reduce_max(x, axis=1)[None])
       return tape.gradient(logits, x, output_gradients=recupfl.logit_gradient(
           logits, label, attack_loss))
     return gradient
 
-  return (tf.range(tf.size(x, out_type=tf.int64)),
-          tf.switch_case(index, [branch(d) for d in defenders]))
+  rows, columns = tf.meshgrid(tf.range(tf.shape(x)[0]), tf.range(tf.shape(x)[1]),
+                              indexing="ij")
+  return (tf.reshape(tf.stack([rows, columns], -1), [-1, 2]),
+          tf.reshape(tf.switch_case(index, [branch(d) for d in defenders]), [-1]))
+
+
+def every_entry(flat, segments, steps):
+  """`recupfl._candidates` keeping every entry of every bin: a gradient
+  that reaches every tied entry may move any of them."""
+  del flat, steps
+  return tf.constant(recupfl._bin_table(segments, pad=len(segments))[1])
 
 
 @contextlib.contextmanager
 def tie_splitting_pooling() -> Iterator[None]:
   """RECUP-FL's perturbations traced within take their gradient through
   `tie_splitting_gradient` instead of each bin's first maximum."""
-  with mock.patch.object(recupfl, "_attack_gradient", tie_splitting_gradient):
+  with mock.patch.object(recupfl, "_attack_gradient", tie_splitting_gradient), \
+       mock.patch.object(recupfl, "_candidates", every_entry):
     yield
 
 

@@ -108,31 +108,69 @@ def first_maxima(flat: tf.Tensor, segments: np.ndarray) -> tf.Tensor:
   that one entry and not every tied one. `segments`: each entry's bin, the
   bins contiguous and in order (`pool_segments`)."""
   starts, table = _bin_table(segments)
-  width = table.shape[1]
-  values = tf.gather(flat, table)  # [bins, width], a bin's last entry repeated
+  columns = _first_columns(tf.gather(flat, table))
+  return tf.constant(starts, tf.int64) + tf.cast(columns, tf.int64)
+
+
+def _first_columns(values: tf.Tensor) -> tf.Tensor:
+  """The int32 column of each row's first maximum in `values` [rows,
+  width], its first NaN if it holds one (columns in the entries' order; an
+  entry repeated after its first place never counts twice)."""
+  width = tf.shape(values)[1]
   column = tf.range(width)
   at_max = tf.equal(values, tf.reduce_max(values, axis=1, keepdims=True))
-  # NaNs rank before maxima, maxima before the rest, each by column (a
-  # repeated entry after its first place). An all -inf bin may match no
-  # maximum (TF's GPU kernel may start its maximum from -FLT_MAX): its
-  # first entry.
+  # NaNs rank before maxima, maxima before the rest, each by column. An
+  # all -inf row may match no maximum (TF's GPU kernel may start its
+  # maximum from -FLT_MAX): its first column.
   rank = tf.where(tf.math.is_nan(values), column,
                   tf.where(at_max, column + width, column + 2 * width))
-  offset = tf.cast(tf.reduce_min(rank, axis=1) % width, tf.int64)
-  return tf.constant(starts, tf.int64) + offset
+  return tf.reduce_min(rank, axis=1) % width
 
 
-def _bin_table(segments: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _bin_table(segments: np.ndarray, pad: Optional[int] = None
+               ) -> tuple[np.ndarray, np.ndarray]:
   """(each bin's first index, [bins, width] the indices of each bin's
-  entries, its last one repeated up to the longest bin's width)."""
+  entries, filled up to the longest bin's width with `pad`, or with the
+  bin's last entry where `pad` is None)."""
   segments = np.asarray(segments)
   starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
   lengths = np.diff(np.r_[starts, len(segments)])
   if not (np.all(np.diff(segments) >= 0) and len(starts) == segments[-1] + 1):
     raise ValueError("segments must number contiguous bins in order, from 0")
-  columns = np.arange(lengths.max())
-  table = starts[:, None] + np.minimum(columns[None], lengths[:, None] - 1)
-  return starts, table.astype(np.int32 if len(segments) < 2**31 else np.int64)
+  columns = np.arange(lengths.max())[None]
+  table = starts[:, None] + np.minimum(columns, lengths[:, None] - 1)
+  if pad is not None:
+    table = np.where(columns < lengths[:, None], table, pad)
+  return starts, table.astype(np.int32 if len(segments) < 2**31 - 1 else np.int64)
+
+
+def _candidates(flat: tf.Tensor, segments: np.ndarray, steps: int) -> tf.Tensor:
+  """[bins, k] the indices of the entries of each bin that `steps` FGSM
+  steps may move, in order, filled with the index len(flat) (read as
+  -inf, never a bin's first maximum): all of them, or, for a finite
+  upload, the k = `steps` largest of each bin (ties: the first). A step
+  moves each bin's first maximum only, so after t steps at most t entries
+  of a bin have moved; every entry that precedes the best unmoved one in
+  (value, index) order has moved, so a bin's first maximum is always a
+  moved entry or among its t + 1 best. The steps then read and write
+  k entries a bin instead of the whole upload."""
+  _, table = _bin_table(segments, pad=len(segments))
+  if steps >= table.shape[1]:
+    return tf.constant(table)
+
+  def largest():
+    values = tf.gather(_padded(flat), table)
+    columns = tf.sort(tf.math.top_k(values, steps).indices, axis=1)
+    return tf.gather(table, columns, batch_dims=1)
+
+  # a NaN or inf ranks apart from the values: every entry of its bin stays
+  return tf.cond(tf.reduce_all(tf.math.is_finite(flat)), largest,
+                 lambda: tf.constant(table))
+
+
+def _padded(flat: tf.Tensor) -> tf.Tensor:
+  """`flat` and one -inf after it, read by `_candidates`' filler index."""
+  return tf.concat([flat, tf.constant([-np.inf], flat.dtype)], 0)
 
 
 def model_choices(seed, iterations: int, zoo_size: int, sampled: int) -> tf.Tensor:
@@ -156,15 +194,14 @@ def logit_gradient(logits: tf.Tensor, label, attack_loss: str) -> tf.Tensor:
   return tf.nn.softmax(logits) - tf.cast(true, logits.dtype)
 
 
-def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments,
+def _attack_gradient(defenders: Sequence[Defender], index, x, label,
                      attack_loss):
-  """d loss(S_index(max-pooled x), label) / dx (`logit_gradient`): the
-  gradient at the pooled upload, which reaches each bin's first maximum
-  only, as (the [k] int64 indices of its entries that may be non-zero,
-  their values): the steps touch those entries alone, not a vector of the
-  upload's size."""
-  first = first_maxima(x, segments)
-  pooled = tf.gather(x, first)[None]
+  """d loss(S_index(max-pooled x), label) / dx (`logit_gradient`) for x the
+  upload's `_candidates`, [bins, k]: the gradient at the pooled upload,
+  which reaches each bin's first maximum only, as (the [n, 2] (bin,
+  column) indices of the entries that may be non-zero, their values)."""
+  at = tf.stack([tf.range(tf.shape(x)[0]), _first_columns(x)], 1)
+  pooled = tf.gather_nd(x, at)[None]
 
   def branch(defender):
     def gradient():
@@ -175,13 +212,13 @@ def _attack_gradient(defenders: Sequence[Defender], index, x, label, segments,
           logits, label, attack_loss))[0]
     return gradient
 
-  return first, tf.switch_case(index, [branch(d) for d in defenders])
+  return at, tf.switch_case(index, [branch(d) for d in defenders])
 
 
 def _added(x: tf.Tensor, gradient, scale) -> tf.Tensor:
   """x + scale * sign(the sparse `gradient` of `_attack_gradient`)."""
   indices, values = gradient
-  return tf.tensor_scatter_nd_add(x, indices[:, None], scale * tf.sign(values))
+  return tf.tensor_scatter_nd_add(x, indices, scale * tf.sign(values))
 
 
 def _fgsm_steps(variant: str, iterations: int, sampled: int) -> int:
@@ -245,25 +282,31 @@ def measured_perturbation(flat: tf.Tensor, label, defenders: Sequence[Defender],
     raise ValueError(f"sampled models Q must be >= 2 for meta-train and "
                      f"meta-test, got {sampled}")
   flat = tf.convert_to_tensor(flat, tf.float32)
-  segments = pool_segments(int(flat.shape[0]), pool_length)
+  size = int(flat.shape[0])
   label = tf.cast(label, tf.int32)
   rounds = iterations if variant == "recupfl" else 1
   choices = model_choices(seed, rounds, len(defenders), sampled)
+  steps = _fgsm_steps(variant, iterations, sampled)
+  positions = _candidates(flat, pool_segments(size, pool_length), steps)
+  entries = tf.gather(_padded(flat), positions)
 
   def grad(index, x):
     """The sparse gradient and 1 if it is zero in every entry, else 0."""
-    g = _attack_gradient(defenders, index, x, label, segments, attack_loss)
+    g = _attack_gradient(defenders, index, x, label, attack_loss)
     return g, tf.cast(tf.reduce_all(tf.equal(g[1], 0)), tf.int32)
 
   if variant == "one_step":
-    g, zeros = grad(choices[0, 0], flat)
-    delta = _added(tf.zeros_like(flat), g, epsilon)
+    g, zeros = grad(choices[0, 0], entries)
+    delta = _added(tf.zeros_like(entries), g, epsilon)
   elif variant == "recupfl":
-    current, zeros = _meta_steps(flat, grad, choices, epsilon, sampled)
-    delta = current - flat
+    current, zeros = _meta_steps(entries, grad, choices, epsilon, sampled)
+    delta = current - entries
   else:
-    delta, zeros = _fgsm_variant(flat, grad, choices[0], epsilon, sampled, variant)
-  return delta, tf.cast(zeros, tf.float32) / _fgsm_steps(variant, iterations, sampled)
+    delta, zeros = _fgsm_variant(entries, grad, choices[0], epsilon, sampled, variant)
+  # the filler's entries (one past the upload) are dropped
+  delta = tf.scatter_nd(tf.reshape(positions, [-1, 1]), tf.reshape(delta, [-1]),
+                        tf.constant([size + 1], positions.dtype))[:size]
+  return delta, tf.cast(zeros, tf.float32) / steps
 
 
 def _meta_steps(flat, grad, choices, epsilon, sampled):
@@ -296,7 +339,7 @@ def _fgsm_variant(flat, grad, chosen, epsilon, sampled, variant):
     if variant == "momentum":
       indices, values = g
       u = tf.tensor_scatter_nd_add(
-          MOMENTUM * u, indices[:, None],
+          MOMENTUM * u, indices,
           values / tf.maximum(tf.reduce_sum(tf.abs(values)), 1e-30))
       return (q + 1, x + epsilon / sampled * tf.sign(u), u, total, zeros + zero)
     return (q + 1, _added(x, g, epsilon / sampled), u, _added(total, g, 1.0),
