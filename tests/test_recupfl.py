@@ -138,6 +138,23 @@ def test_first_maxima_refuses_bins_out_of_order():
     recupfl.first_maxima(tf.zeros([4]), np.array([0, 1, 0, 1]))
 
 
+@pytest.mark.parametrize("variant", recupfl.VARIANTS)
+def test_steps_on_each_bins_largest_entries_are_steps_on_the_whole_upload(
+    monkeypatch, variant):
+  """The steps read only each bin's `_candidates` (here 6 or fewer of its
+  13 entries): the same perturbation as steps that read every entry."""
+  x = np.round(2 * _sparse(13))  # many ties, at 0 and elsewhere
+  kwargs = dict(epsilon=0.3, pool_length=LENGTH, seed=tf.constant([5, 6], tf.int64),
+                sampled=3, iterations=2, variant=variant)
+  defenders = _defenders(_zoo())
+  reduced = recupfl.attribute_perturbation(x, 1, defenders, **kwargs).numpy()
+  monkeypatch.setattr(recupfl, "_candidates", lambda flat, segments, steps: tf.constant(
+      recupfl._bin_table(segments, pad=len(segments))[1]))
+  every = recupfl.attribute_perturbation(x, 1, defenders, **kwargs).numpy()
+  assert np.count_nonzero(every) > LENGTH // 2
+  np.testing.assert_array_equal(reduced, every)
+
+
 def test_a_step_moves_only_the_first_maximum_of_each_pooling_bin():
   x = _sparse(12)
   segments = recupfl.pool_segments(SIZE, LENGTH)
