@@ -259,6 +259,8 @@ def test_pooling_gives_fixed_length_maxima():
   from tff_privacy.attacks import attribute
   upload = [np.arange(10.0).reshape(2, 5), np.array([-1.0, 7.0])]
   np.testing.assert_array_equal(attribute.pooled(upload, 4), [2, 5, 8, 9])
+  # bins of 3, 3, 2, 2, 2 entries, as np.array_split cuts 12 into 5
+  np.testing.assert_array_equal(attribute.pooled(upload, 5), [2, 5, 7, 9, 7])
   with pytest.raises(ValueError, match="length=20 exceeds"):
     attribute.pooled(upload, 20)
 
