@@ -1,6 +1,6 @@
 """The built-in grids: `compact` (`make demo`: each entry at its default
-strength only, to keep near ten minutes on 2 cores: 646 s with 16 victims
-a row), `cnn` (the same
+strength only, to keep near ten minutes on 2 cores: 578 s with 16 victims
+a row in a worktree), `cnn` (the same
 under a small CNN at batches of 1 and 8), and `full` (three or four
 strengths of each defence, more rounds, clients and shadow samples, each
 attack for the iterations at which its source reports results, HyperFL's
