@@ -10,8 +10,9 @@ export TF_CPP_MIN_LOG_LEVEL := 3
 .PHONY: venv demo test test-slow test-all bazel-test benchmark clean
 
 # uv installs the lock in a third of pip's time (41 s against 126 s here,
-# bytecode compiled as pip does); --system-certs: the machine's own CA store,
-# as pip reads it
+# bytecode compiled as pip does; make venv 49 s in all); --system-certs: the
+# machine's own CA store, as pip reads it. uv reads no pip configuration: a
+# mirror is UV_INDEX_URL (or UV_DEFAULT_INDEX) in the environment
 UV := uv==0.13.8
 
 $(STAMP): requirements.lock setup.py tools/install_privacy_tests.py

@@ -296,7 +296,7 @@ def test_a_defended_client_uploads_tffs_own_update_defended(local):
 
   spec = ModelSpec("mlp", (8, 8, 1), 3, {"hidden": (5,)})
   model_fn = spec.tff_model_fn()
-  optimizer = tff.learning.optimizers.build_sgdm(0.3)
+  optimizer = tff.learning.optimizers.build_sgdm(0.3, momentum=0.9)
   if local == "model_delta":
     plain = tff.learning.templates.build_model_delta_client_work(
         model_fn, optimizer, tff.learning.ClientWeighting.NUM_EXAMPLES,

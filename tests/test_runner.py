@@ -1,3 +1,4 @@
+import asyncio
 import glob
 import json
 import os
@@ -195,6 +196,21 @@ def test_resumed_run_ends_with_identical_metrics(fedsgd_run, tmp_path):
   assert [m["round"] for m in resumed] == [1, 2, 3]
   again = runner.run(sparse, progress=False)
   assert again == resumed
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_state_form_is_refused_in_one_line(fedsgd_run, tmp_path):
+  """A checkpoint whose state has another form (an earlier version's) stops
+  the run with a one-line error naming the checkpoints folder."""
+  config, _ = fedsgd_run
+  out = str(tmp_path / "run")
+  shutil.copytree(config.out, out)
+  for name in os.listdir(os.path.join(out, "checkpoints")):
+    shutil.rmtree(os.path.join(out, "checkpoints", name))
+  asyncio.run(runner._checkpoints(out).save({"other": np.zeros(3, np.float32)}, 2))
+  with pytest.raises(ValueError, match="checkpoints: its last checkpoint holds another form") as e:
+    runner.run(runner.RunConfig(**{**vars(config), "out": out}), progress=False)
+  assert "\n" not in str(e.value)
 
 
 @pytest.mark.slow

@@ -1303,6 +1303,22 @@ def _checkpoints(out: str) -> tff.program.FileProgramStateManager:
       os.path.join(out, "checkpoints"), keep_total=2, keep_first=False)
 
 
+def _load_latest(manager, structure, config) -> tuple:
+  """(the last checkpointed state, its round), or (None, 0).
+
+  Raises:
+    ValueError: naming the folder, for a checkpoint of a state of another
+      form (one that another version of the method wrote)."""
+  try:
+    return asyncio.run(manager.load_latest(structure))
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        f"{os.path.join(config.out, 'checkpoints')}: its last checkpoint holds "
+        f"another form of {config.method}'s state than this version's, so the "
+        f"run cannot go on from it; remove that folder to train from round 1 "
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def _rounds_done(out: str) -> int:
   """The last round checkpointed in run folder `out`; 0 for none."""
   if not os.path.isdir(os.path.join(out, "checkpoints")):
@@ -1409,7 +1425,7 @@ def run(config: RunConfig, progress: bool = True,
   manager = _checkpoints(config.out)
   runtime.limit_concurrent_calls(r.algorithm.concurrent_clients)
   initial = r.initial_state()
-  saved, done = asyncio.run(manager.load_latest(r.checkpoint_form(initial)))
+  saved, done = _load_latest(manager, r.checkpoint_form(initial), config)
   state = initial if saved is None else r.from_checkpoint(saved)
   metrics_path = os.path.join(config.out, "metrics.json")
   history = []
