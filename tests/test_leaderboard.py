@@ -1077,6 +1077,9 @@ def test_the_built_in_protocols_are_the_analytic_regime_and_a_cnn_at_batch_1_and
   assert grid.parse(defaults.grid("compact")).protocols is None
   cnn = grid.parse(defaults.grid("cnn"))
   assert [(p["model"], p["batch_size"]) for p in cnn.protocols] == [("cnn", 1), ("cnn", 8)]
+  # a CNN's uploads take IG longer to converge than the MLP's
+  assert (cnn.attacks["iterations"], grid.parse(defaults.grid("compact")).attacks[
+      "iterations"]) == (1000, 300)
   full = grid.parse(defaults.grid("full"))
   assert [(p["model"], p["batch_size"]) for p in full.protocols] == [
       ("mlp", 1), ("cnn", 1), ("cnn", 8)]
