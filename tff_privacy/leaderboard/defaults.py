@@ -2,9 +2,10 @@
 strength only, to keep near ten minutes on 2 cores: 578 s with 16 victims
 a row in a worktree), `cnn` (the same under a small CNN at batches of 1
 and 8, each attack for 1000 iterations, where Inverting Gradients
-converges on a CNN's uploads), and `full` (three or four strengths of each defence, more rounds, clients and shadow samples, each
-attack for the iterations at which its source reports results, HyperFL's
-baselines, every row under all three protocols and with 3 seeds). All
+converges on a CNN's uploads), and `full` (three or four strengths of
+each defence, more rounds, clients and shadow samples, each attack for
+the iterations at which its source reports results, HyperFL's baselines,
+every row under all three protocols and with 3 seeds). All
 attack 16 victims a row; `cnn` and `full` run each DP entry once more at
 the strength that spends epsilon 8 at delta 1e-5 (`equal_epsilon`), which
 `compact` leaves to `--equal-epsilon 8` to keep near its ten minutes.
