@@ -119,7 +119,7 @@ def client_steps(spec: models.ModelSpec, broadcast, zoo_folder: str,
   upload_spec = [tf.TensorSpec(w.shape, tf.float32) for w in broadcast]
   client_spec = (tf.TensorSpec((1,) + IMAGE_SHAPE, tf.float32),
                  tf.TensorSpec([1], tf.int32))
-  defence_spec = (tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int64))
+  defense_spec = (tf.TensorSpec([], tf.int32), tf.TensorSpec([2], tf.int64))
 
   def train(x, y):
     return functional.simulate_upload(
@@ -139,10 +139,10 @@ def client_steps(spec: models.ModelSpec, broadcast, zoo_folder: str,
   def client_round(defend):
     def run(x, y, race, seed):
       return defend(train(x, y), race, seed)
-    return tf.function(run, input_signature=client_spec + defence_spec)
+    return tf.function(run, input_signature=client_spec + defense_spec)
 
   def alone(defend):
-    return tf.function(defend, input_signature=(upload_spec,) + defence_spec)
+    return tf.function(defend, input_signature=(upload_spec,) + defense_spec)
 
   return {"training": tf.function(train, input_signature=client_spec),
           "dp_gaussian_round": client_round(dp_gaussian),

@@ -134,7 +134,7 @@ import numpy as np
 from tff_privacy import (attacks, data, evaluate, io, models, provenance, runner,
                          runtime)
 from tff_privacy.algorithms import fedre
-from tff_privacy.attacks.adaptive import defence_name
+from tff_privacy.attacks.adaptive import defense_name
 from tff_privacy.cli import json_object
 from tff_privacy.data import sources
 from tff_privacy.metrics import report
@@ -430,8 +430,8 @@ def table2_attacks(config: dict) -> list[str]:
   """Table 2's attacks on the uploads of a row's `config`: Inverting
   Gradients, and every attack that knows the row's defence
   (`attacks.adaptive_attacks`: for LDP-Fed and FedRE the noise-aware IG)."""
-  defence = defence_name(config["method"], config.get("defense"))
-  return ["ig", *(attacks.adaptive_attacks(defence) if defence else [])]
+  defense = defense_name(config["method"], config.get("defense"))
+  return ["ig", *(attacks.adaptive_attacks(defense) if defense else [])]
 
 
 def leakage_rows(args) -> tuple[list[dict], dict]:

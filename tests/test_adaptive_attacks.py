@@ -14,7 +14,6 @@ from conftest import (attack_cli, attack_store, forbid_ground_truth_in_search,
 from skimage.metrics import structural_similarity
 
 from tff_privacy import attacks, models
-from tff_privacy.attacks.inversion import Target
 from tff_privacy.defenses import ClientView, Soteria, Sparsification
 
 SPEC = models.ModelSpec("lenet", (8, 8, 1), 10)
@@ -78,7 +77,8 @@ def test_soteria_mask_drops_the_pruned_rows_and_keeps_every_other_layer(digits):
   record, soteria, view = _soterian(digits, 2)
   kernel = [v.name for v in SPEC.keras().trainable_variables].index(
       f"{soteria.layer}/kernel:0")
-  mask = attacks.build("ig_masked").upload_mask(Target.from_record(record))
+  attack = attacks.build("ig_masked")
+  mask = attack.upload_mask(attack.targets([record])[0])
   # the defence's own choice of rows (from the client's data), less the rows
   # the client's gradient already had at zero (nothing told them apart)
   kept = soteria.mask(view).numpy() * np.any(record_of(
@@ -135,7 +135,7 @@ def test_the_search_never_reads_the_ground_truth(digits, tmp_path, monkeypatch,
   assert _ssim(x, reconstructed) > 0.85
 
 
-def test_the_cli_refuses_a_run_without_a_defence_the_attack_knows(
+def test_the_cli_refuses_a_run_without_a_defense_the_attack_knows(
     digits, tmp_path, capsys):
   x, y = digits[0][:1], digits[1][:1]
   updates = attack_store(tmp_path, record_of(x, y), x, y)
@@ -143,20 +143,27 @@ def test_the_cli_refuses_a_run_without_a_defence_the_attack_knows(
                       "ig_masked", "--iterations", "1")
   assert code != 0
   assert len(err.strip().splitlines()) == 1
-  assert "ig_masked" in err and "no defence" in err and "'ig'" in err
+  assert "ig_masked" in err and "no defense" in err and "'ig'" in err
 
 
-def test_each_defence_is_answered_by_its_adaptive_attacks_or_listed_without():
+def test_each_defense_is_answered_by_its_adaptive_attacks_or_listed_without():
   assert attacks.adaptive_attacks("sparsification") == ["ig_masked"]
   assert attacks.adaptive_attacks("soteria") == ["ig_masked"]
   assert attacks.adaptive_attacks("ldp_gaussian") == ["ig_noise_aware"]
   assert attacks.adaptive_attacks("fedre") == ["ig_noise_aware"]
   assert attacks.adaptive_attacks("hyperfl") == ["tailored_hyperfl"]
   assert attacks.adaptive_attacks("fedem") == ["ig_denoised"]
-  assert attacks.without_adaptive_attack() == [
-      "dp_clip", "dp_fedavg", "recupfl"]
   with pytest.raises(ValueError, match="defense='nope' is unknown"):
     attacks.adaptive_attacks("nope")
+
+
+def test_every_registered_defense_has_an_adaptive_attack_or_says_why_not():
+  # over the registries, so that a new defense cannot leave it unsaid
+  unanswered = attacks.without_adaptive_attack()
+  for name in attacks.defenses():
+    assert bool(attacks.adaptive_attacks(name)) != (name in unanswered)
+    assert (name in unanswered) == bool(attacks.disclosure(name).no_adaptive_attack)
+  assert sorted(unanswered) == ["dp_clip", "dp_fedavg", "recupfl"]
 
 
 @pytest.mark.slow
@@ -179,7 +186,7 @@ def test_grouped_masked_search_equals_one_record_at_a_time(digits):
     ({"method": "fedre", "defense": {"name": "fedre", "epsilon": 50.0}}, "fedre"),
     ({"method": "fedavg", "defense": None}, None),
     ({"method": "fedavg"}, None)])
-def test_a_records_defence_is_its_defences_else_a_defending_methods(metadata,
+def test_a_records_defense_is_its_defenses_else_a_defending_methods(metadata,
                                                                      expected):
   record = types.SimpleNamespace(metadata=metadata)
-  assert attacks.defence_of(record) == expected
+  assert attacks.defense_of(record) == expected

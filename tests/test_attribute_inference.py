@@ -292,7 +292,7 @@ def _sparsified(arrays, p):
 
 
 @pytest.mark.slow
-def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defence(tmp_path):
+def test_adaptive_adversaries_train_on_shadow_uploads_through_the_defense(tmp_path):
   config = _config(tmp_path, defense="sparsification", defense_kwargs={"p": 0.97},
                    infer_attributes=("sex",), adaptive_adversaries=True)
   runner.run(config, progress=False)
@@ -348,7 +348,7 @@ def test_adaptive_gaussian_shadow_uploads_are_clipped_and_noised_per_upload(adul
 
 
 @pytest.mark.parametrize("name", ["fedre", "dp_fedavg"])
-def test_adaptive_defense_refuses_defences_it_cannot_rebuild(adult_run, name):
+def test_adaptive_defense_refuses_defenses_it_cannot_rebuild(adult_run, name):
   record = UpdateStore(os.path.join(adult_run.out, "updates")).records(1)[0]
   record = dataclasses.replace(record, metadata={**record.metadata,
                                                  "defense": {"name": name}})
@@ -363,7 +363,7 @@ def test_adaptive_defense_refuses_defences_it_cannot_rebuild(adult_run, name):
     ({"defense": "sparsification", "defense_kwargs": {"p": 0.5},
       "infer_attributes": (), "capture_rounds": ()},
      "adaptive_adversaries is a kind of infer_attributes")])
-def test_adaptive_adversaries_need_a_defence_they_can_rebuild(tmp_path, kwargs, match):
+def test_adaptive_adversaries_need_a_defense_they_can_rebuild(tmp_path, kwargs, match):
   with pytest.raises(ValueError, match=match):
     _config(tmp_path, adaptive_adversaries=True, **kwargs)
 

@@ -253,7 +253,7 @@ def test_soteria_bad_parameters_name_themselves():
     defenses.build("soteria")
 
 
-def test_a_compressing_defence_gives_its_uploads_size_in_its_own_encoding():
+def test_a_compressing_defense_gives_its_uploads_size_in_its_own_encoding():
   # 2 of 10 entries nonzero: 2 x (int32 index + float32 value), not 10 x 4
   sparse = [np.array([[0, 1.5, 0], [0, 0, 0]], np.float32),
             np.array([0, -2.0, 0, 0], np.float32)]

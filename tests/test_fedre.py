@@ -741,7 +741,7 @@ def test_steps_refuse_what_only_the_update_noise_uses(tmp_path, kwargs, message)
   assert not (tmp_path / "run").exists()
 
 
-def test_the_runs_public_defence_names_its_regions():
+def test_the_runs_public_defense_names_its_regions():
   built = fedre.METHOD.build(SPEC, batch_size=2, seed=0, regions="0,0,2,3",
                              aggregation="mean")
   assert built.defense["regions"] == "0,0,2,3"

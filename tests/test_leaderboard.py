@@ -20,6 +20,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 from conftest import attack_store, record_of, worker_children
 
+from tff_privacy import attacks as attacks_package
 from tff_privacy import cli, evaluate, leaderboard, models, provenance, runner
 from tff_privacy.leaderboard import board, grid, report
 from tff_privacy.updates import GroundTruthStore, UpdateStore
@@ -92,7 +93,7 @@ def test_a_wrong_grid_is_refused_in_one_line(data, message):
   assert "\n" not in str(error.value)
 
 
-def test_a_swept_parameter_goes_to_the_defence_else_to_the_method():
+def test_a_swept_parameter_goes_to_the_defense_else_to_the_method():
   rows = grid.parse(_with(reference="G", entries=[
       {"name": "G", "method": "fedsgd", "defense": "ldp_gaussian",
        "defense_kwargs": {"clip": 2.0}, "sweep": {"noise_multiplier": [0.1, 1.0]},
@@ -396,16 +397,16 @@ def _adaptive_grid():
        "attacks": ["ig_hyperfl", "tailored_hyperfl"]}]))
 
 
-def test_each_row_is_also_attacked_by_the_adaptive_attacks_of_its_defence():
+def test_each_row_is_also_attacked_by_the_adaptive_attacks_of_its_defense():
   rows = {r.entry: r for r in _adaptive_grid().rows()}
   assert rows["FedSGD"].inversion == ("ig",) and rows["FedSGD"].adaptive == ()
   assert rows["Sparse"].inversion == ("ig", "ig_masked")
   assert rows["Sparse"].adaptive == ("ig_masked",)
-  assert rows["Sparse"].defence == "sparsification"
+  assert rows["Sparse"].upload_defense == "sparsification"
   # named by the entry already: not twice
   assert rows["HyperFL"].inversion == ("ig_hyperfl", "tailored_hyperfl")
   assert rows["HyperFL"].adaptive == ("tailored_hyperfl",)
-  assert rows["HyperFL"].defence == "hyperfl"
+  assert rows["HyperFL"].upload_defense == "hyperfl"
   # which attacks run does not decide whether a row's training is reused
   assert "inversion" not in rows["Sparse"].settings()
 
@@ -536,7 +537,8 @@ def test_leakage_is_the_worst_attack_with_the_unaware_ones_beside_it(tmp_path,
   text = report.markdown(tiny, list(table.values()))
   assert "0.700 (ig_masked)" in text and "0.300 (ig)" in text
   without = text.split("## Defences without a known adaptive attack")[1].split("##")[0]
-  assert "- dp_clip: Clip" in without and "sparsification" not in without
+  reason = attacks_package.disclosure("dp_clip").no_adaptive_attack
+  assert f"- dp_clip (Clip): {reason}" in without and "sparsification" not in without
   original = np.zeros((2, 28, 28, 1), np.float32)
   for r in results:
     for name, cell in r["inversion"].items():
@@ -571,7 +573,7 @@ def test_a_personalised_run_without_client_test_data_is_refused_in_one_line(last
   assert "\n" not in str(error.value)
 
 
-def test_the_upload_column_gives_a_compressing_defences_own_encoding(tmp_path,
+def test_the_upload_column_gives_a_compressing_defenses_own_encoding(tmp_path,
                                                                     monkeypatch):
   spec = models.ModelSpec("mlp", (8, 8, 1), 10, {"hidden": [16]})
   broadcast = spec.initial_weights(0)
@@ -1037,7 +1039,6 @@ def test_an_attack_searches_its_victims_together_where_one_search_serves_all():
 
 
 def test_source_iterations_leave_each_attack_its_own_default():
-  from tff_privacy import attacks as attacks_package
   from tff_privacy.leaderboard import defaults
   full = grid.parse(defaults.grid("full"))
   assert full.attacks["iterations"] == "source"

@@ -15,7 +15,7 @@ from skimage.metrics import structural_similarity
 from tff_privacy import attacks, models
 from tff_privacy.algorithms import fedre
 from tff_privacy.attacks import noise_aware
-from tff_privacy.attacks.inversion import Target, total_variation
+from tff_privacy.attacks.inversion import total_variation
 from tff_privacy.defenses import ClientView
 from tff_privacy.updates import UpdateRecord
 
@@ -55,6 +55,11 @@ def _layer_noised(digits, i):
                              metadata=_fedre_metadata(record, clip)), levels
 
 
+def _declared_levels(record):
+  """The noise levels the record's defense declares."""
+  return attacks.disclosure(attacks.defense_of(record)).read("noise_levels", record)
+
+
 def _ssim(truth, reconstruction):
   return structural_similarity(truth[0, ..., 0], reconstruction[0, ..., 0],
                                win_size=7, data_range=1.0)
@@ -74,13 +79,14 @@ def test_weighting_recovers_what_layer_wise_noise_hides_from_ig(digits):
 def test_the_psi_splits_levels_are_estimated_from_the_upload(digits):
   record, levels = _layer_noised(digits, 1)
   clip = record.metadata["defense"]["clip"]
-  estimated = noise_aware.noise_levels(record)
+  estimated = _declared_levels(record)
   for u, got, want in zip(record.upload, estimated, levels):
     if want > clip / np.sqrt(u.size):  # above what the clipped signal can be
       assert got == pytest.approx(want, rel=0.2 if u.size >= 100 else 0.5)
     else:  # hidden in the signal: no more than the upload's rms
       assert got <= np.sqrt(np.mean(u ** 2))
-  weights = attacks.build("ig_noise_aware").upload_mask(Target.from_record(record))
+  attack = attacks.build("ig_noise_aware")
+  weights = attack.upload_mask(attack.targets([record])[0])
   for w, got in zip(weights, estimated):
     np.testing.assert_allclose(w.numpy(), min(estimated) / got, rtol=1e-6)
 
@@ -127,7 +133,7 @@ def test_the_even_splits_levels_are_public_and_the_estimate_finds_them(
   # entries, noise std 0.006 against the signal's rms 0.011), and the
   # smaller tensors' noise hides under their signal
   record, stds = _even_split_upload(epsilon, epochs)
-  np.testing.assert_allclose(noise_aware.noise_levels(record), stds, rtol=1e-5)
+  np.testing.assert_allclose(_declared_levels(record), stds, rtol=1e-5)
   estimated = noise_aware.estimated_levels(record.upload, 0.5)
   assert estimated[0] == pytest.approx(stds[0], rel=within)
   if epsilon == 20.0:  # 32 to 320 entries: a chi-square's spread
@@ -184,17 +190,18 @@ def test_the_region_prior_reads_the_runs_boxes(digits):
   boxed = dataclasses.replace(record, metadata=_fedre_metadata(
       record, 1.0, regions="2,1,5,4"))
   attack = attacks.build("ig_noise_aware", region_tv_weight=0.01)
-  weight, pixels = attack.region_prior(Target.from_record(boxed))
+  weight, pixels = attack.region_prior(attack.targets([boxed])[0])
   want = np.zeros((1, 8, 8, 1), np.float32)
   want[0, 1:4, 2:5, 0] = 1
   np.testing.assert_array_equal(pixels.numpy(), want)
   assert float(weight) == pytest.approx(0.01)
   # the default region: the central box of a quarter of each side
-  _, pixels = attack.region_prior(Target.from_record(record))
+  _, pixels = attack.region_prior(attack.targets([record])[0])
   want = np.zeros((1, 8, 8, 1), np.float32)
   want[0, 3:5, 3:5, 0] = 1
   np.testing.assert_array_equal(pixels.numpy(), want)
-  assert attacks.build("ig_noise_aware").region_prior(Target.from_record(record)) == []
+  plain = attacks.build("ig_noise_aware")
+  assert plain.region_prior(plain.targets([record])[0]) == []
 
 
 @pytest.mark.parametrize("defense, message", [
@@ -259,17 +266,17 @@ def test_the_search_never_reads_the_ground_truth(digits, tmp_path, monkeypatch,
     ("ldp_gaussian", {"clip": 1.0, "noise_multiplier": 0.3}),
     ("ldp_laplace", {"clip": 1.0, "noise_multiplier": 0.3}),
     ("ldp_fed", {"alpha": 1.0, "clip": 0.05, "precision": 3, "fraction": 1.0})])
-def test_the_local_defences_level_is_the_std_their_noise_has(name, kwargs):
+def test_the_local_defenses_level_is_the_std_their_noise_has(name, kwargs):
   # the defence's own draws on a zero update, whose clipping leaves it zero
   from tff_privacy import defenses
-  defence = defenses.build(name, **kwargs)
+  defense = defenses.build(name, **kwargs)
   zero = [tf.zeros([100, 100])]
-  noise = np.concatenate([defence.apply(zero, tf.constant([s, 0], tf.int64))[0]
+  noise = np.concatenate([defense.apply(zero, tf.constant([s, 0], tf.int64))[0]
                           .numpy().ravel() for s in range(4)])
   record = types.SimpleNamespace(
       upload=[np.zeros(3), np.zeros(5)],
       metadata={"defense": {"name": name, **kwargs}})
-  levels = noise_aware.noise_levels(record)
+  levels = _declared_levels(record)
   assert levels[0] == levels[1] == pytest.approx(noise.std(), rel=0.03)
 
 
@@ -281,4 +288,4 @@ def test_the_cli_refuses_an_upload_without_noise_in_one_line(digits, tmp_path,
                          "ig_noise_aware", "--iterations", "1")
   assert code != 0
   assert len(err.strip().splitlines()) == 1
-  assert "ig_noise_aware" in err and "no defence" in err and "'ig'" in err
+  assert "ig_noise_aware" in err and "no defense" in err and "'ig'" in err

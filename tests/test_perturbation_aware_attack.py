@@ -72,12 +72,13 @@ def test_the_denoising_step_is_a_median_kept_within_rho_max(digits):
   # on FedEM's own perturbed sample: scikit-image's 5x5 median, each entry
   # then kept within rho_max of the sample, lands nearer the clean sample
   record, perturbed = _fedem(digits, 2)
-  target = attacks.Target.from_record(record)
+  attack = DenoisedInvertingGradients()
+  target = attack.targets([record])[0]
   rho = PERTURBATION["rho_max"]
   median = filters.median(perturbed[0, ..., 0], np.ones((5, 5), bool),
                           mode="nearest")[None, ..., None]
   want = np.clip(median, perturbed - rho, perturbed + rho)
-  got = DenoisedInvertingGradients().denoise(target, perturbed)
+  got = attack.denoise(target, perturbed)
   np.testing.assert_allclose(got, want, atol=1e-7)
   truth = digits[0][2:3]
   assert _ssim(truth, got) > _ssim(truth, perturbed) + 0.05
@@ -92,7 +93,7 @@ def test_a_store_without_the_perturbation_bound_is_refused_before_the_search(
   protocol = {k: v for k, v in record.metadata["protocol"].items() if k != missing}
   old = dataclasses.replace(record, metadata={**record.metadata, "protocol": protocol})
   with pytest.raises(attacks.UploadRefused, match=(
-      r"^attack 'ig_denoised' refuses round \d+ client \d+: its perturbation bound "
+      r"^attack 'ig_denoised' refuses round \d+ client \d+: its input_perturbation "
       f"cannot read its store, whose metadata has no '{missing}'")):
     attacks.build("ig_denoised", iterations=1)([old])
 
@@ -138,15 +139,16 @@ def test_the_search_never_reads_the_ground_truth_and_is_scored_on_the_clean_x(
 
 
 @pytest.mark.parametrize("defense,named", [
-    (None, "no defence"),
+    (None, "no defense"),
     ({"name": "sparsification", "p": 0.9}, "sparsification")])
-def test_uploads_of_other_defences_are_refused(digits, defense, named):
+def test_uploads_of_other_defenses_are_refused(digits, defense, named):
   record = record_of(digits[0][:1], digits[1][:1], spec=SPEC)
   record = dataclasses.replace(
       record, metadata={**record.metadata, "method": "fedsgd", "defense": defense})
   with pytest.raises(attacks.UploadRefused, match=named) as refused:
     attacks.build("ig_denoised")([record])
-  assert "'ig_denoised' answers fedem" in str(refused.value)
+  assert ("'ig_denoised' reads the input_perturbation a defense declares"
+          in str(refused.value))
 
 
 def test_the_cli_refuses_a_run_without_fedem_in_one_line(digits, tmp_path,
@@ -157,4 +159,4 @@ def test_the_cli_refuses_a_run_without_fedem_in_one_line(digits, tmp_path,
                       "ig_denoised", "--iterations", "1")
   assert code != 0
   assert len(err.strip().splitlines()) == 1
-  assert "ig_denoised" in err and "no defence" in err and "'ig'" in err
+  assert "ig_denoised" in err and "no defense" in err and "'ig'" in err

@@ -83,7 +83,7 @@ def test_server_step_measurements_name_rejections_and_aggregation_values():
   assert runner.server_step_measurements({"client_work": {}}) == {}
 
 
-def test_client_defense_measurements_are_named_by_their_defence():
+def test_client_defense_measurements_are_named_by_their_defense():
   metrics = {"client_work": {"train": {"loss": 1.0}, "defense": {
       "unperturbed_share": np.float32(0.25),
       "recupfl": {"zero_gradient_steps": np.float32(0.5)}}}}
@@ -136,7 +136,7 @@ def test_update_fidelity_leaves_out_clients_of_weight_zero(monkeypatch):
 
 
 @pytest.mark.slow
-def test_metrics_count_the_uploads_a_defence_left_unchanged(tmp_path):
+def test_metrics_count_the_uploads_a_defense_left_unchanged(tmp_path):
   # sparsification with p=0 keeps every entry; the defences of
   # test_captured_upload_is_the_defended_gradient change every upload
   config = runner.RunConfig(out=str(tmp_path), method="fedsgd", rounds=2,

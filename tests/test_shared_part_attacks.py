@@ -49,7 +49,8 @@ def test_tailored_attack_identifies_extractor_and_update_of_one_step(alive):
   v = rng.standard_normal(4).astype(np.float32)
   g = [tf.constant(rng.standard_normal(s), tf.float32) for s in hyper.target_shapes]
   upload, theta = _one_step(hyper, varphi, v, g, lr=0.01)
-  view = ExtractorView.of_hypernetwork(Target.from_record(_record(varphi, upload)))
+  view = ExtractorView.of_hypernetwork(Target.from_record(_record(varphi, upload)),
+                                       hyper)
   for got, want in zip(view.weights, theta):
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5)
   for got, want in zip(view.update, g):  # the head biases moved by lr g

@@ -108,7 +108,7 @@ def test_a_record_swapped_after_it_is_opened_is_never_loaded_unchecked(
     s.read(1, 7)  # the swapped file itself is caught by its checksum
 
 
-def test_a_rounds_defence_facts_reach_its_records_only(tmp_path):
+def test_a_rounds_defense_facts_reach_its_records_only(tmp_path):
   s = UpdateStore(str(tmp_path / "updates"))
   broadcast = SPEC.initial_weights(0)
   upload = [(0, "client_0000", broadcast, 1.0, 4)]

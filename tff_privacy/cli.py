@@ -348,7 +348,7 @@ def _attack_parser(sub) -> None:
   p.add_argument("--round", type=int, required=True)
   p.add_argument("--client", default="all",
                  help="a captured client index, or 'all' (default)")
-  p.add_argument("--attack", choices=sorted(attacks.ATTACKS), default="ig")
+  p.add_argument("--attack", choices=attacks.ATTACKS, default="ig")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--device", help="TensorFlow device, e.g. /GPU:0 or /CPU:0")
   p.add_argument("--lpips-weights",

@@ -350,7 +350,8 @@ def adaptive_defense(record, seed: int = 0, updates: Optional[str] = None,
   name = meta["name"]
   refused = (f"adaptive adversaries are not available against {name!r}: it "
              "cannot be re-applied to a shadow upload from its parameters alone")
-  cls = defenses.CLIENT_DEFENSES.get(name)
+  cls = (defenses.defense_class(name) if name in defenses.DEFENSES
+         and defenses.is_client_side(name) else None)
   if cls is not None and cls.adaptive_from_run:
     if updates is None or shadow_attributes is None:
       raise ValueError(f"adaptive adversaries rebuild {name!r} from the run's "

@@ -114,7 +114,7 @@ def _model_help() -> str:
 
 RUN_PARAMETERS = params.Params(
     params.Param("method", str, "fedavg", "federated method",
-                 choices=tuple(sorted(algorithms.METHODS))),
+                 choices=algorithms.METHODS),
     params.Param("dataset", str, "mnist5k", "data set", choices=data.DATASETS),
     params.Param("data_dir", str, None, "tensorflow_datasets data directory, or "
                  "the folder of a data set read from its published files "
@@ -141,7 +141,7 @@ RUN_PARAMETERS = params.Params(
     params.Param("seed", int, 0, "seed of every random choice of the run"),
     params.Param("defense", str, None, "defence: applied by every client to its "
                  "upload, or by the server's aggregator for dp_fedavg",
-                 choices=tuple(sorted(defenses.DEFENSES))),
+                 choices=defenses.DEFENSES),
     params.Param("dp_delta", float, 1e-5, "delta at which DP runs report epsilon",
                  minimum=0, maximum=1, exclusive_minimum=True,
                  exclusive_maximum=True),

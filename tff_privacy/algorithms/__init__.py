@@ -1,4 +1,9 @@
-"""Federated methods, one module each; `get` builds one by name."""
+"""Federated methods, one module each; `get` builds one by name.
+
+A method is a `Method` (its parameters, its factory and, where its uploads
+carry their own defense, what that defense discloses), registered with
+`register` (or, from an installed package, through the entry-point group
+'tff_privacy.methods'; see `tff_privacy.registry`)."""
 
 from __future__ import annotations
 
@@ -22,18 +27,14 @@ from tff_privacy.algorithms.pfedhn import build_pfedhn
 from tff_privacy.algorithms.personalized import (PersonalizedProcess,
                                                  build_personalized_process)
 from tff_privacy.algorithms.ppsgd import build_ppsgd
+from tff_privacy.registry import METHODS
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    fedavg.METHOD, fedem.METHOD, fedre.METHOD, fedsgd.METHOD, hyperfl.METHOD, hyperfl_lpm.METHOD,
-    local_only.METHOD, dp_sgd_fedavg.METHOD, ppsgd.METHOD, centaur.METHOD,
-    pfedhn.METHOD, pfedhn.METHOD_PC)}
+register = METHODS.register
 
 
 def method(name: str) -> Method:
   """The method `name` (one of `METHODS`)."""
-  if name not in METHODS:
-    raise ValueError(f"method={name!r} is unknown; choose one of {sorted(METHODS)}")
-  return METHODS[name]
+  return METHODS.lookup(name)
 
 
 def get(name: str, spec, *, batch_size: int = 32, seed: int = 0,

@@ -35,6 +35,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
+from tff_privacy.disclosure import Disclosure
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
 
 UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights",
@@ -190,7 +191,11 @@ class Method:
   `tff_privacy.models.ModelSpec` the clients train and every declared
   parameter, resolved (checked, defaults filled in); with
   `needs_federation`, also `federation=` the run's `Federation` (None when
-  the method is built outside a run).
+  the method is built outside a run). A method whose uploads carry its own
+  defense (FedRE, FedEM, HyperFL) declares what that defense discloses to
+  an attacker who knows it (`disclosure`, `tff_privacy.disclosure`); it is
+  then judged like a defense, by the attacks that read those declarations.
+  A method registers itself with `tff_privacy.registry.METHODS.register`.
   """
 
   name: str
@@ -198,6 +203,7 @@ class Method:
   factory: Callable[..., Algorithm]
   summary: str
   needs_federation: bool = False
+  disclosure: Optional[Disclosure] = None
 
   def resolve(self, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Every parameter's value from the given `kwargs` (checked)."""

@@ -37,6 +37,7 @@ from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          model_from_upload, refuse_defense)
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
     local_dp_sgd.CLASSIFIER_LEARNING_RATE,
@@ -161,3 +162,4 @@ METHOD = Method("centaur", PARAMETERS, algorithm,
                 "a private classifier epoch, then DP-SGD epochs on the shared "
                 "feature extractor; only the extractor is uploaded",
                 needs_federation=True)
+METHODS.register(METHOD)

@@ -24,6 +24,7 @@ from tff_privacy.algorithms import defended, local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method,
                                          broadcast_minus_upload, check_positive,
                                          refuse_defense, server_learning_rate)
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
     local_dp_sgd.LEARNING_RATE,
@@ -148,3 +149,4 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
 METHOD = Method("dp_sgd_fedavg", PARAMETERS, algorithm,
                 "FedAvg whose clients train with DP-SGD (per-example clipping "
                 "and noise; sample-level DP)", needs_federation=True)
+METHODS.register(METHOD)

@@ -26,6 +26,7 @@ from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Method,
                                          build_client_optimizer, check_positive,
                                          defense_fields, server_learning_rate)
 from tff_privacy.defenses import UpdateDefense
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
     params.Param("client_learning_rate", float, 0.1,
@@ -105,3 +106,4 @@ def algorithm(spec, *, batch_size: int, seed: int,
 
 METHOD = Method("fedavg", PARAMETERS, algorithm,
                 "local SGD epochs per client, the server averages model deltas")
+METHODS.register(METHOD)

@@ -50,6 +50,8 @@ from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          refuse_defense, server_learning_rate)
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
 from tff_privacy.models import loss_fn
+from tff_privacy.disclosure import Disclosure
+from tff_privacy.registry import METHODS
 
 NORMS = ("linf", "l2")
 
@@ -274,5 +276,14 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
           SEED_KEY: client_seed(seed, round_num, client)})
 
 
+def input_perturbation(record) -> tuple[float, str]:
+  """(rho_max, norm) of the FedEM run that captured `record`, from its
+  public protocol: the clean inputs lie within it of what was trained on."""
+  protocol = record.metadata["protocol"]
+  return protocol["rho_max"], protocol["norm"]
+
+
 METHOD = Method("fedem", PARAMETERS, algorithm,
-                "error-minimizing perturbation of each client's batch, then FedSGD")
+                "error-minimizing perturbation of each client's batch, then FedSGD",
+                disclosure=Disclosure(input_perturbation=input_perturbation))
+METHODS.register(METHOD)

@@ -161,6 +161,10 @@ from tff_privacy.defenses.updates import (LOCAL_RELATION, ClientView,
 from tff_privacy.dp import LayerwiseGaussianQuery, dp_sgd
 from tff_privacy.dp import layerwise_budget as budget
 from tff_privacy.models.functional import forward
+from tff_privacy.attacks import noise_aware
+from tff_privacy.attacks.refusal import UploadRefused
+from tff_privacy.disclosure import Disclosure
+from tff_privacy.registry import METHODS
 
 MASK_KEY = "psi_mask"
 PROFILE_KEY = "public_profile"  # which public set PDA-PAM scores a client on
@@ -986,6 +990,76 @@ def _rounds_text(rounds: Sequence[int]) -> str:
   return f"round {text}" if len(rounds) == 1 else f"rounds {text}"
 
 
+def _noise_place(defense: dict) -> str:
+  """Where a FedRE run puts its noise: 'update', 'pixels' or 'steps'."""
+  if defense.get("perturbation") == "pixels":
+    return "pixels"
+  return defense["noise_on"]
+
+
+def _even_split_levels(record) -> list[float]:
+  """The std of FedRE's noise on each tensor of an even-split upload, from
+  the run's public parameters (eq. 9 or the accountant's calibration)."""
+  d = record.metadata["defense"]
+  mechanism = FedREMechanism(
+      record.model_spec, epsilon=d["epsilon"], delta=d["delta"],
+      rounds=d["rounds"], clip=d["clip"], budget_split="even",
+      budget_unit=d["budget_unit"], noise_calibration=d["noise_calibration"],
+      psi_samples=d["psi_samples"], psi_pixels=d["psi_pixels"],
+      sensitivity=d["sensitivity"], eta_placement=d["eta_placement"],
+      learning_rate=d["learning_rate"], local_epochs=d["local_epochs"])
+  sigmas = mechanism.noise_multipliers(mechanism.even_epsilons()).numpy()
+  # 'sample': the sensitivity 2 C_l / |D_k| over the client's distinct samples
+  per_clip = 2.0 / record.num_examples if d["sensitivity"] == "sample" else 1.0
+  return list(mechanism.eta * d["clip"] * sigmas * per_clip)
+
+
+def noise_levels(record) -> list[float]:
+  """The std of the noise on each tensor of a FedRE upload, as an attacker
+  who knows FedRE computes it: from the public parameters with the even
+  split; estimated from the upload itself with the PSI split, whose scores
+  are the client's (`tff_privacy.attacks.noise_aware`'s docstring).
+
+  Raises:
+    UploadRefused: the run's noise is not on the upload (FedRE's 'pixels'
+      perturbation, or noise inside the local steps).
+  """
+  d = record.metadata["defense"]
+  if _noise_place(d) != "update":
+    raise UploadRefused(
+        f"FedRE declares its noise levels for noise on the update; round "
+        f"{record.round_num} client {record.client_index} was uploaded with "
+        f"its noise on the {_noise_place(d)}: use 'ig'")
+  if d["budget_split"] == "even":
+    return _even_split_levels(record)
+  eta = d["learning_rate"] if d["eta_placement"] == "server" else 1.0
+  return noise_aware.estimated_levels(record.upload, eta * d["clip"])
+
+
+def sensitive_region(record) -> np.ndarray:
+  """The run's region as [1, H, W, 1] 0/1 pixels: its boxes or the
+  default box.
+
+  Raises:
+    UploadRefused: regions the metadata alone cannot rebuild (element
+      classes, a file of regions per client).
+  """
+  defense = record.metadata["defense"]
+  regions = defense.get("regions")
+  height, width = record.model_spec.input_shape[:2]
+  # element classes or a file name, or a run that did not publish them
+  if "regions" not in defense or regions and any(c.isalpha() for c in regions):
+    raise UploadRefused(f"FedRE declares its region as boxes only; round "
+                        f"{record.round_num} client {record.client_index} "
+                        f"was uploaded with regions={regions!r}")
+  boxes = (psi.parse_boxes(regions, name="regions") if regions else
+           [default_box(height, width)])
+  return psi.box_mask(boxes, height, width).astype(np.float32)[None, :, :, None]
+
+
 METHOD = Method("fedre", PARAMETERS, algorithm,
                 "layer-wise local DP split by PSI scores of a private region, "
-                "PDA-PAM aggregation", needs_federation=True)
+                "PDA-PAM aggregation", needs_federation=True,
+                disclosure=Disclosure(noise_levels=noise_levels,
+                                      sensitive_region=sensitive_region))
+METHODS.register(METHOD)

@@ -23,6 +23,7 @@ from tff_privacy.algorithms import defended
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          defense_fields, server_learning_rate)
 from tff_privacy.defenses import UpdateDefense
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(server_learning_rate(0.1))
 
@@ -71,3 +72,4 @@ def algorithm(spec, *, batch_size: int, seed: int,
 
 METHOD = Method("fedsgd", PARAMETERS, algorithm,
                 "one gradient of one local batch per client and round")
+METHODS.register(METHOD)

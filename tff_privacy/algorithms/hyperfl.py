@@ -44,6 +44,8 @@ from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, model_from_upload,
                                          refuse_defense)
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
+from tff_privacy.disclosure import Disclosure
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
     params.Param("embedding_dim", int, 64, "size of each client's embedding",
@@ -313,6 +315,18 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
       local_model=model_from_upload(private_state))
 
 
+def shared_hypernetwork(record) -> dict[str, int]:
+  """The sizes of the hypernetwork a HyperFL upload holds (its public
+  protocol's), which generates the client's feature extractor from the
+  client's private embedding: theta = K^T relu(W v + b) + c per tensor
+  (`tff_privacy.models.hypernetwork.Hypernetwork`)."""
+  protocol = record.metadata["protocol"]
+  return {"embedding_dim": protocol["embedding_dim"],
+          "hidden_dim": protocol["hidden_dim"]}
+
+
 METHOD = Method("hyperfl", PARAMETERS, algorithm,
                 "a shared hypernetwork generates each client's feature "
-                "extractor; classifier and embedding stay private")
+                "extractor; classifier and embedding stay private",
+                disclosure=Disclosure(hypernetwork=shared_hypernetwork))
+METHODS.register(METHOD)

@@ -19,6 +19,7 @@ from tff_privacy import params
 from tff_privacy.algorithms import hyperfl, personalized
 from tff_privacy.algorithms.base import Algorithm, Method
 from tff_privacy.models.lpm import LPM_MODELS
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(*(
     dataclasses.replace(p, default=0.01)
@@ -74,3 +75,4 @@ def algorithm(spec, *, batch_size: int, seed: int, defense,
 METHOD = Method("hyperfl_lpm", PARAMETERS, algorithm,
                 "HyperFL on a frozen pre-trained backbone: the shared "
                 "hypernetwork generates the adapters")
+METHODS.register(METHOD)

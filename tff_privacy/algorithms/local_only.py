@@ -26,6 +26,7 @@ from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Method,
                                          PrivateState, build_client_optimizer,
                                          check_positive, refuse_defense)
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
     local_dp_sgd.LEARNING_RATE,
@@ -108,3 +109,4 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, learning_rate: float
 
 METHOD = Method("local_only", PARAMETERS, algorithm,
                 "every client trains its own model; nothing is uploaded")
+METHODS.register(METHOD)

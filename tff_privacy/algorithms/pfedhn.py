@@ -62,6 +62,7 @@ from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, refuse_defense)
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
     params.Param("embedding_dim", int, None, "size of each client's embedding "
@@ -308,6 +309,8 @@ METHOD = Method("pfedhn", PARAMETERS, _factory(False),
                 "a server-side hypernetwork generates each client's model from "
                 "its embedding; clients upload their model's change",
                 needs_federation=True)
+METHODS.register(METHOD)
 METHOD_PC = Method("pfedhn_pc", PARAMETERS, _factory(True),
                    "pFedHN generating the feature extractor; each client keeps "
                    "a private classifier", needs_federation=True)
+METHODS.register(METHOD_PC)

@@ -33,6 +33,7 @@ from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          model_from_upload, refuse_defense)
+from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
     local_dp_sgd.CLASSIFIER_LEARNING_RATE,
@@ -145,3 +146,4 @@ METHOD = Method("ppsgd", PARAMETERS, algorithm,
                 "DP-SGD on a shared feature extractor and a private "
                 "classifier at every step; only the extractor is uploaded",
                 needs_federation=True)
+METHODS.register(METHOD)

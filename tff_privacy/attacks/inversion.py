@@ -52,11 +52,12 @@ import tqdm
 from tensorflow_probability.python.optimizer import lbfgs as tfp_lbfgs
 
 from tff_privacy import tasks
-from tff_privacy.attacks import functional
+from tff_privacy.attacks import adaptive, functional
 from tff_privacy.attacks.labels import recover_labels
 from tff_privacy.attacks.refusal import UploadRefused, refusing_unreadable
 from tff_privacy.data import normalization
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import ATTACKS
 from tff_privacy.updates import UpdateRecord
 
 INITS = ("randn", "uniform")
@@ -73,10 +74,14 @@ class Target:
   broadcast: list[tf.Tensor]
   upload: list[tf.Tensor]
   true_labels: Optional[np.ndarray] = None  # given to the attacker, if at all
+  # what the record's defense discloses, by declaration (an adaptive
+  # attack's `reads()`; `tff_privacy.disclosure`)
+  disclosed: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
   def from_record(cls, record: UpdateRecord,
-                  true_labels: Optional[np.ndarray] = None) -> "Target":
+                  true_labels: Optional[np.ndarray] = None,
+                  disclosed: Optional[dict] = None) -> "Target":
     if record.num_examples < 1:
       raise UploadRefused(f"record round {record.round_num} client "
                           f"{record.client_index} stands for {record.num_examples} "
@@ -85,7 +90,8 @@ class Target:
       true_labels = np.asarray(true_labels, np.int32)
     target = cls(record, record.model_spec.keras(),
                  [tf.constant(w) for w in record.broadcast],
-                 [tf.constant(u) for u in record.upload], true_labels)
+                 [tf.constant(u) for u in record.upload], true_labels,
+                 dict(disclosed or {}))
     if true_labels is not None and true_labels.shape != target.label_shape:
       raise ValueError(f"round {record.round_num} client {record.client_index}: "
                        f"the given labels have shape {true_labels.shape}, the "
@@ -290,7 +296,10 @@ class GradientInversion(abc.ABC):
   TASKS = ("classification",)  # the models whose uploads it can invert
   PARAMETERS = Params()
   OPTIMISES_LABELS = False  # 'auto' labels: optimised, or recovered/class 0
-  DEFENDS: tuple[str, ...] = ()  # the defences an adaptive attack knows
+  # the declaration of a defense that an adaptive attack reads
+  # (`tff_privacy.disclosure.DECLARATIONS`): it answers every defense that
+  # makes it; None: an attack unaware of any defense
+  READS: Optional[str] = None
   label_knowledge = "auto"  # see the module docstring
   CHUNK = 100  # iterations per compiled call
 
@@ -311,7 +320,14 @@ class GradientInversion(abc.ABC):
                        "needs the clients' labels")
     if labels is None or self.label_knowledge != "true":
       labels = [None] * len(records)
-    return [Target.from_record(r, y) for r, y in zip(records, labels)]
+    disclosed = adaptive.read(self.name, records, self.reads())
+    return [Target.from_record(r, y, d)
+            for r, y, d in zip(records, labels, disclosed)]
+
+  def reads(self) -> tuple[str, ...]:
+    """The declarations read of each record's defense before any search
+    (`Target.disclosed`): `READS`'s, and those the attack's options need."""
+    return (self.READS,) if self.READS else ()
 
   def fixed_labels(self, target: Target) -> Optional[np.ndarray]:
     """The labels the search holds fixed (`label_knowledge`), or None where
@@ -526,6 +542,7 @@ class GradientInversion(abc.ABC):
     """(inputs, labels, objective) of the best iterate of the search."""
 
 
+@ATTACKS.register
 class DLG(GradientInversion):
   """Deep Leakage from Gradients: L-BFGS on inputs and soft labels jointly.
 
@@ -632,6 +649,7 @@ class DLG(GradientInversion):
             float(state["results"].objective_value))
 
 
+@ATTACKS.register
 class IDLG(DLG):
   """iDLG: analytic label recovery, then DLG's L-BFGS over the inputs."""
 
@@ -639,6 +657,7 @@ class IDLG(DLG):
   OPTIMISES_LABELS = False
 
 
+@ATTACKS.register
 class InvertingGradients(GradientInversion):
   """Inverting Gradients (Geiping et al. 2020).
 

@@ -10,7 +10,9 @@ cosine (`upload_mask`): the squared terms of tensor l get the weight
 its signal-to-noise ratio. For one level over the whole upload the weights
 are constant and the cosine is IG's: the attack equals IG by construction.
 
-Which defences put noise in the captured upload (`DEFENDS`):
+The levels are what each defense declares (`noise_levels` of its
+`tff_privacy.disclosure.Disclosure`); the attack names no defense. Those
+that declare them here:
 * 'ldp_gaussian' (std z C) and 'ldp_laplace' (scale z C, std sqrt(2) z C):
   one public level, from the clip C and multiplier z in the metadata;
 * 'ldp_fed': alpha-CLDP's ordinal noise, one level for every entry (a
@@ -19,13 +21,14 @@ Which defences put noise in the captured upload (`DEFENDS`):
 * 'fedre' with its gradient noise on the update: tensor l gets Gaussian
   noise of std eta C_l sigma_l k, sigma_l by eq. 9 (or the accountant) of
   the tensor's epsilon_l, k = 2 / |D_k| ('sample', |D_k| the client's
-  samples, the record's `num_examples`) or 1.
-Not answered: 'dp_clip' and 'sparsification' (no noise), 'soteria' (prunes,
-see 'ig_masked'), 'recupfl' (a deterministic perturbation), 'dp_fedavg' (its
-noise is added to the aggregate, after the server's view that the store
-records), and FedRE's 'pixels' perturbation (noise on the training images,
-not the upload) and noise_on='steps' (noise inside the local steps, of
-levels that depend on the client's Poisson batches).
+  samples, the record's `num_examples`) or 1. FedRE's 'pixels'
+  perturbation (noise on the training images, not the upload) and
+  noise_on='steps' (noise inside the local steps, of levels that depend on
+  the client's Poisson batches) are refused by its declaration.
+Not declared: 'dp_clip' and 'sparsification' (no noise), 'soteria' (prunes,
+see 'ig_masked'), 'recupfl' (a deterministic perturbation) and 'dp_fedavg'
+(its noise is added to the aggregate, after the server's view that the
+store records).
 
 FedRE's levels: with the even split epsilon_l, and so s_l, is public and is
 computed from the metadata. The PSI split (eq. 6) depends on the client's
@@ -39,15 +42,16 @@ noise, so s_l^2 ~ mean(u_l^2) - (eta C_l)^2 / n_l, exact in expectation
 when the clip binds, as it does for a local epoch's update. The estimate's
 relative error is about sqrt(2 / n_l); where the noise is below what the
 estimate resolves (the difference under sqrt(2 / n_l) mean(u_l^2)) the
-level is taken at that resolution. On an even-split upload of a kernel of
-2,048 entries the estimate lies within 5% of the public level where the
-noise dominates, within 15% where it is of the signal's size
-(tests/test_noise_aware_attack.py).
+level is taken at that resolution (`estimated_levels`). On an even-split
+upload of a kernel of 2,048 entries the estimate lies within 5% of the
+public level where the noise dominates, within 15% where it is of the
+signal's size (tests/test_noise_aware_attack.py).
 
-FedRE's region (`region_tv_weight`): FedRE's evaluation attacks with DLG
-and scores the similarity of the recovered privacy-sensitive region to the
-client's (Table 2; `tff-privacy attack --region run` scores it here); the
-attack itself has no term of its own for the region. FedRE puts its
+FedRE's region (`region_tv_weight`, the `sensitive_region` a defense
+declares): FedRE's evaluation attacks with DLG and scores the similarity
+of the recovered privacy-sensitive region to the client's (Table 2;
+`tff-privacy attack --region run` scores it here); the attack itself has
+no term of its own for the region. FedRE puts its
 budget where the region's information is, so the tensors that carry the
 region are the noisiest ones and the region's pixels are the ones the
 weighted match pins least. `region_tv_weight` > 0 adds a second TV term
@@ -78,31 +82,9 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-from tff_privacy import psi
-from tff_privacy.attacks.adaptive import check_defence
 from tff_privacy.attacks.inversion import InvertingGradients, Target
-from tff_privacy.attacks.refusal import UploadRefused, refusing_unreadable
 from tff_privacy.params import Param, Params
-from tff_privacy.updates import UpdateRecord
-
-
-def fedre_levels(record: UpdateRecord) -> list[float]:
-  """The std of FedRE's noise on each tensor of an even-split upload, from
-  the run's public parameters (eq. 9 or the accountant's calibration)."""
-  # deferred: FedRE imports the defences, and RECUP-FL this package
-  from tff_privacy.algorithms import fedre
-  d = record.metadata["defense"]
-  mechanism = fedre.FedREMechanism(
-      record.model_spec, epsilon=d["epsilon"], delta=d["delta"],
-      rounds=d["rounds"], clip=d["clip"], budget_split="even",
-      budget_unit=d["budget_unit"], noise_calibration=d["noise_calibration"],
-      psi_samples=d["psi_samples"], psi_pixels=d["psi_pixels"],
-      sensitivity=d["sensitivity"], eta_placement=d["eta_placement"],
-      learning_rate=d["learning_rate"], local_epochs=d["local_epochs"])
-  sigmas = mechanism.noise_multipliers(mechanism.even_epsilons()).numpy()
-  # 'sample': the sensitivity 2 C_l / |D_k| over the client's distinct samples
-  per_clip = 2.0 / record.num_examples if d["sensitivity"] == "sample" else 1.0
-  return list(mechanism.eta * d["clip"] * sigmas * per_clip)
+from tff_privacy.registry import ATTACKS
 
 
 def estimated_levels(upload: Sequence[np.ndarray], bound: float) -> list[float]:
@@ -117,95 +99,30 @@ def estimated_levels(upload: Sequence[np.ndarray], bound: float) -> list[float]:
   return levels
 
 
-def ldp_fed_level(defense: dict) -> float:
-  """alpha-CLDP's noise std (before truncation to the clip's range)."""
-  q = math.exp(-defense["alpha"] / 2)
-  return math.sqrt(2 * q) / (1 - q) * 10.0 ** -defense["precision"]
-
-
-def noise_levels(record: UpdateRecord) -> list[float]:
-  """The std of the noise on each tensor of `record`'s upload: public
-  where the run's parameters fix it, estimated from the upload for FedRE's
-  PSI split (see the module)."""
-  d = record.metadata["defense"]
-  count = len(record.upload)
-  if d["name"] == "ldp_gaussian":
-    return [d["clip"] * d["noise_multiplier"]] * count
-  if d["name"] == "ldp_laplace":
-    return [math.sqrt(2) * d["clip"] * d["noise_multiplier"]] * count
-  if d["name"] == "ldp_fed":
-    return [ldp_fed_level(d)] * count
-  if d["budget_split"] == "even":
-    return fedre_levels(record)
-  eta = d["learning_rate"] if d["eta_placement"] == "server" else 1.0
-  return estimated_levels(record.upload, eta * d["clip"])
-
-
-def region_pixels(record: UpdateRecord) -> np.ndarray:
-  """The run's FedRE region as [1, H, W, 1] 0/1 pixels: its boxes or the
-  default box. `UploadRefused` for regions the metadata alone cannot
-  rebuild (element classes, a file of regions per client)."""
-  from tff_privacy.algorithms import fedre  # deferred, see `fedre_levels`
-  defense = record.metadata["defense"]
-  regions = defense.get("regions")
-  height, width = record.model_spec.input_shape[:2]
-  # element classes or a file name, or a run that did not publish them
-  if "regions" not in defense or regions and any(c.isalpha() for c in regions):
-    raise UploadRefused(f"region_tv_weight needs the run's regions as boxes; "
-                        f"round {record.round_num} client {record.client_index} "
-                        f"was uploaded with regions={regions!r}")
-  boxes = (psi.parse_boxes(regions, name="regions") if regions else
-           [fedre.default_box(height, width)])
-  return psi.box_mask(boxes, height, width).astype(np.float32)[None, :, :, None]
-
-
-def _noise_place(defense: dict) -> str:
-  """Where a FedRE run puts its noise: 'update', 'pixels' or 'steps'."""
-  if defense.get("perturbation") == "pixels":
-    return "pixels"
-  return defense["noise_on"]
-
-
+@ATTACKS.register
 class NoiseAwareInvertingGradients(InvertingGradients):
   """Inverting Gradients with each tensor weighted by the inverse of its
-  noise level, and optionally a TV prior on FedRE's region (see the module
-  docstring); the search is IG's."""
+  declared noise level, and optionally a TV prior on the declared
+  sensitive region (see the module docstring); the search is IG's."""
 
   name = "ig_noise_aware"
-  DEFENDS = ("fedre", "ldp_fed", "ldp_gaussian", "ldp_laplace")
+  READS = "noise_levels"
   PARAMETERS = Params(
       *InvertingGradients.PARAMETERS,
-      Param("region_tv_weight", float, 0.0, "TV weight over the FedRE run's "
-            "privacy-sensitive region (its boxes in the metadata), beside "
-            "tv_weight over the whole image; 0: none", minimum=0))
+      Param("region_tv_weight", float, 0.0, "TV weight over the privacy-"
+            "sensitive region the defense declares (FedRE's boxes in the "
+            "metadata), beside tv_weight over the whole image; 0: none",
+            minimum=0))
 
-  def check_records(self, records: Sequence[UpdateRecord]) -> None:
-    super().check_records(records)
-    check_defence(self.name, self.DEFENDS, records)
-    for record in records:
-      with refusing_unreadable(self.name, record, "noise check"):
-        self._check_noise(record)
-
-  def _check_noise(self, record: UpdateRecord) -> None:
-    """Refuses a FedRE record whose noise is not on the update, and with
-    `region_tv_weight` one not of FedRE or of regions it cannot rebuild."""
-    defense = record.metadata["defense"]
-    if defense["name"] == "fedre" and _noise_place(defense) != "update":
-      raise UploadRefused(
-          f"attack {self.name!r} answers FedRE's noise on the update; round "
-          f"{record.round_num} client {record.client_index} was uploaded "
-          f"with its noise on the {_noise_place(defense)}: use 'ig'")
-    if self.region_tv_weight > 0:
-      if defense["name"] != "fedre":
-        raise UploadRefused(f"region_tv_weight applies to FedRE runs; round "
-                            f"{record.round_num} client {record.client_index} "
-                            f"was uploaded under {defense['name']}")
-      region_pixels(record)  # refuses regions it cannot rebuild
+  def reads(self) -> tuple[str, ...]:
+    """The noise levels, and the region where `region_tv_weight` > 0."""
+    return super().reads() + (("sensitive_region",) if self.region_tv_weight > 0
+                              else ())
 
   def upload_mask(self, target: Target) -> list[tf.Tensor]:
     """1 / s_l on tensor l, scaled so that the least noisy tensor weighs 1;
     ones where the upload carries no noise."""
-    levels = np.asarray(noise_levels(target.record), np.float64)
+    levels = np.asarray(target.disclosed["noise_levels"], np.float64)
     if not np.all(levels > 0):
       return [tf.ones_like(u) for u in target.upload]
     weights = levels.min() / levels
@@ -216,4 +133,4 @@ class NoiseAwareInvertingGradients(InvertingGradients):
     if self.region_tv_weight == 0:
       return []
     return [tf.constant(self.region_tv_weight, tf.float32),
-            tf.constant(region_pixels(target.record))]
+            tf.constant(target.disclosed["sensitive_region"], tf.float32)]

@@ -9,6 +9,9 @@ x + delta towards x, so the clean x lies within rho_max of what the search
 recovers: an attacker may change the reconstruction by up to rho_max to
 remove the perturbation, and no further.
 
+FedEM declares that bound (`input_perturbation` of its
+`tff_privacy.disclosure.Disclosure`), and this attack reads it: any defense
+that perturbs the training inputs within a declared bound is answered.
 `DenoisedInvertingGradients` ('ig_denoised') runs IG's search, then
 median-filters the reconstruction (each channel over a `median_size` square
 window) and projects the filtered image back into that ball around the
@@ -35,16 +38,12 @@ dark background lowers most, rises.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 from scipy import ndimage
 
-from tff_privacy.attacks.adaptive import check_defence
 from tff_privacy.attacks.inversion import InvertingGradients, Target
-from tff_privacy.attacks.refusal import refusing_unreadable
 from tff_privacy.params import Param, Params
-from tff_privacy.updates import UpdateRecord
+from tff_privacy.registry import ATTACKS
 
 
 def median_filter(x: np.ndarray, size: int) -> np.ndarray:
@@ -66,39 +65,24 @@ def project_to_ball(x: np.ndarray, center: np.ndarray, radius: float,
   return center + change * np.minimum(1.0, radius / np.maximum(size, 1e-12))
 
 
-def perturbation_bound(record: UpdateRecord) -> tuple[float, str]:
-  """(rho_max, norm) of the FedEM run that captured `record`, from its
-  public protocol."""
-  protocol = record.metadata["protocol"]
-  return protocol["rho_max"], protocol["norm"]
-
-
+@ATTACKS.register
 class DenoisedInvertingGradients(InvertingGradients):
   """Inverting Gradients, then the reconstruction median-filtered within
   FedEM's perturbation bound (see the module docstring)."""
 
   name = "ig_denoised"
-  DEFENDS = ("fedem",)
+  READS = "input_perturbation"
   PARAMETERS = Params(
       *InvertingGradients.PARAMETERS,
       Param("median_size", int, 5, "side of the median filter's window that "
-            "removes FedEM's perturbation from the reconstruction (1: none)",
+            "removes the input perturbation from the reconstruction (1: none)",
             minimum=1))
 
-  def check_records(self, records: Sequence[UpdateRecord]) -> None:
-    """Also refuses, before any search, a store without the perturbation's
-    bound that `denoise` reads (one captured by an older version)."""
-    super().check_records(records)
-    check_defence(self.name, self.DEFENDS, records)
-    for record in records:
-      with refusing_unreadable(self.name, record, "perturbation bound"):
-        perturbation_bound(record)
-
   def denoise(self, target: Target, x: np.ndarray) -> np.ndarray:
-    """`x` median-filtered, then moved back within the perturbation's bound
-    (rho_max in its norm, from the run's public protocol) of `x`."""
+    """`x` median-filtered, then moved back within the perturbation's
+    bound (rho_max in its norm, as the defense declares it) of `x`."""
     return project_to_ball(median_filter(x, self.median_size), x,
-                           *perturbation_bound(target.record))
+                           *target.disclosed["input_perturbation"])
 
   def _reconstruction(self, target, x, labels, objective, snapshots=None):
     return super()._reconstruction(

@@ -44,6 +44,7 @@ from tff_privacy.attacks.inversion import (GradientInversion, Target,
                                            adam_step, l2_distance,
                                            search_steps)
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import ATTACKS
 
 _FORMAT = "tff_privacy.rog_prior/1"
 
@@ -204,6 +205,7 @@ def prior_weights(prior: ImagePrior, input_shape, scale_factor: int,
   return weights
 
 
+@ATTACKS.register
 class ROG(GradientInversion):
   """ROG: see the module docstring."""
 

@@ -18,7 +18,8 @@ range; classifier, embedding and label logits take plain Adam steps):
   matched in its exact low-rank form: a head kernel's gradient is h g^T
   (hidden activation h, gradient g of the generated tensor), so
   <h g^T, dK> = h^T dK g and |h g^T| = |h| |g|.
-* `TailoredHyperFL` ('tailored_hyperfl', eqs. 9-10): first identify the
+* `TailoredHyperFL` ('tailored_hyperfl', eqs. 9-10; it reads the
+  `hypernetwork` a defense declares, HyperFL's): first identify the
   generated extractor and its update from the hypernetwork's change, then
   invert the extractor's update (`ExtractorView`). The generated tensor is
   theta = K^T h(v) + c, so the change of the head biases c is the sum of
@@ -55,6 +56,7 @@ from tff_privacy.attacks.inversion import (GradientInversion, Target,
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import ATTACKS
 
 
 def _cross_entropy(logits, label_logits):
@@ -85,9 +87,9 @@ class ExtractorView:
                [b - u for b, u in zip(target.broadcast, target.upload)])
 
   @classmethod
-  def of_hypernetwork(cls, target: Target) -> "ExtractorView":
-    """Eq. 10 in closed form (see the module docstring)."""
-    hyper = hypernetwork_of(target)
+  def of_hypernetwork(cls, target: Target, hyper: Hypernetwork) -> "ExtractorView":
+    """Eq. 10 in closed form (see the module docstring) for the upload of
+    hypernetwork `hyper`."""
     change = [b - u for b, u in zip(target.broadcast, target.upload)]
     n = len(hyper.target_shapes)
     d_bias = tf.concat([change[3 + 2 * i] for i in range(n)], 0)
@@ -224,6 +226,7 @@ class _ExtractorSearch(_AdamSearch):
     return view.weights + view.update
 
 
+@ATTACKS.register
 class ExtractorInversion(_ExtractorSearch):
   """IG on a feature extractor's update with the classifier unknown
   ('body_weights' uploads; see the module docstring)."""
@@ -235,19 +238,23 @@ class ExtractorInversion(_ExtractorSearch):
     return ExtractorView.of_body(target)
 
 
+@ATTACKS.register
 class TailoredHyperFL(_ExtractorSearch):
   """The attack of Guo et al. eqs. 9-10 on HyperFL uploads: extractor and
   update identified from the hypernetwork's change, then inverted (see the
-  module docstring)."""
+  module docstring). It knows how the shared hypernetwork generates the
+  extractor, as the defense declares it (`hypernetwork`: HyperFL's)."""
 
   name = "tailored_hyperfl"
   UPLOAD_KINDS = ("hypernetwork_weights",)
-  DEFENDS = ("hyperfl",)  # knows what HyperFL shares and how
+  READS = "hypernetwork"
 
   def _view(self, target):
-    return ExtractorView.of_hypernetwork(target)
+    return ExtractorView.of_hypernetwork(target, Hypernetwork.for_model(
+        target.model, **target.disclosed["hypernetwork"]))
 
 
+@ATTACKS.register
 class HyperFLInversion(_AdamSearch):
   """IG on HyperFL's hypernetwork update itself (Guo et al. eq. 8), with
   inputs, labels, classifier and embedding unknown (see the module

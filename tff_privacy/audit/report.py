@@ -84,7 +84,7 @@ def _canary_audit(run_dir: str, config, canaries: int, seed: int) -> dict[str, A
   audit, why = None, _not_audited(run_dir, config)
   if why is None and config.defense is None:
     audit, why = _method_audit(run_dir, config, canaries, seed)
-  elif why is None and config.defense in defenses.CLIENT_DEFENSES:
+  elif why is None and defenses.is_client_side(config.defense):
     audit = uploads.audit_defense(
         defenses.build(config.defense, **config.defense_kwargs),
         _shapes(run_dir, config), config.dp_delta, canaries, seed)
@@ -145,7 +145,7 @@ def _not_audited(run_dir: str, config) -> Optional[str]:
   cls = defenses.defense_class(config.defense)
   if cls is DPFedAvg:
     return None
-  if config.defense not in defenses.CLIENT_DEFENSES:
+  if not defenses.is_client_side(config.defense):
     return f"defense {config.defense!r}: its claim is not audited yet"
   if cls.canary is defenses.UpdateDefense.canary:
     return f"defense {config.defense!r} makes no per-upload claim"

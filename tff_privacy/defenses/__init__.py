@@ -1,5 +1,19 @@
-"""Defences against gradient leakage: client-side update transforms (the
-classic ones and RECUP-FL's) and server-side aggregators."""
+"""Defenses against gradient leakage: client-side update transforms (the
+classic ones and RECUP-FL's) and server-side aggregators.
+
+A defense is one declaration: a class with a `name`, its `PARAMETERS`
+(which give its command-line flags and config checks), what its public
+configuration discloses to an attacker who knows it (`DISCLOSURE`, read by
+the adaptive attacks; `tff_privacy.disclosure`) and, for the leaderboard,
+how it is shown and swept. It registers itself with `register`, in this
+package or in a user's own script (or, from an installed package, through
+the entry-point group 'tff_privacy.defenses'; see `tff_privacy.registry`):
+
+  @defenses.register
+  class Quantization(defenses.UpdateDefense):
+    name = "qsgd"
+    ...
+"""
 
 from typing import Optional
 
@@ -10,37 +24,40 @@ from tff_privacy.defenses.soteria import Soteria
 from tff_privacy.defenses.updates import (ClientView, ClipOnly, LocalGaussian,
                                           LocalLaplace, Sparsification,
                                           UpdateDefense, run_local_query)
-from tff_privacy.defenses.updates import DEFENSES as _UPDATE_DEFENSES
+from tff_privacy.disclosure import Disclosure
+from tff_privacy.registry import DEFENSES
 
-CLIENT_DEFENSES = {**_UPDATE_DEFENSES, LDPFed.name: LDPFed, Soteria.name: Soteria,
-                   RecupFL.name: RecupFL}
-DEFENSES = {**CLIENT_DEFENSES, DPFedAvg.name: DPFedAvg}
+register = DEFENSES.register
 
 
 def defense_class(name: str):
-  """The class of defence `name` (one of `DEFENSES`)."""
-  if name not in DEFENSES:
-    raise ValueError(f"defense={name!r} is unknown; choose one of {sorted(DEFENSES)}")
-  return DEFENSES[name]
+  """The class of defense `name` (one of `DEFENSES`)."""
+  return DEFENSES.lookup(name)
+
+
+def is_client_side(name: str) -> bool:
+  """Whether defense `name` transforms each client's upload (an
+  `UpdateDefense`), rather than the server's aggregate."""
+  return issubclass(defense_class(name), UpdateDefense)
 
 
 def resolve(name: str, kwargs: dict) -> dict:
-  """The parameters of defence `name` from `kwargs`, checked against its
+  """The parameters of defense `name` from `kwargs`, checked against its
   declaration (`PARAMETERS`), defaults filled in."""
   return defense_class(name).PARAMETERS.resolve(f"defense {name!r}", kwargs)
 
 
 def encoded_bytes(name: Optional[str], kwargs: dict, upload) -> Optional[int]:
   """The bytes of a client's `upload` in the own encoding of client-side
-  defence `name` with parameters `kwargs` (`UpdateDefense.encoded_bytes`);
-  None without a defence, for a server-side one, or one that sends dense."""
-  if name not in CLIENT_DEFENSES:
+  defense `name` with parameters `kwargs` (`UpdateDefense.encoded_bytes`);
+  None without a defense, for a server-side one, or one that sends dense."""
+  if name is None or not is_client_side(name):
     return None
-  return CLIENT_DEFENSES[name].encoded_bytes(resolve(name, kwargs), upload)
+  return defense_class(name).encoded_bytes(resolve(name, kwargs), upload)
 
 
 def build(name: str, model_spec=None, data=None, out=None, **kwargs):
-  """Defence `name` (one of `DEFENSES`) with its parameters; defences that
+  """Defense `name` (one of `DEFENSES`) with its parameters; defenses that
   need the architecture (Soteria) get `model_spec` as `model`, those that
   need the run's data (RECUP-FL) its `FederatedData` as `data` and its
   output folder as `out`."""

@@ -26,7 +26,9 @@ from tff_privacy.defenses.updates import CLIP, NOISE_MULTIPLIER
 from tff_privacy.dp import accounting, dp_sgd
 from tff_privacy.dp import SeededGaussianSumQuery
 from tff_privacy.dp.queries import CanaryClientsQuery
+from tff_privacy.disclosure import Disclosure
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import DEFENSES
 
 AUDIT_CANARIES = Param(
     "audit_canaries", int, 0, "canary clients in the noised sum for "
@@ -37,9 +39,14 @@ AUDIT_CANARIES = Param(
     minimum=0)
 
 
+@DEFENSES.register
 class DPFedAvg:
   name = "dp_fedavg"
   PARAMETERS = Params(CLIP, NOISE_MULTIPLIER, AUDIT_CANARIES)
+  DISCLOSURE = Disclosure(no_adaptive_attack=(
+      "its noise is added to the aggregate on the server, after the server's "
+      "view of each upload, which is the client's clipped update: plain IG "
+      "is the attack that knows it"))
   dp_relation = ("central DP, user level: adding or removing one client's "
                  "data (sensitivity of the sum: the clip)")
 

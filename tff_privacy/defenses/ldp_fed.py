@@ -31,11 +31,26 @@ import tensorflow as tf
 
 from tff_privacy.defenses.updates import (UpdateDefense, flatten,
                                           top_fraction_mask, unflatten)
+from tff_privacy.disclosure import Disclosure
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import DEFENSES
 
 
+def noise_std(alpha: float, precision: int) -> float:
+  """alpha-CLDP's noise std before truncation to the clip's range: a
+  two-sided geometric of ratio q = exp(-alpha / 2) on the grid of step
+  10^-precision has std sqrt(2 q) / (1 - q) steps."""
+  q = math.exp(-alpha / 2)
+  return math.sqrt(2 * q) / (1 - q) * 10.0 ** -precision
+
+
+@DEFENSES.register
 class LDPFed(UpdateDefense):
   name = "ldp_fed"
+  # one level on every entry, from the public alpha and precision
+  DISCLOSURE = Disclosure(noise_levels=lambda record: [noise_std(
+      record.metadata["defense"]["alpha"], record.metadata["defense"]["precision"])
+  ] * len(record.upload))
   PARAMETERS = Params(
       Param("alpha", float, 1.0, "alpha of alpha-CLDP", minimum=0,
             exclusive_minimum=True, flag="cldp-alpha"),

@@ -81,7 +81,9 @@ from tff_privacy import params
 from tff_privacy.attacks import attribute
 from tff_privacy.defenses import defender_zoo
 from tff_privacy.defenses.updates import ClientView, UpdateDefense
+from tff_privacy.disclosure import Disclosure
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import DEFENSES
 
 VARIANTS = ("recupfl", "one_step", "average", "iterative", "momentum")
 ATTACK_LOSSES = ("logit_margin", "cross_entropy")
@@ -466,6 +468,7 @@ def _zoo_widths(size: int) -> tuple:
   return tuple(defender_zoo.ZOO_WIDTHS[i] for i in sorted(order[:size]))
 
 
+@DEFENSES.register
 class RecupFL(UpdateDefense):
   """RECUP-FL as a client-side defence (Algorithm 1, lines 10-25): each
   client perturbs its upload against the zoo of every attribute it protects
@@ -500,6 +503,10 @@ class RecupFL(UpdateDefense):
   """
 
   name = "recupfl"
+  DISCLOSURE = Disclosure(no_adaptive_attack=(
+      "no inversion that undoes its FGSM perturbation is known; its adaptive "
+      "attribute adversaries train on shadow uploads sent through a copy of "
+      "the defense (`adaptive_copy`)"))
   needs_client_view = True
   needs_model_spec = True
   needs_data = True

@@ -32,17 +32,36 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tff_privacy.defenses.updates import (ClientView, UpdateDefense,
                                           top_fraction_mask)
+from tff_privacy.disclosure import Disclosure
 from tff_privacy.models import ModelSpec
 from tff_privacy.models import functional
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import DEFENSES
 
 
+def transmitted_rows(record) -> list[np.ndarray]:
+  """1 everywhere but at the all-zero rows of the defended layer's kernel
+  (the layer named in the record's metadata): the pruned rows."""
+  with tf.Graph().as_default():  # the architecture only, no eager state
+    index = functional.kernel_index(record.model_spec.keras(),
+                                    record.metadata["defense"]["layer"])
+  mask = [np.ones(np.shape(u), np.float32) for u in record.upload]
+  kept = np.any(np.asarray(record.upload[index]) != 0, axis=1, keepdims=True)
+  mask[index] = np.broadcast_to(kept, mask[index].shape).astype(np.float32)
+  return mask
+
+
+@DEFENSES.register
 class Soteria(UpdateDefense):
   name = "soteria"
+  # the pruned rows are the defended kernel's all-zero ones; every other
+  # tensor is transmitted in full
+  DISCLOSURE = Disclosure(transmitted_mask=transmitted_rows)
   needs_client_view = True
   needs_model_spec = True
   PARAMETERS = Params(

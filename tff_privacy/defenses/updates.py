@@ -34,8 +34,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_privacy.privacy.dp_query import dp_query
 
+from tff_privacy.disclosure import NOTHING, Disclosure
 from tff_privacy.dp import LaplaceSumQuery, SeededGaussianSumQuery, with_seed
 from tff_privacy.params import Param, Params
+from tff_privacy.registry import DEFENSES
 
 CLIP = Param("clip", float, help="clipping bound C of each upload", minimum=0,
              exclusive_minimum=True)
@@ -107,6 +109,10 @@ class UpdateDefense(abc.ABC):
   # holds, through `adaptive_copy`
   adaptive_from_run = False
   PARAMETERS = Params()
+  # what its public configuration tells an attacker who knows it, for the
+  # adaptive attacks (`tff_privacy.disclosure`); a defense states either
+  # its declarations or why no adaptive attack is known
+  DISCLOSURE = NOTHING
   # what two inputs the reported epsilon calls neighbours
   dp_relation = LOCAL_RELATION
   # names of `apply_measured`'s measurements that the round reports per
@@ -226,6 +232,13 @@ class UpdateDefense(abc.ABC):
     return None
 
 
+def _one_level(level: Callable[[dict], float]) -> Callable:
+  """A `noise_levels` declaration: the std `level(parameters)` on every
+  tensor, from the defense's parameters in the record's metadata."""
+  return lambda record: [level(record.metadata["defense"])] * len(record.upload)
+
+
+@DEFENSES.register
 class LocalGaussian(UpdateDefense):
   """Clip the upload to L2 norm C, add N(0, (z C)^2) to every entry.
 
@@ -236,6 +249,8 @@ class LocalGaussian(UpdateDefense):
 
   name = "ldp_gaussian"
   PARAMETERS = Params(CLIP, NOISE_MULTIPLIER)
+  DISCLOSURE = Disclosure(noise_levels=_one_level(
+      lambda d: d["clip"] * d["noise_multiplier"]))
 
   def __init__(self, clip: float, noise_multiplier: float):
     self.clip, self.noise_multiplier = LocalGaussian.PARAMETERS.check(
@@ -256,16 +271,21 @@ class LocalGaussian(UpdateDefense):
     return self.clip * direction / np.linalg.norm(direction)
 
 
+@DEFENSES.register
 class ClipOnly(LocalGaussian):
   """Clipping to L2 norm C only (FedEM's DP-clip baseline); no DP guarantee."""
 
   name = "dp_clip"
   PARAMETERS = Params(CLIP)
+  DISCLOSURE = Disclosure(no_adaptive_attack=(
+      "it only scales the upload, which Inverting Gradients' cosine ignores: "
+      "plain IG is the attack that knows it"))
 
   def __init__(self, clip: float):
     super().__init__(clip, 0.0)
 
 
+@DEFENSES.register
 class LocalLaplace(UpdateDefense):
   """Clip the upload to norm C (L2 as in the papers, or L1), add Laplace
   noise of scale b = z C to every entry.
@@ -280,6 +300,9 @@ class LocalLaplace(UpdateDefense):
   PARAMETERS = Params(CLIP, NOISE_MULTIPLIER,
                       Param("norm", str, "l2", "norm of the clipping",
                             choices=("l1", "l2"), flag="laplace-norm"))
+  # Laplace noise of scale b has std sqrt(2) b
+  DISCLOSURE = Disclosure(noise_levels=_one_level(
+      lambda d: math.sqrt(2) * d["clip"] * d["noise_multiplier"]))
 
   def __init__(self, clip: float, noise_multiplier: float, norm: str = "l2"):
     self.clip, self.noise_multiplier, self.norm = self.PARAMETERS.check(
@@ -330,11 +353,22 @@ def unflatten(flat: tf.Tensor, like: Sequence[tf.Tensor]) -> list[tf.Tensor]:
           for part, u in zip(tf.split(flat, sizes), like)]
 
 
+def nonzero_mask(record) -> list[np.ndarray]:
+  """1 at the upload's non-zero entries, 0 at its exact zeros."""
+  return [(np.asarray(u) != 0).astype(np.float32) for u in record.upload]
+
+
+@DEFENSES.register
 class Sparsification(UpdateDefense):
+  """Keep the ceil((1 - p) d) entries of largest magnitude among all d
+  entries of the update, zero the rest (phi_s). The transmitted entries
+  are the upload's non-zero ones."""
+
   name = "sparsification"
   PARAMETERS = Params(Param("p", float, help="fraction of entries zeroed",
                             minimum=0, maximum=1, exclusive_maximum=True,
                             flag="sparsity"))
+  DISCLOSURE = Disclosure(transmitted_mask=nonzero_mask)
 
   def __init__(self, p: float):
     self.p = self.PARAMETERS.check(p=p)["p"]
@@ -351,7 +385,4 @@ class Sparsification(UpdateDefense):
     dense = sum(4 * np.size(u) for u in upload)
     return min(dense, sum(8 * np.count_nonzero(u) for u in upload))
 
-
-DEFENSES = {cls.name: cls for cls in (LocalGaussian, LocalLaplace, ClipOnly,
-                                      Sparsification)}
 

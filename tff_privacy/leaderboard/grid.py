@@ -51,7 +51,7 @@ from tff_privacy import algorithms, defenses, io
 from tff_privacy import attacks as inversion_attacks
 from tff_privacy.attacks import ATTACKS
 from tff_privacy.attacks import attribute as attribute_inference
-from tff_privacy.attacks.adaptive import defence_name
+from tff_privacy.attacks.adaptive import defense_name
 
 PROTOCOL_KEYS = ("dataset", "model", "model_kwargs", "clients", "clients_per_round",
                  "rounds", "batch_size", "partition", "alpha", "samples_per_client",
@@ -106,15 +106,16 @@ class Row:
     return f"{self.entry}{at} ({self.parameter}={_shown(self.strength)})"
 
   @property
-  def defence(self) -> Optional[str]:
+  def upload_defense(self) -> Optional[str]:
     """The defence the row's uploads go through
-    (`tff_privacy.attacks.adaptive.defence_name`)."""
-    return defence_name(self.method, self.defense)
+    (`tff_privacy.attacks.adaptive.defense_name`)."""
+    return defense_name(self.method, self.defense)
 
   @property
   def adaptive(self) -> tuple:
     """The row's attacks that know its defence."""
-    known = inversion_attacks.adaptive_attacks(self.defence) if self.defence else []
+    known = (inversion_attacks.adaptive_attacks(self.upload_defense)
+             if self.upload_defense else [])
     return tuple(a for a in self.inversion if a in known)
 
   def run_config(self, out: str, capture_round: int):
@@ -534,8 +535,8 @@ def _with_adaptive(entry: dict, grid: Grid) -> tuple:
   """The entry's inversion attacks (its own, else the grid's), then the
   adaptive attacks of its defence that are not among them."""
   named = list(entry["attacks"] or grid.attacks["inversion"])
-  defence = defence_name(entry["method"], entry["defense"])
-  adaptive = inversion_attacks.adaptive_attacks(defence) if defence else []
+  defense = defense_name(entry["method"], entry["defense"])
+  adaptive = inversion_attacks.adaptive_attacks(defense) if defense else []
   return tuple(named + [a for a in adaptive if a not in named])
 
 

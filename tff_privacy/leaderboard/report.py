@@ -42,7 +42,7 @@ def figures(protocol_name: Optional[str]) -> tuple[str, ...]:
 PACKAGES = ("tff_privacy", "tensorflow", "tensorflow-federated",
             "tensorflow-privacy", "dp-accounting", "scikit-learn", "numpy")
 COLUMNS = ("label", "protocol", "seeds", "entry", "parameter", "strength", "default", "matched", "pareto",
-           "utility", "utility_ci", "utility_kind", "loss", "defence", "victims",
+           "utility", "utility_ci", "utility_kind", "loss", "upload_defense", "victims",
            "attack", "ssim", "ssim_ci", "psnr", "psnr_ci", "label_accuracy",
            "attack_converged", "unaware_attack", "unaware_ssim", "unaware_ssim_ci", "asr_max", "asr_max_ci",
            "chance", "balanced_asr_max", "balanced_asr_max_ci",
@@ -186,7 +186,7 @@ def _protocol_rows(grid: Grid, results: Sequence[dict], grid_rows: dict,
         **leakage_intervals(r), "unaware_ssim_ci": leakage_intervals(
             r, unaware_names)["ssim_ci"],
         **best_adversary_intervals(attribute),
-        "defence": row.defence, "adaptive": list(row.adaptive),
+        "upload_defense": row.upload_defense, "adaptive": list(row.adaptive),
         "attack": worst.get("attack"), "ssim": worst.get("ssim"),
         "ssim_by_iterations": worst.get("ssim_by_iterations"),
         "attack_converged": attack_converged(worst.get("ssim_by_iterations")),
@@ -567,14 +567,16 @@ def _equal_epsilon_table(rows: Sequence[dict], usable: Optional[float]) -> list[
 
 def _without_adaptive(rows: Sequence[dict]) -> list[str]:
   """A section naming the rows' defences that no attack here knows (judged
-  by attacks unaware of them only); none when there are none."""
-  unknown = set(inversion_attacks.without_adaptive_attack())
+  by attacks unaware of them only), each with the reason it states; none
+  when there are none."""
+  unknown = inversion_attacks.without_adaptive_attack()
   entries = {}
   for r in rows:
-    if r["defence"] in unknown:
-      entries.setdefault(r["defence"], []).append(r["entry"])
-  items = [f"- {defence}: {', '.join(dict.fromkeys(names))}"
-           for defence, names in entries.items()]
+    if r["upload_defense"] in unknown:
+      entries.setdefault(r["upload_defense"], []).append(r["entry"])
+  items = [f"- {defense} ({', '.join(dict.fromkeys(names))}): "
+           f"{unknown[defense] or 'no reason stated'}"
+           for defense, names in entries.items()]
   return (["## Defences without a known adaptive attack", "",
            "Their leakage is the unaware attacks' only: a lower bound on what "
            "an attacker who knows them recovers.", "", *items, ""]
