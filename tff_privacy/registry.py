@@ -67,6 +67,11 @@ class Registry(Mapping):
     self._components[name] = component
     return component
 
+  def unregister(self, name: str) -> None:
+    """Forgets component `name`, for one defined for a while (a test, a
+    notebook cell run again with changes)."""
+    self._components.pop(name, None)
+
   def lookup(self, name: str) -> Any:
     """The component `name`.
 
