@@ -71,7 +71,7 @@ def config(setting: str, method: str, out: str, fedre_kwargs: dict
     return runner.RunConfig(**runner.with_protocol(
         {"out": out, "method": method, "dataset": "docs", "model": "unet",
          "seed": 0, "method_kwargs": fedre_kwargs}))
-  compact = grids.parse(defaults.GRIDS["compact"])
+  compact = grids.parse(defaults.grid("compact"))
   row = next(r for r in compact.rows() if r.entry == _COMPACT_ROWS[method])
   made = row.run_config(out, capture_round=1)
   return dataclasses.replace(made, capture_rounds=(), method_kwargs={

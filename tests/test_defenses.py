@@ -189,7 +189,7 @@ def test_a_representation_is_what_learned_weights_computed():
 
 
 def test_soteria_strengths_give_different_uploads_on_the_leaderboards_mlp():
-  protocol = leaderboard.defaults.COMPACT["protocol"]
+  protocol = leaderboard.defaults.grid("compact")["protocol"]
   source = data.load_source(protocol["dataset"])
   spec = ModelSpec(protocol["model"], source.input_shape, source.num_classes,
                    protocol["model_kwargs"])

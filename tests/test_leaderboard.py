@@ -341,7 +341,7 @@ def test_the_cli_refuses_a_bad_config_and_an_empty_folder(tmp_path, capsys):
 
 
 def test_the_built_in_grids_parse():
-  for scale in leaderboard.defaults.GRIDS:
+  for scale in leaderboard.defaults.SCALES:
     parsed = grid.parse(leaderboard.defaults.grid(scale))
     rows = parsed.rows()
     assert len({r.key for r in rows}) == len(rows)

@@ -36,6 +36,7 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.disclosure import Disclosure
+from tff_privacy.listing import Listing
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
 
 UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights",
@@ -204,6 +205,9 @@ class Method:
   summary: str
   needs_federation: bool = False
   disclosure: Optional[Disclosure] = None
+  # its entry on the built-in leaderboards (`tff_privacy.listing`); None:
+  # not on them
+  listing: Optional[Listing] = None
 
   def resolve(self, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Every parameter's value from the given `kwargs` (checked)."""

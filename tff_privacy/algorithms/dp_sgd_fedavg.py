@@ -24,6 +24,7 @@ from tff_privacy.algorithms import defended, local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method,
                                          broadcast_minus_upload, check_positive,
                                          refuse_defense, server_learning_rate)
+from tff_privacy.listing import Listing
 from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
@@ -148,5 +149,7 @@ def algorithm(spec, *, batch_size: int, seed: int, defense, federation,
 
 METHOD = Method("dp_sgd_fedavg", PARAMETERS, algorithm,
                 "FedAvg whose clients train with DP-SGD (per-example clipping "
-                "and noise; sample-level DP)", needs_federation=True)
+                "and noise; sample-level DP)", needs_federation=True,
+                listing=Listing("DP-SGD FedAvg", "noise_multiplier", 1.0,
+                                (0.5, 1.0), scales=("full",)))
 METHODS.register(METHOD)

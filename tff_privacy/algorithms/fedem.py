@@ -51,6 +51,7 @@ from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
 from tff_privacy.models import loss_fn
 from tff_privacy.disclosure import Disclosure
+from tff_privacy.listing import Listing
 from tff_privacy.registry import METHODS
 
 NORMS = ("linf", "l2")
@@ -285,5 +286,8 @@ def input_perturbation(record) -> tuple[float, str]:
 
 METHOD = Method("fedem", PARAMETERS, algorithm,
                 "error-minimizing perturbation of each client's batch, then FedSGD",
-                disclosure=Disclosure(input_perturbation=input_perturbation))
+                disclosure=Disclosure(input_perturbation=input_perturbation),
+                listing=Listing("FedEM", "rho_max", 8 / 255,
+                                (4 / 255, 8 / 255, 16 / 255, 32 / 255),
+                                kwargs={"server_learning_rate": 0.2}, seconds=23.4))
 METHODS.register(METHOD)

@@ -23,6 +23,7 @@ from tff_privacy.algorithms import defended
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          defense_fields, server_learning_rate)
 from tff_privacy.defenses import UpdateDefense
+from tff_privacy.listing import Listing
 from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(server_learning_rate(0.1))
@@ -70,6 +71,11 @@ def algorithm(spec, *, batch_size: int, seed: int,
       **defense_fields(defense, seed))
 
 
+# the leaderboards' reference: plain SGD on 15-20 single-image gradients a
+# step reaches about 0.8 test accuracy in 20 steps at 0.2 (0.5 and above
+# diverge on some seeds)
 METHOD = Method("fedsgd", PARAMETERS, algorithm,
-                "one gradient of one local batch per client and round")
+                "one gradient of one local batch per client and round",
+                listing=Listing("FedSGD", kwargs={"server_learning_rate": 0.2},
+                                seconds=17.9))
 METHODS.register(METHOD)

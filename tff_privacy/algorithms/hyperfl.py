@@ -45,6 +45,7 @@ from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          refuse_defense)
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 from tff_privacy.disclosure import Disclosure
+from tff_privacy.listing import Listing
 from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
@@ -328,5 +329,10 @@ def shared_hypernetwork(record) -> dict[str, int]:
 METHOD = Method("hyperfl", PARAMETERS, algorithm,
                 "a shared hypernetwork generates each client's feature "
                 "extractor; classifier and embedding stay private",
-                disclosure=Disclosure(hypernetwork=shared_hypernetwork))
+                disclosure=Disclosure(hypernetwork=shared_hypernetwork),
+                # 1 + 5 local epochs each round: at batch 1 that is 120
+                # steps per client, so the leaderboards train it on batches
+                # of 10; the common attacks cannot read its uploads
+                listing=Listing("HyperFL", attacks=("ig_hyperfl", "tailored_hyperfl"),
+                                protocol={"batch_size": 10}, seconds=103.0))
 METHODS.register(METHOD)

@@ -62,6 +62,7 @@ from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, refuse_defense)
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
+from tff_privacy.listing import Listing
 from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
@@ -308,7 +309,8 @@ def _factory(personal_classifier: bool):
 METHOD = Method("pfedhn", PARAMETERS, _factory(False),
                 "a server-side hypernetwork generates each client's model from "
                 "its embedding; clients upload their model's change",
-                needs_federation=True)
+                needs_federation=True,
+                listing=Listing("pFedHN", attacks=("ig",), scales=("full",)))
 METHODS.register(METHOD)
 METHOD_PC = Method("pfedhn_pc", PARAMETERS, _factory(True),
                    "pFedHN generating the feature extractor; each client keeps "

@@ -27,6 +27,7 @@ from tff_privacy.dp import accounting, dp_sgd
 from tff_privacy.dp import SeededGaussianSumQuery
 from tff_privacy.dp.queries import CanaryClientsQuery
 from tff_privacy.disclosure import Disclosure
+from tff_privacy.listing import Listing
 from tff_privacy.params import Param, Params
 from tff_privacy.registry import DEFENSES
 
@@ -47,6 +48,8 @@ class DPFedAvg:
       "its noise is added to the aggregate on the server, after the server's "
       "view of each upload, which is the client's clipped update: plain IG "
       "is the attack that knows it"))
+  LISTING = Listing("DP-FedAvg", "noise_multiplier", 1.0, (0.1, 0.5, 1.0, 2.0),
+                    method="fedavg", kwargs={"clip": 1.0}, seconds=46.2)
   dp_relation = ("central DP, user level: adding or removing one client's "
                  "data (sensitivity of the sum: the clip)")
 

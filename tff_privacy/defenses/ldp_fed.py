@@ -32,6 +32,7 @@ import tensorflow as tf
 from tff_privacy.defenses.updates import (UpdateDefense, flatten,
                                           top_fraction_mask, unflatten)
 from tff_privacy.disclosure import Disclosure
+from tff_privacy.listing import Listing
 from tff_privacy.params import Param, Params
 from tff_privacy.registry import DEFENSES
 
@@ -51,6 +52,8 @@ class LDPFed(UpdateDefense):
   DISCLOSURE = Disclosure(noise_levels=lambda record: [noise_std(
       record.metadata["defense"]["alpha"], record.metadata["defense"]["precision"])
   ] * len(record.upload))
+  LISTING = Listing("LDP-Fed", "alpha", 1.0, (1.0, 10.0, 100.0), method="fedsgd",
+                    seconds=29.3)
   PARAMETERS = Params(
       Param("alpha", float, 1.0, "alpha of alpha-CLDP", minimum=0,
             exclusive_minimum=True, flag="cldp-alpha"),

@@ -38,6 +38,7 @@ import tensorflow as tf
 from tff_privacy.defenses.updates import (ClientView, UpdateDefense,
                                           top_fraction_mask)
 from tff_privacy.disclosure import Disclosure
+from tff_privacy.listing import Listing
 from tff_privacy.models import ModelSpec
 from tff_privacy.models import functional
 from tff_privacy.params import Param, Params
@@ -62,6 +63,8 @@ class Soteria(UpdateDefense):
   # the pruned rows are the defended kernel's all-zero ones; every other
   # tensor is transmitted in full
   DISCLOSURE = Disclosure(transmitted_mask=transmitted_rows)
+  LISTING = Listing("Soteria", "p", 0.8, (0.5, 0.8, 0.95), method="fedsgd",
+                    seconds=24.4)
   needs_client_view = True
   needs_model_spec = True
   PARAMETERS = Params(

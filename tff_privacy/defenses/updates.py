@@ -35,6 +35,7 @@ import tensorflow as tf
 from tensorflow_privacy.privacy.dp_query import dp_query
 
 from tff_privacy.disclosure import NOTHING, Disclosure
+from tff_privacy.listing import Listing
 from tff_privacy.dp import LaplaceSumQuery, SeededGaussianSumQuery, with_seed
 from tff_privacy.params import Param, Params
 from tff_privacy.registry import DEFENSES
@@ -113,6 +114,9 @@ class UpdateDefense(abc.ABC):
   # adaptive attacks (`tff_privacy.disclosure`); a defense states either
   # its declarations or why no adaptive attack is known
   DISCLOSURE = NOTHING
+  # its entry on the built-in leaderboards (`tff_privacy.listing`); None:
+  # not on them
+  LISTING: Optional[Listing] = None
   # what two inputs the reported epsilon calls neighbours
   dp_relation = LOCAL_RELATION
   # names of `apply_measured`'s measurements that the round reports per
@@ -251,6 +255,9 @@ class LocalGaussian(UpdateDefense):
   PARAMETERS = Params(CLIP, NOISE_MULTIPLIER)
   DISCLOSURE = Disclosure(noise_levels=_one_level(
       lambda d: d["clip"] * d["noise_multiplier"]))
+  LISTING = Listing("LDP Gaussian", "noise_multiplier", 0.1,
+                    (0.001, 0.01, 0.1, 1.0), method="fedsgd",
+                    kwargs={"clip": 1.0}, seconds=23.1)
 
   def __init__(self, clip: float, noise_multiplier: float):
     self.clip, self.noise_multiplier = LocalGaussian.PARAMETERS.check(
@@ -280,6 +287,8 @@ class ClipOnly(LocalGaussian):
   DISCLOSURE = Disclosure(no_adaptive_attack=(
       "it only scales the upload, which Inverting Gradients' cosine ignores: "
       "plain IG is the attack that knows it"))
+  LISTING = Listing("DP clip", "clip", 1.0, (0.01, 0.1, 1.0), method="fedsgd",
+                    seconds=14.0)
 
   def __init__(self, clip: float):
     super().__init__(clip, 0.0)
@@ -303,6 +312,9 @@ class LocalLaplace(UpdateDefense):
   # Laplace noise of scale b has std sqrt(2) b
   DISCLOSURE = Disclosure(noise_levels=_one_level(
       lambda d: math.sqrt(2) * d["clip"] * d["noise_multiplier"]))
+  LISTING = Listing("LDP Laplace", "noise_multiplier", 0.1,
+                    (0.001, 0.01, 0.1, 1.0), method="fedsgd",
+                    kwargs={"clip": 1.0}, seconds=21.9)
 
   def __init__(self, clip: float, noise_multiplier: float, norm: str = "l2"):
     self.clip, self.noise_multiplier, self.norm = self.PARAMETERS.check(
@@ -369,6 +381,8 @@ class Sparsification(UpdateDefense):
                             minimum=0, maximum=1, exclusive_maximum=True,
                             flag="sparsity"))
   DISCLOSURE = Disclosure(transmitted_mask=nonzero_mask)
+  LISTING = Listing("Sparsification", "p", 0.9, (0.5, 0.9, 0.99),
+                    method="fedsgd", seconds=22.4)
 
   def __init__(self, p: float):
     self.p = self.PARAMETERS.check(p=p)["p"]
