@@ -14,6 +14,8 @@ import scipy.special
 import tensorflow as tf
 
 from tff_privacy import cli, data, io, models, provenance, runner, runtime
+from tff_privacy.runs import evaluation as run_evaluation
+from tff_privacy.runs import outputs as run_outputs
 from tff_privacy.updates import GroundTruthStore, UpdateStore
 
 SMALL = dict(dataset="digits", model="mlp", model_kwargs={"hidden": [16]},
@@ -103,8 +105,8 @@ def test_per_client_defense_measurements_are_written_for_the_rounds_clients():
 def _fidelity_of(monkeypatch, clean, defended, weights):
   """`runner.update_fidelity` of a round whose clients' clean uploads are
   `clean` and whose captured uploads and weights are `defended`, `weights`."""
-  monkeypatch.setattr(runner, "clean_uploads_unavailable", lambda r, c: None)
-  monkeypatch.setattr(runner, "_clean_uploads", lambda r, b, c: clean)
+  monkeypatch.setattr(run_outputs, "clean_uploads_unavailable", lambda r, c: None)
+  monkeypatch.setattr(run_outputs, "_clean_uploads", lambda r, b, c: clean)
   captured = {"uploads": [np.stack([u[k] for u in defended])
                           for k in range(len(defended[0]))],
               "upload_weights": np.asarray(weights, np.float32)}
@@ -207,7 +209,7 @@ def test_a_checkpoint_of_another_state_form_is_refused_in_one_line(fedsgd_run, t
   shutil.copytree(config.out, out)
   for name in os.listdir(os.path.join(out, "checkpoints")):
     shutil.rmtree(os.path.join(out, "checkpoints", name))
-  asyncio.run(runner._checkpoints(out).save({"other": np.zeros(3, np.float32)}, 2))
+  asyncio.run(runner.checkpoint_manager(out).save({"other": np.zeros(3, np.float32)}, 2))
   with pytest.raises(ValueError, match="checkpoints: its last checkpoint holds another form") as e:
     runner.run(runner.RunConfig(**{**vars(config), "out": out}), progress=False)
   assert "\n" not in str(e.value)
@@ -994,7 +996,7 @@ def test_evaluation_in_chunks_scores_the_chosen_samples_as_one_set(spec,
                                                                    monkeypatch):
   # an evaluation holds a few samples at a time and may read a subset of a
   # larger array by index; its metrics must be those of the subset at once
-  monkeypatch.setattr(runner, "_EVAL_CHUNK", 4)
+  monkeypatch.setattr(run_evaluation, "EVAL_CHUNK", 4)
   rng = np.random.default_rng(1)
   x = rng.random((30,) + spec.input_shape, dtype=np.float32)
   y = rng.integers(0, spec.num_classes, (30,) + spec.task_object.label_shape(

@@ -1,5 +1,11 @@
 """The training loop: rounds, evaluation, metric release, checkpoints, capture.
 
+A run's pieces live in `tff_privacy.runs`, one question each: what a run
+is and its checks (`config`), each client's samples (`clients`), the test
+set's evaluation (`evaluation`), resuming (`checkpoints`), and what a
+round reports and a run leaves (`outputs`); this module is the round loop
+that puts them together.
+
 `run(config)` trains one federated method and writes, under `config.out`:
 
 * `config.json`: the run's configuration, written once every argument has been
@@ -10,32 +16,8 @@
   file's or ClientData's clients: a resume refuses a changed split), and
   the code versions that trained it (`provenance.KEY`: git commit, dirty
   tree and diff hash, one more for each resume by other code);
-* `metrics.json`: one entry per finished round (`test_<metric>` of the
-  global model on the test set for every metric of the data set's task:
-  `test_accuracy` and `test_loss` for classification, `test_iou`,
-  `test_precision`, `test_recall`, `test_f_score` and `test_loss` for
-  segmentation, and `samples_tested`, how many test samples they score; `personal_<metric>_mean` for every metric, with
-  `personal_<primary metric>_std` / `_min`, of each client's own model on
-  its own test split, over the clients that have test samples,
-  `personal_<primary metric>_by_client`, the list of each of those
-  clients' own values in client order (not a TensorBoard scalar), and
-  `clients_without_test_data`, how many were left out; with evaluate
-  'local-after-training', the same `local_after_training_<metric>_mean`,
-  `_std` and `_min` of the round's clients' models after their local
-  training, before aggregation (the HyperFL paper's "local models"), and
-  `local_after_training_clients`, how many were scored;
-  `train_loss`, `seconds`, ...; with a client-side defence that acts on
-  the update (not an input perturbation such as FedRE's 'pixels')
-  `unperturbed_share`, the share of the round's uploads it left exactly
-  unchanged, and its own measurements as `<defence>/<name>`, e.g.
-  `recupfl/zero_gradient_steps`, those it keeps per client as {client
-  index: value} of the round's clients, e.g. `fedre/tensor_epsilons`
-  (`client_defense_measurements`); at
-  captured rounds the aggregate update's
-  `update_cosine` and `update_relative_error` against the clients' clean
-  uploads, or `update_error_unavailable` and why (`update_fidelity`), and
-  with `infer_attributes` the attack success rates with their 95%
-  intervals), rewritten atomically each round;
+* `metrics.json`: one entry per finished round, rewritten atomically each
+  round (its fields: `tff_privacy.runs.outputs`);
 * `tensorboard/`: the numeric metrics as TensorBoard scalars;
 * `checkpoints/`: the algorithm state after every `checkpoint_every` rounds
   and the last, with every client's
@@ -58,748 +40,56 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import fcntl
 import functools
 import gc
-import json
-import logging
 import os
-import shutil
-import stat
-import sys
-import tempfile
 import time
-import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 import tqdm
 
-from tff_privacy import (algorithms, data, defenses, evaluate, io, models,
-                         params, pretrained, provenance, runtime, tasks)
+from tff_privacy import algorithms, data, defenses, io, models, runtime
 from tff_privacy.aggregation import wide_sum
 from tff_privacy.attacks import attribute as attribute_inference
-from tff_privacy.attacks import functional
 from tff_privacy.dp import accounting
-from tff_privacy.metrics.updates import UndefinedFidelity, aggregate_fidelity
-from tff_privacy.models.lpm import LPM_MODELS
-from tff_privacy.protocol import local_batch_sizes
-from tff_privacy.updates import ClientPlacedCapture, GroundTruthStore, UpdateStore
-
-_EVAL_BATCH = 64  # samples evaluated at once: a U-Net's activations bound the memory
-_EVAL_CHUNK = 16 * _EVAL_BATCH  # samples an evaluation holds at once
-EVALUATIONS = ("global", "local-after-training")
-LOCAL_AFTER_TRAINING = EVALUATIONS[1]
-
-
-def default_model(dataset: str) -> str:
-  """The model of a run on `dataset` that names none: its task's
-  (`tff_privacy.tasks.Task.default_model`)."""
-  return tasks.get(data.sources.task_of(dataset)).default_model
-
-
-def _model_help() -> str:
-  """--model's help, with each task's default model and data sets."""
-  by_task = collections.defaultdict(list)
-  for name, task in sorted(data.sources.DATASET_TASKS.items()):
-    by_task[task].append(name)
-  return ("model builder; default by the data set's task: " + ", ".join(
-      f"{tasks.get(t).default_model} for {t} ({', '.join(names)})"
-      for t, names in sorted(by_task.items()))
-      + f", {tasks.get('classification').default_model} for classification "
-      "(the other data sets)")
-
-
-RUN_PARAMETERS = params.Params(
-    params.Param("method", str, "fedavg", "federated method",
-                 choices=algorithms.METHODS),
-    params.Param("dataset", str, "mnist5k", "data set", choices=data.DATASETS),
-    params.Param("data_dir", str, None, "tensorflow_datasets data directory, or "
-                 "the folder of a data set read from its published files "
-                 "(audiomnist, lfw)"),
-    params.Param("model", str, None, _model_help(),
-                 choices=tuple(sorted(models.MODELS))),
-    params.Param("clients", int, 10, "number of clients (a split file's "
-                 "partition gives its own)", minimum=1),
-    params.Param("clients_per_round", int, None,
-                 "clients drawn (without replacement) per round; default all",
-                 minimum=1),
-    params.Param("rounds", int, 20, "training rounds", minimum=1),
-    params.Param("batch_size", int, 32, "local batch size", minimum=1),
-    params.Param("partition", str, "iid", "how the training set is split: "
-                 f"one of {', '.join(data.PARTITIONS)}, or "
-                 f"{data.splits.PREFIX}SPLIT.json, each client's train and test "
-                 f"indices into the data set's arrays, as JSON "
-                 f"{data.splits.EXAMPLE}"),
-    params.Param("alpha", float, 0.5, "Dirichlet concentration of the "
-                 "'dirichlet' partition", minimum=0, exclusive_minimum=True),
-    params.Param("samples_per_client", int, None, "training samples per client "
-                 "of the 'label_groups' and 'groups' partitions; default: the "
-                 "training set divided among the clients", minimum=1),
-    params.Param("seed", int, 0, "seed of every random choice of the run"),
-    params.Param("defense", str, None, "defence: applied by every client to its "
-                 "upload, or by the server's aggregator for dp_fedavg",
-                 choices=defenses.DEFENSES),
-    params.Param("dp_delta", float, 1e-5, "delta at which DP runs report epsilon",
-                 minimum=0, maximum=1, exclusive_minimum=True,
-                 exclusive_maximum=True),
-    params.Param("positive_weight", float, 1.0, "segmentation data sets: "
-                 "weight of the positive (tampered) pixels in the cross-entropy "
-                 "(1: the plain mean)", minimum=0, exclusive_minimum=True),
-    params.Param("attribute_shadow_samples", int, 1000, "records the "
-                 "attribute-inference adversaries train on (infer_attributes)",
-                 minimum=2),
-    params.Param("attribute_shadow_pool", str, "train", "where those records "
-                 "come from: 'train', a seeded sample of the training split, which "
-                 "RECUP-FL's zoo trains on too (the paper's adversary), or "
-                 "'disjoint_test', the test split's last, class-balanced, "
-                 "disjoint from the zoo's", choices=attribute_inference.SHADOW_POOLS),
-    params.Param("evaluate_every", int, 1, "rounds between evaluations of the "
-                 "model(s) (test and per-client metrics); the last round is "
-                 "always evaluated", minimum=1),
-    params.Param("checkpoint_every", int, 1, "rounds between checkpoints of "
-                 "the state (a resumed run goes on from the last one; the last "
-                 "round is always checkpointed); no effect on results",
-                 minimum=1),
-    params.Param("evaluate", str, "global", "what is evaluated: 'global', the "
-                 "global model on the test set and on each client's test split "
-                 "(personalised methods: each client's own model after the "
-                 "round); 'local-after-training' adds each round's clients' "
-                 "models after their local training, before aggregation, each "
-                 "on its own test split (the HyperFL paper's Table 1)",
-                 choices=EVALUATIONS),
-    params.Param("adaptive_adversaries", bool, False, "infer_attributes "
-                 "also by adaptive adversaries, whose shadow uploads go "
-                 "through the run's client defence with its parameters "
-                 "(metrics adaptive_asr/...)"))
-
-
-def _run_default(name: str):
-  return RUN_PARAMETERS[name].default
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetProtocol:
-  """A data set's declared training protocol: the values a run on it takes
-  for the run fields and method parameters that its configuration leaves
-  out (`with_protocol`).
-
-  Attributes:
-    fields: RunConfig fields, e.g. clients, rounds; dict fields (data_kwargs)
-      merge key by key.
-    method_kwargs: method parameters, given to every method that declares
-      them.
-  """
-
-  fields: dict[str, Any]
-  method_kwargs: dict[str, Any]
-
-  def describe(self) -> str:
-    """The protocol's values, e.g. 'clients 10, rounds 20'."""
-    return ", ".join(f"{name} {value}" for name, value in
-                     {**self.fields, **self.method_kwargs}.items())
-
-
-DATASET_PROTOCOLS: dict[str, DatasetProtocol] = {
-    # FedRE's clients (10, lr 0.005), each holding one document format; the
-    # paper states no rounds, local steps, batch or optimizer. At 64x64,
-    # FedAvg over 8 such clients reached test F-score 0.007 in 20 rounds; at
-    # 32x32 it reaches 0.33, in under 3 minutes on 2 cores
-    # (experiments/fedre_tables.py's docs setting). FedRE's PSI scores
-    # (clients' and PDA-PAM's, 20 per round) by the unbiased estimator on 16
-    # of the region's 64 pixels: exact, a round takes several minutes here
-    "docs": DatasetProtocol(
-        fields={"clients": 10, "partition": "groups", "rounds": 20,
-                "batch_size": 16, "positive_weight": 10.0,
-                "data_kwargs": {"size": 32}},
-        method_kwargs={"client_optimizer": "adam", "client_learning_rate": 0.005,
-                       "local_epochs": 2, "psi_pixels": 16}),
-}
-
-
-def with_protocol(fields: dict[str, Any]) -> dict[str, Any]:
-  """RunConfig `fields` completed by their data set's declared protocol
-  (`DATASET_PROTOCOLS`): every run field and method parameter of the
-  protocol that `fields` do not give (method parameters only where the
-  method declares them)."""
-  protocol = DATASET_PROTOCOLS.get(fields.get("dataset", _run_default("dataset")))
-  if protocol is None:
-    return fields
-  out = {**protocol.fields, **fields}
-  if "clients" not in fields and str(fields.get("partition", "")).startswith(
-      data.splits.PREFIX):
-    out.pop("clients", None)  # the split file gives them
-  for name, value in protocol.fields.items():
-    if isinstance(value, dict):
-      out[name] = {**value, **fields.get(name, {})}
-  declared = algorithms.method(
-      fields.get("method", _run_default("method"))).parameters.names
-  out["method_kwargs"] = {
-      **{k: v for k, v in protocol.method_kwargs.items() if k in declared},
-      **fields.get("method_kwargs", {})}
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """One training run. Defaults: FedAvg on the bundled MNIST digits with
-  the data set's task's model (`default_model`); the scalar fields are
-  declared in `RUN_PARAMETERS`."""
-
-  out: str
-  method: str = _run_default("method")
-  dataset: str = _run_default("dataset")
-  model: Optional[str] = None  # None: `default_model(dataset)`
-  model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  clients: Optional[int] = None  # None: the split file's, else the default
-  clients_per_round: Optional[int] = None  # None: every client, every round
-  rounds: int = _run_default("rounds")
-  batch_size: int = _run_default("batch_size")
-  # the method's declared parameters (e.g. FedAvg's local_epochs, FedEM's
-  # rho_max); the method's paper defaults for the rest. See
-  # `tff_privacy.algorithms.METHODS[method].parameters`.
-  method_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  partition: str = _run_default("partition")
-  alpha: float = _run_default("alpha")
-  samples_per_client: Optional[int] = None
-  seed: int = _run_default("seed")
-  capture_rounds: tuple[int, ...] = ()
-  # sensitive attributes inferred from every captured round's uploads by
-  # `attribute_adversaries` (tff_privacy.evaluate.infer_attributes_round);
-  # the attack success rates go into metrics.json
-  infer_attributes: tuple[str, ...] = ()
-  attribute_adversaries: tuple[str, ...] = attribute_inference.ADVERSARIES
-  data_dir: Optional[str] = None
-  # the data set's options, e.g. {"max_per_speaker": 50} (audiomnist); see
-  # `tff_privacy.data.sources.DATA_PARAMETERS`
-  data_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  defense: Optional[str] = None  # see tff_privacy.defenses
-  defense_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-  dp_delta: float = _run_default("dp_delta")
-  positive_weight: float = _run_default("positive_weight")
-  attribute_shadow_samples: int = _run_default("attribute_shadow_samples")
-  attribute_shadow_pool: str = _run_default("attribute_shadow_pool")
-  adaptive_adversaries: bool = _run_default("adaptive_adversaries")
-  evaluate_every: int = _run_default("evaluate_every")
-  # SHA-256 of the split file or of the ClientData the clients come from
-  # (partitions 'file:...' and 'client_data'); a split file's is read from it
-  split_sha256: Optional[str] = None
-  evaluate: str = _run_default("evaluate")
-  checkpoint_every: int = _run_default("checkpoint_every")
-
-  def __post_init__(self):
-    self._resolve_federation()
-    checked = RUN_PARAMETERS.check(
-        **{name: getattr(self, name) for name in RUN_PARAMETERS.names})
-    for name, value in checked.items():
-      object.__setattr__(self, name, value)
-    if self.model is None:
-      object.__setattr__(self, "model", default_model(self.dataset))
-    if not isinstance(self.out, str) or not self.out:
-      raise ValueError(f"out must name a folder, got {self.out!r}")
-    for name in ("model_kwargs", "data_kwargs", "method_kwargs", "defense_kwargs"):
-      if not isinstance(getattr(self, name), dict):
-        raise ValueError(f"{name} must be a JSON object (dict), got "
-                         f"{getattr(self, name)!r}")
-    self._check_capture_rounds()
-    self._check_attribute_inference()
-    if self.samples_per_client is not None and self.partition not in (
-        "label_groups", "groups"):
-      raise ValueError("samples_per_client applies to partitions 'label_groups' "
-                       "and 'groups' "
-                       f"only, got partition={self.partition!r}")
-    if self.clients_per_round is not None and self.clients_per_round > self.clients:
-      raise ValueError(f"clients_per_round must be in [1, clients={self.clients}]"
-                       f", got {self.clients_per_round}")
-    models.builders.check_kwargs(self.model, self.model_kwargs)
-    if data.sources.resolve_data_kwargs(self.dataset,
-                                        self.data_kwargs).get("normalize"):
-      _check_pixel_units(self)
-    if (self.model in LPM_MODELS
-        and self.model_kwargs.get("backbone_weights") is None):
-      pretrained.check_dataset(
-          "model_kwargs pretrain_dataset",
-          self.model_kwargs.get("pretrain_dataset", "digits"), self.dataset)
-    algorithms.method(self.method).resolve(self.method_kwargs)
-    if self.defense is not None:
-      defenses.resolve(self.defense, self.defense_kwargs)
-    elif self.defense_kwargs:
-      raise ValueError(f"defense_kwargs {sorted(self.defense_kwargs)} given "
-                       "without a defense")
-    if self.adaptive_adversaries:
-      _check_adaptive(self)
-
-  def _resolve_federation(self) -> None:
-    """Checks the partition; takes the clients and the split's SHA-256 from
-    a split file, refusing other given values."""
-    partition = RUN_PARAMETERS["partition"].check(self.partition)
-    path = data.splits.path_of(partition)
-    if path is None:
-      if partition not in (*data.PARTITIONS, data.CLIENT_DATA):
-        raise ValueError(f"partition={partition!r}; choose one of "
-                         f"{', '.join(data.PARTITIONS)}, or "
-                         f"{data.splits.PREFIX}SPLIT.json")
-      if self.split_sha256 is not None and partition != data.CLIENT_DATA:
-        raise ValueError(f"split_sha256 belongs to a split file's or "
-                         f"ClientData's clients, not partition={partition!r}")
-      if self.clients is None:
-        object.__setattr__(self, "clients", _run_default("clients"))
-      return
-    count, digest = data.splits.describe(path)
-    if self.clients is not None and self.clients != count:
-      raise ValueError(f"clients={self.clients}, but split file {path} holds "
-                       f"{count} clients; leave clients out")
-    if self.split_sha256 not in (None, digest):
-      raise ValueError(f"split file {path} has changed: its SHA-256 is {digest}, "
-                       f"not split_sha256={self.split_sha256}")
-    object.__setattr__(self, "clients", count)
-    object.__setattr__(self, "split_sha256", digest)
-
-  def _check_capture_rounds(self) -> None:
-    rounds = self.capture_rounds
-    if not isinstance(rounds, (list, tuple)) or not all(
-        isinstance(r, int) and not isinstance(r, bool) for r in rounds):
-      raise ValueError(f"capture_rounds must be a list of round numbers, got "
-                       f"{rounds!r}")
-    object.__setattr__(self, "capture_rounds", tuple(sorted(set(rounds))))
-    bad = [r for r in self.capture_rounds if not 1 <= r <= self.rounds]
-    if bad:
-      raise ValueError(f"capture_rounds must lie in [1, rounds={self.rounds}], "
-                       f"got {bad}")
-
-  def _check_attribute_inference(self) -> None:
-    for name in ("infer_attributes", "attribute_adversaries"):
-      value = getattr(self, name)
-      if not isinstance(value, (list, tuple)) or not all(
-          isinstance(v, str) for v in value):
-        raise ValueError(f"{name} must be a list of names, got {value!r}")
-      object.__setattr__(self, name, tuple(value))
-    if self.infer_attributes and not self.capture_rounds:
-      raise ValueError("infer_attributes attacks captured uploads: give "
-                       "capture_rounds too")
-    unknown = sorted(set(self.attribute_adversaries)
-                     - set(attribute_inference.ADVERSARIES))
-    if unknown or not self.attribute_adversaries:
-      raise ValueError(f"attribute_adversaries {unknown or '(none)'}: choose "
-                       f"from {', '.join(attribute_inference.ADVERSARIES)}")
-
-  @property
-  def sampled_per_round(self) -> int:
-    return self.clients_per_round or self.clients
-
-  def to_json(self) -> dict[str, Any]:
-    """The configuration as it reads back from config.json (`out` aside),
-    with every method and defence parameter resolved (defaults filled in),
-    so that equivalent configs compare equal."""
-    d = dataclasses.asdict(self)
-    d.pop("out")
-    d.pop("checkpoint_every")  # where it stops, not what it computes
-    d["method_kwargs"] = algorithms.method(self.method).resolve(self.method_kwargs)
-    # the options that differ from their defaults, none written when all do
-    # not (so that runs from before the field existed resume)
-    options = data.sources.DATA_PARAMETERS[self.dataset]
-    d["data_kwargs"] = {
-        k: v for k, v in data.sources.resolve_data_kwargs(
-            self.dataset, self.data_kwargs).items() if v != options[k].default}
-    if not d["data_kwargs"]:
-      d.pop("data_kwargs")
-    if self.defense is not None:
-      d["defense_kwargs"] = defenses.resolve(self.defense, self.defense_kwargs)
-    for name in ("evaluate_every", "evaluate"):  # as runs from before them
-      if d[name] == _run_default(name):
-        d.pop(name)
-    if not self.infer_attributes:  # no effect; runs from before it resume
-      d.pop("attribute_shadow_pool")
-    if self.split_sha256 is None:  # as runs from before the field existed
-      d.pop("split_sha256")
-    return io.canonical(d)
-
-
-def sample_clients(config: RunConfig, round_num: int) -> np.ndarray:
-  """The clients of `round_num`: sorted, without replacement, from (seed, round)."""
-  if config.sampled_per_round == config.clients:
-    return np.arange(config.clients)
-  rng = np.random.default_rng([config.seed, round_num, 0])
-  return np.sort(rng.choice(config.clients, config.sampled_per_round,
-                            replace=False))
-
-
-def local_order(num_samples: int, algorithm: algorithms.Algorithm,
-                config: RunConfig, round_num: int, client: int) -> np.ndarray:
-  """Indices of a client's samples in the order it uses them this round:
-  one batch (FedSGD) or a fresh permutation per local epoch."""
-  rng = np.random.default_rng([config.seed, round_num, client + 1])
-  if algorithm.local_data == "one_batch":
-    return rng.permutation(num_samples)[: config.batch_size]
-  return np.concatenate([rng.permutation(num_samples)
-                         for _ in range(algorithm.local_epochs)])
-
-
-def local_batches(num_samples: int, algorithm: algorithms.Algorithm,
-                  config: RunConfig) -> list[int]:
-  """The batch sizes of a client's round (`protocol.local_batch_sizes`)."""
-  return local_batch_sizes(num_samples, config.batch_size, algorithm.local_epochs,
-                           one_batch=algorithm.local_data == "one_batch")
-
-
-def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
-                   extra: Optional[dict[str, np.ndarray]] = None) -> tf.data.Dataset:
-  """(x, y) in order, cut into consecutive batches of `batch_sizes`; `extra`
-  per-client inputs join every batch."""
-  # Dataset.batch cuts each run of equal batches ending in a smaller one (a
-  # local epoch). Joining `extra` needs Dataset.map, whose function would be
-  # traced for every client: `_batches_with` traces it once per signature.
-  if not extra:
-    return _concatenated_runs(batch_sizes, lambda start, count, size: (
-        tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-            x=x[start:start + count], y=y[start:start + count])).batch(size)))
-  extra = _as_arrays(extra)
-  join = _batches_with(_spec_of(x), _spec_of(y), _specs_of(extra))
-  return _concatenated_runs(batch_sizes, lambda start, count, size: join(
-      x[start:start + count], y[start:start + count], size, extra))
-
-
-def _concatenated_runs(batch_sizes: Sequence[int], run_of: Callable) -> tf.data.Dataset:
-  """The datasets `run_of(start, count, size)` of each run of equal batches
-  (`_batch_runs`: `count` samples from `start` cut into batches of `size`),
-  concatenated."""
-  ds, start = None, 0
-  for size, count in _batch_runs(batch_sizes):
-    run = run_of(start, count, size)
-    ds = run if ds is None else ds.concatenate(run)
-    start += count
-  return ds
-
-
-def _as_arrays(extra: dict) -> collections.OrderedDict:
-  return collections.OrderedDict((k, np.asarray(v)) for k, v in extra.items())
-
-
-def _specs_of(extra: collections.OrderedDict) -> tuple:
-  """(name, spec) of each of `extra`'s arrays: a hashable signature."""
-  return tuple((k, tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)))
-               for k, v in extra.items())
-
-
-def _joined(batches: tf.data.Dataset, extra) -> tf.data.Dataset:
-  """`batches` with the tensors of `extra` joined to each batch."""
-  consts = tf.data.Dataset.from_tensors(extra).repeat()
-  return tf.data.Dataset.zip((batches, consts)).map(
-      lambda batch, c: collections.OrderedDict(**batch, **c))
-
-
-class ClientFiles:
-  """Each client's training samples in files that the TFF workers read, so
-  that a round's datasets carry a folder and a sample order, not the
-  samples: the driver and the worker then hold only the batches in flight,
-  whatever the number of samples (`file_client_dataset`). A client's
-  folder, one file per sample (its x then its y, raw bytes), is written at
-  its first round, in a private temporary folder removed by `close`, when
-  this object is collected or at exit.
-
-  The folder holds `LOCK`, locked (``flock``) for as long as this object
-  lives: the kernel releases the lock when the process ends in any way, so
-  the next `ClientFiles` removes the folders whose lock it can take, even
-  those of processes in other PID namespaces sharing the temporary folder
-  (containers, Bazel's sandboxes), whose PIDs say nothing here. Only for
-  workers on this machine."""
-
-  PREFIX = "tff-privacy-clients-"
-  LOCK = ".lock"
-
-  def __init__(self, x: np.ndarray, y: np.ndarray,
-               client_indices: Sequence[np.ndarray]):
-    self.x, self.y, self.client_indices = x, y, client_indices
-    parent = tempfile.gettempdir()
-    _remove_orphaned_client_files(parent)
-    self._folder, lock = _locked_folder(parent, self.PREFIX, self.LOCK)
-    self._finalizer = weakref.finalize(self, _remove_locked_folder, self._folder, lock)
-    self._written: set[int] = set()
-
-  def folder(self, client: int) -> str:
-    """The folder of `client`'s samples x[indices], y[indices] (its
-    `client_indices`): file k holds the k-th; written if new."""
-    folder = os.path.join(self._folder, f"client_{client}")
-    if client not in self._written:
-      # whole or not at all; a half-written one goes with the run's folder
-      tmp = tempfile.mkdtemp(dir=self._folder, prefix=".tmp-")
-      for k, i in enumerate(self.client_indices[client]):
-        with open(os.path.join(tmp, str(k)), "wb") as f:
-          f.write(np.ascontiguousarray(self.x[i]).tobytes())
-          f.write(np.ascontiguousarray(self.y[i]).tobytes())
-      os.replace(tmp, folder)
-      self._written.add(client)
-    return folder
-
-  def close(self) -> None:
-    self._finalizer()
-
-
-def _locked_folder(parent: str, prefix: str, lock_name: str) -> tuple[str, int]:
-  """A new private folder `prefix`* in `parent` holding the file `lock_name`,
-  locked by the returned descriptor. Made under another name and renamed
-  once locked, so no cleaner ever sees one of its folders unlocked while
-  its process lives.
-
-  Raises:
-    OSError: the folder cannot be made or locked (a file system without
-      flock); nothing is left behind.
-  """
-  making = tempfile.mkdtemp(dir=parent, prefix=f".{prefix}new-")
-  lock = None
-  try:
-    lock = os.open(os.path.join(making, lock_name), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    folder = os.path.join(parent, prefix + os.path.basename(making)[len(f".{prefix}new-"):])
-    os.rename(making, folder)
-  except OSError:
-    if lock is not None:
-      os.close(lock)
-    shutil.rmtree(making, ignore_errors=True)
-    raise
-  return folder, lock
-
-
-def _remove_locked_folder(folder: str, lock: int) -> None:
-  shutil.rmtree(folder, ignore_errors=True)
-  os.close(lock)
-
-
-def _remove_orphaned_client_files(parent: str) -> None:
-  """Removes this user's `ClientFiles` folders in `parent` whose lock no
-  process holds, and those of earlier versions (named by their process id,
-  without a lock) whose process no longer runs. Any other folder without a
-  lock file is left alone."""
-  for name in os.listdir(parent):
-    if not name.startswith(ClientFiles.PREFIX):
-      continue
-    path = os.path.join(parent, name)
-    try:
-      status = os.lstat(path)
-      if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid():
-        continue
-      lock = os.open(os.path.join(path, ClientFiles.LOCK), os.O_RDONLY)
-    except FileNotFoundError:
-      if _ended_unlocked(name[len(ClientFiles.PREFIX):]):
-        shutil.rmtree(path, ignore_errors=True)
-      continue
-    except OSError:
-      continue
-    try:
-      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # its process still runs
-      os.close(lock)
-      continue
-    shutil.rmtree(path, ignore_errors=True)
-    os.close(lock)
-
-
-def _ended_unlocked(suffix: str) -> bool:
-  """Whether an unlocked folder named `suffix` after the prefix is an earlier
-  version's ('PID-random') whose process no longer runs."""
-  pid, dash, _ = suffix.partition("-")
-  return bool(dash) and pid.isdigit() and not _process_runs(int(pid))
-
-
-def _process_runs(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # another user's process
-    return True
-  return True
-
-
-def file_client_dataset(folder: str, specs: tuple[tf.TensorSpec, ...],
-                        order: np.ndarray, batch_sizes: Sequence[int],
-                        extra: Optional[dict[str, np.ndarray]] = None
-                        ) -> tf.data.Dataset:
-  """`client_dataset` of the samples x[order], y[order], read one at a time
-  from `folder` (`ClientFiles.folder`; x and y with `specs`) when the
-  dataset is iterated."""
-  extra = _as_arrays(extra or {})
-  batches = _file_batches(*specs, _specs_of(extra))
-  order = np.asarray(order, np.int64)
-  return _concatenated_runs(batch_sizes, lambda start, count, size: batches(
-      folder, order[start:start + count], size, extra))
-
-
-@functools.lru_cache(maxsize=None)
-def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
-  """A tf.function (folder, order, batch size, extra) -> batches of the
-  samples `order` read from the folder's files, joined by `extra`; traced
-  once for these specs."""
-  extra_spec = collections.OrderedDict(extra_specs)
-  shapes = [s.shape[1:] for s in (x_spec, y_spec)]
-  sizes = [s.dtype.size * shape.num_elements() for s, shape in zip((x_spec, y_spec), shapes)]
-
-  def decoded(raw, start, spec, shape, size):
-    return tf.reshape(tf.io.decode_raw(tf.strings.substr(raw, start, size), spec.dtype,
-                                       little_endian=sys.byteorder == "little"), shape)
-
-  def sample(folder, k):
-    raw = tf.io.read_file(tf.strings.join([folder, tf.strings.as_string(k)], "/"))
-    checked = tf.debugging.assert_equal(  # a file of other specs fails, not garbles
-        tf.strings.length(raw), sum(sizes), message="a client sample file of other specs")
-    with tf.control_dependencies([checked]):
-      raw = tf.identity(raw)
-    return collections.OrderedDict(
-        x=decoded(raw, 0, x_spec, shapes[0], sizes[0]),
-        y=decoded(raw, sizes[0], y_spec, shapes[1], sizes[1]))
-
-  @tf.function(input_signature=(tf.TensorSpec([], tf.string), tf.TensorSpec([None], tf.int64),
-                                tf.TensorSpec([], tf.int64), extra_spec))
-  def batches(folder, order, size, extra):
-    samples = tf.data.Dataset.from_tensor_slices(order).map(
-        lambda k: sample(folder, k), num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True).batch(size)
-    return _joined(samples, extra) if extra_spec else samples
-
-  return batches
-
-
-def _spec_of(samples: np.ndarray) -> tf.TensorSpec:
-  """The spec of `samples`, their number left open."""
-  return tf.TensorSpec((None, *samples.shape[1:]), tf.as_dtype(samples.dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def _batches_with(x_spec, y_spec, extra_specs: tuple) -> Callable:
-  """A tf.function (x, y, batch size, extra) -> batches of (x, y) joined by
-  `extra`, traced once for these specs."""
-  extra_spec = collections.OrderedDict(extra_specs)
-
-  @tf.function(input_signature=(x_spec, y_spec, tf.TensorSpec([], tf.int64),
-                                extra_spec))
-  def batches(x, y, size, extra):
-    ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
-    return _joined(ds.batch(size), extra)
-
-  return batches
-
-
-def _batch_runs(batch_sizes: Sequence[int]) -> list[tuple[int, int]]:
-  """(batch size, samples) of each run of equal batches that Dataset.batch
-  cuts alike: a run ends after a smaller batch, e.g. [4, 4, 2, 4, 4, 2] ->
-  [(4, 10), (4, 10)]."""
-  runs: list[list] = []  # [size, samples, ended]
-  for b in batch_sizes:
-    if runs and not runs[-1][2] and b <= runs[-1][0]:
-      runs[-1][1] += b
-      runs[-1][2] = b < runs[-1][0]
-    else:
-      runs.append([b, b, False])
-  return [(size, count) for size, count, _ in runs]
-
-
-class _NotRetracing(logging.Filter):
-  """Drops TensorFlow's retracing warning about Evaluator functions: each
-  Evaluator traces its functions once, and TensorFlow's detector counts
-  those traces over every instance (a leaderboard process makes one per
-  row), which is not retracing."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    message = record.getMessage()
-    return not ("triggered tf.function retracing" in message
-                and "Evaluator." in message)
-
-
-def _quiet_retracing_warnings() -> None:
-  logger = tf.get_logger()
-  if not any(isinstance(f, _NotRetracing) for f in logger.filters):
-    logger.addFilter(_NotRetracing())
-
-
-def _eval_chunks(count: int, indices: Optional[np.ndarray]):
-  """(positions, samples) of each `_EVAL_CHUNK` of `count` samples: a slice
-  of the positions, and the samples' indices there (the slice itself
-  where `indices` is None)."""
-  for start in range(0, count, _EVAL_CHUNK):
-    positions = slice(start, start + _EVAL_CHUNK)
-    yield positions, positions if indices is None else indices[positions]
-
-
-class Evaluator:
-  """The task's metrics (`tff_privacy.tasks`) of a model given its weights
-  on given samples, in plain TensorFlow (one trace for every weights and
-  sample count)."""
-
-  def __init__(self, spec: models.ModelSpec):
-    self._model = spec.keras()
-    self.task = spec.task_object
-    weights = [tf.TensorSpec(v.shape, v.dtype)
-               for v in self._model.trainable_variables]
-    _quiet_retracing_warnings()
-    self._sums = tf.function(self._sums_fn, input_signature=[
-        weights, tf.TensorSpec((None,) + spec.input_shape, tf.float32),
-        tf.TensorSpec((None,) + self.task.label_shape(spec.input_shape), tf.int32)])
-    self._group_sums = tf.function(self._group_sums_fn, input_signature=[
-        weights, tf.TensorSpec((None,) + spec.input_shape, tf.float32),
-        tf.TensorSpec((None,) + self.task.label_shape(spec.input_shape), tf.int32),
-        tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.int32)])
-
-  def _sums_fn(self, weights, x, y):
-    for v, w in zip(self._model.trainable_variables, weights):
-      v.assign(w)
-    totals = tf.zeros([len(self.task.sum_names)])
-    for xb, yb in tf.data.Dataset.from_tensor_slices((x, y)).batch(_EVAL_BATCH):
-      totals += tf.stack(self.task.sums(self._model(xb, training=False), yb))
-    return totals
-
-  def _group_sums_fn(self, weights, x, y, groups, num_groups):
-    for v, w in zip(self._model.trainable_variables, weights):
-      v.assign(w)
-    totals = tf.zeros([num_groups, len(self.task.sum_names)])
-    for xb, yb, gb in tf.data.Dataset.from_tensor_slices((x, y, groups)).batch(_EVAL_BATCH):
-      per_sample = tf.vectorized_map(
-          lambda pair: tf.stack(self.task.sums(pair[0][None], pair[1][None])),
-          (self._model(xb, training=False), yb))
-      totals += tf.math.unsorted_segment_sum(per_sample, gb, num_groups)
-    return totals
-
-  def scores(self, weights: Sequence[np.ndarray], x: np.ndarray,
-             y: np.ndarray, indices: Optional[np.ndarray] = None
-             ) -> dict[str, float]:
-    """Every metric of the task on (x, y), or on its samples `indices`; an
-    empty set is refused. Reads `_EVAL_CHUNK` samples at a time, so the
-    memory it takes does not grow with the set (x may be a memmap)."""
-    count = len(y) if indices is None else len(indices)
-    if not count:
-      raise ValueError("no samples to score: a model has no metrics on an "
-                       "empty set")
-    weights = [tf.constant(w) for w in weights]
-    sums = np.zeros(len(self.task.sum_names))
-    for _, samples in _eval_chunks(count, indices):
-      sums += self._sums(weights, x[samples], y[samples]).numpy()
-    return self.task.scores([float(v) for v in sums], count)
-
-  def scores_by_group(self, weights: Sequence[np.ndarray], x: np.ndarray,
-                      y: np.ndarray, groups: np.ndarray, num_groups: int,
-                      indices: Optional[np.ndarray] = None
-                      ) -> list[Optional[dict[str, float]]]:
-    """Every metric of the task on each group of (x, y), or of its samples
-    `indices` (`groups` holds each of those samples' group in [0,
-    num_groups)), one model, in one pass: the same as `scores` on each
-    group's samples, without a call per group; None for a group without
-    samples."""
-    weights = [tf.constant(w) for w in weights]
-    groups = np.asarray(groups, np.int32)
-    sums = np.zeros((num_groups, len(self.task.sum_names)))
-    for positions, samples in _eval_chunks(len(groups), indices):
-      sums += self._group_sums(weights, x[samples], y[samples],
-                               groups[positions], num_groups).numpy()
-    counts = np.bincount(groups, minlength=num_groups)
-    return [self.task.scores([float(v) for v in sums[g]], int(counts[g]))
-            if counts[g] else None for g in range(num_groups)]
-
-  def __call__(self, weights: Sequence[np.ndarray], x: np.ndarray,
-               y: np.ndarray) -> tuple[float, float]:
-    """(the task's primary metric, e.g. accuracy; mean loss) on (x, y)."""
-    scores = self.scores(weights, x, y)
-    return scores[self.task.primary_metric], scores["loss"]
+from tff_privacy.runs.checkpoints import (checkpoint_manager, load_latest,
+                                          pinned_as_saved, recorded_config)
+from tff_privacy.runs.clients import (ClientFiles, client_dataset,
+                                      file_client_dataset, local_batches,
+                                      local_order, sample_clients, spec_of)
+from tff_privacy.runs.config import (DATASET_PROTOCOLS, LOCAL_AFTER_TRAINING,
+                                     LOCAL_SAMPLING, RUN_PARAMETERS,
+                                     DatasetProtocol, RunConfig, check_config,
+                                     check_workers, default_model, run_default,
+                                     with_protocol)
+from tff_privacy.runs.evaluation import Evaluator
+from tff_privacy.runs.outputs import (CANARY_COSINES, MODEL_WEIGHTS,
+                                      PERSONAL_MODELS, spread,
+                                      clean_uploads_unavailable,
+                                      client_defense_measurements,
+                                      load_model_weights, record_canary_cosines,
+                                      round_attribute_rates,
+                                      server_step_measurements, shown_metrics,
+                                      train_measurements, update_fidelity,
+                                      write_capture, write_final_models)
+from tff_privacy.updates import ClientPlacedCapture
+
+# the run's public names, those of the modules it is made of included
+# (`tff_privacy.runs`), so that `runner.RunConfig` and `runner.run` serve
+__all__ = [
+    "CANARY_COSINES", "ClientFiles", "DATASET_PROTOCOLS", "DatasetProtocol",
+    "Evaluator", "LOCAL_AFTER_TRAINING", "MODEL_WEIGHTS", "PERSONAL_MODELS",
+    "RUN_PARAMETERS", "RoundClient", "Run", "RunConfig", "check_config",
+    "check_workers", "checkpoint_manager", "clean_uploads_unavailable",
+    "client_dataset", "client_defense_measurements", "default_model",
+    "file_client_dataset",
+    "load_model_weights", "local_batches", "local_order", "run",
+    "sample_clients", "server_step_measurements", "stacked_capture",
+    "train_measurements", "update_fidelity", "with_client_data",
+    "with_protocol"]
 
 
 def stacked_capture(uploads, weights) -> collections.OrderedDict:
@@ -811,31 +101,6 @@ def stacked_capture(uploads, weights) -> collections.OrderedDict:
       uploads=[np.stack([np.asarray(u[k]) for u in uploads])
                for k in range(len(uploads[0]))],
       upload_weights=np.asarray(weights, np.float32))
-
-
-def _spread(prefix: str, primary: str,
-            per_client: list[dict[str, float]]) -> dict[str, float]:
-  """'<prefix>_<metric>_mean' of every metric over clients' scores, and
-  '_std' and '_min' of the `primary` one; empty without clients."""
-  out = {}
-  for name in per_client[0] if per_client else ():
-    values = np.array([s[name] for s in per_client])
-    out[f"{prefix}_{name}_mean"] = float(values.mean())
-    if name == primary:
-      out.update({f"{prefix}_{primary}_std": float(values.std()),
-                  f"{prefix}_{primary}_min": float(values.min())})
-  return out
-
-
-def _scalar_metrics(tree, prefix: str = "") -> dict[str, float]:
-  """Flattens TFF's nested training metrics to 'a/b': float for scalars."""
-  out = {}
-  if isinstance(tree, dict):
-    for k, v in tree.items():
-      out.update(_scalar_metrics(v, f"{prefix}{k}/"))
-  elif np.ndim(tree) == 0:
-    out[prefix[:-1]] = float(tree)
-  return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1092,7 +357,7 @@ class Run:
       per_client = [by_client[c] for c in tested]
     primary = evaluator.task.primary_metric
     entry["clients_without_test_data"] = self.config.clients - len(tested)
-    entry.update(_spread("personal", primary, per_client))
+    entry.update(spread("personal", primary, per_client))
     entry[f"personal_{primary}_by_client"] = [s[primary] for s in per_client]
     return entry
 
@@ -1115,7 +380,7 @@ class Run:
           state["clients"][c.index] if self.personalized else None)
       per_client.append(evaluator.scores(weights, *self.fed.client_test_arrays(c.index)))
     return {"local_after_training_clients": len(per_client),
-            **_spread("local_after_training", evaluator.task.primary_metric,
+            **spread("local_after_training", evaluator.task.primary_metric,
                       per_client)}
 
   def round_data(self, round_num: int) -> list["RoundClient"]:
@@ -1133,7 +398,7 @@ class Run:
       sizes = local_batches(len(distinct), self.algorithm, self.config)
       if runtime.runs_on_this_machine() and len(order) >= len(idx):
         dataset = file_client_dataset(self._client_files.folder(int(client)),
-                                      (_spec_of(x), _spec_of(y)), order, sizes, extra)
+                                      (spec_of(x), spec_of(y)), order, sizes, extra)
       else:  # workers elsewhere; or a round on part of the client's samples
         dataset = client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
       out.append(RoundClient(
@@ -1163,7 +428,7 @@ class Run:
       return None
     return accounting.RoundEvent(
         event, self.algorithm.dp_relation or self._defense_class.dp_relation,
-        _LOCAL_SAMPLING)
+        LOCAL_SAMPLING)
 
   @property
   def _defense_class(self):
@@ -1191,7 +456,7 @@ class Run:
       eps, delta = accounting.simple_composition([pure] * rounds)
       return {"epsilon": eps, "delta": delta,
               "dp_relation": self._defense_class.dp_relation,
-              "dp_sampling": _LOCAL_SAMPLING + "; basic composition"}
+              "dp_sampling": LOCAL_SAMPLING + "; basic composition"}
     eps, delta = accounting.largest_rounds_epsilon(round_event, rounds,
                                                    self.config.dp_delta)
     return {"epsilon": eps, "delta": delta, "dp_relation": round_event.relation,
@@ -1214,144 +479,6 @@ class Run:
             **normalized, "protocol": self.algorithm.protocol}
 
 
-# Local DP is accounted per client over every round, sampled or not.
-_LOCAL_SAMPLING = ("none assumed: every round counts for every client (an upper "
-                   "bound when clients are sampled)")
-
-
-def _check_pixel_units(config: RunConfig) -> None:
-  """Refuses data_kwargs 'normalize' for the input perturbations stated in
-  the pixel units of [0, 1] images (FedEM's radius and clipping, FedRE's
-  perturbation='pixels'), which would act on normalised values."""
-  method = algorithms.method(config.method).resolve(config.method_kwargs)
-  if config.method == "fedem" or method.get("perturbation") == "pixels":
-    raise ValueError(f"data_kwargs 'normalize' and method {config.method!r}: "
-                     "its input perturbation is stated in pixel units of "
-                     "[0, 1] images; leave normalize out")
-
-
-def check_workers(config: RunConfig, remote: bool) -> None:
-  """Refuses workers on other machines (`remote`) for a defence whose
-  clients read files the run writes (`reads_run_files`): those workers do
-  not see them.
-
-  Raises:
-    ValueError: naming the defence.
-  """
-  if remote and getattr(defenses.DEFENSES.get(config.defense),
-                        "reads_run_files", False):
-    raise ValueError(f"--defense {config.defense} and --worker-addresses: its "
-                     f"clients read files the run writes under {config.out}, "
-                     "which workers elsewhere do not see; use --workers N")
-
-
-def check_config(config: RunConfig) -> None:
-  """Refuses an output path that is a file, or a folder holding a run made
-  with another config, naming every differing key with both values. The
-  exception is `rounds` above the rounds done, which resumes (except for
-  methods sized by the run, `Method.needs_federation`); fewer would leave
-  metrics.json and the final models at the rounds done."""
-  if os.path.exists(config.out) and not os.path.isdir(config.out):
-    raise ValueError(f"out={config.out!r} is a file; give a folder (new or "
-                     "holding this run)")
-  path = os.path.join(config.out, "config.json")
-  if not os.path.exists(path):
-    return
-  old, new = io.read_json(path), config.to_json()
-  old.pop(provenance.KEY, None)  # which code trained it: not its config
-  done = _rounds_done(config.out)
-  sized = algorithms.method(config.method).needs_federation
-  resumes = new["rounds"] > done and not sized
-  changed = _differences({**old, "rounds": None} if resumes else old,
-                         {**new, "rounds": None} if resumes else new)
-  if changed:
-    why = (f" (method {config.method!r} sizes itself by them: its noise spends "
-           "its budget over the run)" if sized else
-           f" ({done} done: a run resumes to more rounds only)")
-    raise ValueError(
-        f"{config.out} holds a run with another config (differs in "
-        + "; ".join(d + (why if d.startswith("rounds:") else "") for d in changed)
-        + "); choose another --out or delete it")
-
-
-_UNSET = object()  # a key that one config lacks
-
-
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-  """'key: OLD there, NEW now' for every key whose value differs between
-  `old` and `new`, in key order; JSON objects on both sides compared key by
-  key ('method_kwargs.local_epochs: ...')."""
-  out = []
-  for key in sorted(set(old) | set(new)):
-    a, b = old.get(key, _UNSET), new.get(key, _UNSET)
-    if a == b:
-      continue
-    if isinstance(a, dict) and isinstance(b, dict):
-      out.extend(_differences(a, b, f"{prefix}{key}."))
-    else:
-      out.append(f"{prefix}{key}: {_shown(a)} there, {_shown(b)} now")
-  return out
-
-
-def _shown(value: Any) -> str:
-  return "unset" if value is _UNSET else json.dumps(value)
-
-
-def _checkpoints(out: str) -> tff.program.FileProgramStateManager:
-  """The state manager of run folder `out` (it makes its folder)."""
-  return tff.program.FileProgramStateManager(
-      os.path.join(out, "checkpoints"), keep_total=2, keep_first=False)
-
-
-def _load_latest(manager, structure, config) -> tuple:
-  """(the last checkpointed state, its round), or (None, 0).
-
-  Raises:
-    ValueError: naming the folder, for a checkpoint of a state of another
-      form (one that another version of the method wrote)."""
-  try:
-    return asyncio.run(manager.load_latest(structure))
-  except (ValueError, TypeError) as e:
-    raise ValueError(
-        f"{os.path.join(config.out, 'checkpoints')}: its last checkpoint holds "
-        f"another form of {config.method}'s state than this version's, so the "
-        f"run cannot go on from it; remove that folder to train from round 1 "
-        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-
-
-def _rounds_done(out: str) -> int:
-  """The last round checkpointed in run folder `out`; 0 for none."""
-  if not os.path.isdir(os.path.join(out, "checkpoints")):
-    return 0
-  return max(asyncio.run(_checkpoints(out).get_versions()) or [0])
-
-
-def _recorded_config(config: RunConfig) -> dict[str, Any]:
-  """What config.json holds: `config.to_json()` and, under
-  `provenance.KEY`, the code versions that trained the run's checkpointed
-  rounds, this process's added when it has rounds left to train."""
-  path = os.path.join(config.out, "config.json")
-  done = _rounds_done(config.out)
-  saved = io.read_json(path) if done and os.path.exists(path) else {}
-  earlier = provenance.versions_of(saved) if done else []
-  now = [provenance.code_version()] if config.rounds > done else []
-  return {**config.to_json(), provenance.KEY: provenance.merged(earlier, now)}
-
-
-def _pinned_as_saved(config: RunConfig) -> RunConfig:
-  """`config` with the backbone fingerprint that the run in its folder
-  recorded (config.json's model_kwargs), unless it gives its own: a resumed
-  run refuses another backbone file."""
-  path = os.path.join(config.out, "config.json")
-  if "backbone_fingerprint" in config.model_kwargs or not os.path.isfile(path):
-    return config
-  saved = io.read_json(path).get("model_kwargs", {}).get("backbone_fingerprint")
-  if config.model not in LPM_MODELS or saved is None:
-    return config
-  return dataclasses.replace(
-      config, model_kwargs={**config.model_kwargs, "backbone_fingerprint": saved})
-
-
 def with_client_data(
     config: RunConfig, train_data: tff.simulation.datasets.ClientData,
     test_data: tff.simulation.datasets.ClientData
@@ -1364,7 +491,7 @@ def with_client_data(
   Raises:
     ValueError: for a partition other than the default or 'client_data'.
   """
-  if config.partition not in (_run_default("partition"), data.CLIENT_DATA):
+  if config.partition not in (run_default("partition"), data.CLIENT_DATA):
     raise ValueError(f"partition={config.partition!r} and train_data: the "
                      "ClientData gives the clients; leave partition out")
   source = data.load_source(config.dataset, config.data_dir, config.data_kwargs)
@@ -1402,7 +529,7 @@ def run(config: RunConfig, progress: bool = True,
                                    config.split_sha256 != federation.sha256()):
     raise ValueError("federation: its config is the one with_client_data "
                      "returned with it (partition 'client_data', its SHA-256)")
-  config = _pinned_as_saved(config)
+  config = pinned_as_saved(config)
   runtime.install_over_tffs_own()
   check_workers(config, runtime.serves_remotely())
   check_config(config)
@@ -1421,11 +548,11 @@ def run(config: RunConfig, progress: bool = True,
     runtime.check_mergeable(r.process(capture).next,
                             what + (" and capture" if capture else ""))
   os.makedirs(config.out, exist_ok=True)
-  io.write_json(os.path.join(config.out, "config.json"), _recorded_config(r.config))
-  manager = _checkpoints(config.out)
+  io.write_json(os.path.join(config.out, "config.json"), recorded_config(r.config))
+  manager = checkpoint_manager(config.out)
   runtime.limit_concurrent_calls(r.algorithm.concurrent_clients)
   initial = r.initial_state()
-  saved, done = _load_latest(manager, r.checkpoint_form(initial), config)
+  saved, done = load_latest(manager, r.checkpoint_form(initial), config)
   state = initial if saved is None else r.from_checkpoint(saved)
   metrics_path = os.path.join(config.out, "metrics.json")
   history = []
@@ -1449,23 +576,23 @@ def run(config: RunConfig, progress: bool = True,
     evaluated = r.evaluated(round_num)
     state, metrics = r.step(state, clients, r.returns_uploads(round_num))
     if r.central is not None and r.central.audit_canaries:
-      _record_canary_cosines(r, round_num, broadcast, r.server_weights(state))
+      record_canary_cosines(r, round_num, broadcast, r.server_weights(state))
     entry = {"round": round_num}
     if evaluated:
       entry.update(r.evaluate(evaluator, state))
       if config.evaluate == LOCAL_AFTER_TRAINING:
         entry.update(r.evaluate_local(evaluator, broadcast, clients, metrics, state))
-      shown = _shown_metrics(r.spec.task_object.primary_metric, entry)
+      shown = shown_metrics(r.spec.task_object.primary_metric, entry)
     entry.update(train_measurements(metrics["client_work"]["train"]))
     entry.update(client_defense_measurements(metrics, [c.index for c in clients]))
     entry.update(r.privacy_spent(round_num, history + [entry]))
     entry.update(server_step_measurements(metrics))
     if capture:
       captured = metrics["aggregator"]["captured"]
-      _write_capture(r, round_num, None if sent else broadcast, clients,
+      write_capture(r, round_num, None if sent else broadcast, clients,
                      captured, sent)
       entry.update(update_fidelity(r, broadcast, clients, captured))
-      entry.update(_attribute_inference(r, round_num))
+      entry.update(round_attribute_rates(r, round_num))
     entry["seconds"] = time.perf_counter() - start
     history.append(entry)
     io.write_json(metrics_path, history)
@@ -1482,229 +609,6 @@ def run(config: RunConfig, progress: bool = True,
       # generations frees them in milliseconds (a full collection: 0.5 s).
       gc.collect(1)
     bar.set_postfix({**shown, "loss": f"{entry['train_loss']:.4f}"})
-  _write_final_models(r, state)
+  write_final_models(r, state)
   return history
 
-
-def _shown_metrics(primary: str, entry: dict) -> dict[str, str]:
-  """The progress bar's view of an evaluated round: the primary metric of
-  the global model, else of the clients' own models."""
-  value = entry.get(f"test_{primary}", entry.get(f"personal_{primary}_mean"))
-  return {} if value is None else {primary: f"{value:.4f}"}
-
-
-def server_step_measurements(metrics) -> dict:
-  """What a round's server step reports, for metrics.json:
-  `server_update_rejected` (1 when TFF's finalizer rejected a non-finite
-  aggregate, so the global model did not move) and a custom server
-  aggregation's measurements (`server_aggregation/<name>`, per tensor
-  lists as they come)."""
-  out = {}
-  finalizer = metrics.get("finalizer") or {}
-  if "update_non_finite" in finalizer:
-    out["server_update_rejected"] = int(finalizer["update_non_finite"])
-  for name, value in (metrics.get("server_aggregation") or {}).items():
-    value = np.asarray(value)
-    out[f"server_aggregation/{name}"] = (value.item() if value.ndim == 0
-                                         else value.tolist())
-  return out
-
-
-def train_measurements(train) -> dict[str, float]:
-  """A round's train loss and accuracy (`train`: the client work's train
-  metrics), NaN where no client's training stayed finite: TFF's client work
-  drops the metrics of a client whose model change is not finite, and its
-  Keras means read the empty sums as 0."""
-  if "num_examples" in train and float(train["num_examples"]) == 0:
-    return {"train_loss": float("nan"), "train_accuracy": float("nan")}
-  return {"train_loss": float(train["loss"]),
-          "train_accuracy": float(train["sparse_categorical_accuracy"])}
-
-
-def client_defense_measurements(metrics, clients: Sequence[int] = ()) -> dict:
-  """What a round's client-side defence reports, for metrics.json, averaged
-  over the round's clients: `unperturbed_share` (the share of uploads it
-  left exactly as they were; only from a defence that acts on the update,
-  `UpdateDefense.acts_on_update`) and its own measurements as
-  '<defence>/<name>' (`tff_privacy.algorithms.defended`); its
-  `per_client_measurements` as '<defence>/<name>': {client index (a
-  string): its row, as a list} for each of the round's `clients`."""
-  out = {}
-  for name, value in (metrics["client_work"].get("defense") or {}).items():
-    if isinstance(value, dict):
-      out.update({f"{name}/{k}": float(v) for k, v in value.items()})
-    else:
-      out[name] = float(value)
-  for name, value in (metrics["client_work"].get("defense_per_client")
-                      or {}).items():
-    out.update({f"{name}/{k}": {str(c): np.asarray(rows)[c].tolist()
-                                for c in clients}
-                for k, rows in value.items()})
-  return out
-
-
-MODEL_WEIGHTS = "model_weights.npz"  # the final global model, by variable name
-PERSONAL_MODELS = "personal_models.npz"  # personalised: 'client_0003/conv1/kernel'
-# DP-FedAvg's canary clients: each round's cosines, 'cosines' [rounds, canaries]
-CANARY_COSINES = "canary_cosines.npz"
-
-
-def _record_canary_cosines(r: Run, round_num: int, before, after) -> None:
-  """Round `round_num`'s cosine between each canary client's direction and
-  the model's descent, appended to CANARY_COSINES (rows past the rounds a
-  resumed run kept are dropped), for the audit of every round's model
-  (`tff_privacy.audit.clients.audit_training`)."""
-  from tff_privacy.audit import clients  # here: tff_privacy.audit imports the runner
-  path = os.path.join(r.config.out, CANARY_COSINES)
-  kept = np.load(path)["cosines"][:round_num - 1] if os.path.exists(path) else []
-  now = clients.canary_cosines(r.central.audit_canaries, r.config.seed, before, after)
-  io.write_npz(path, {"cosines": np.concatenate([np.reshape(kept, (-1, len(now))),
-                                                 now[None]])})
-
-
-def _write_final_models(r: Run, state) -> None:
-  names = r.spec.variable_names()
-  if not r.personalized:
-    io.write_npz(os.path.join(r.config.out, MODEL_WEIGHTS),
-                 dict(zip(names, r.server_weights(state))))
-    return
-  io.write_npz(os.path.join(r.config.out, PERSONAL_MODELS), {
-      f"{data.client_id(c)}/{name}": w
-      for c, weights in enumerate(r.personal_weights(state))
-      for name, w in zip(names, weights)})
-
-
-def load_model_weights(out: str, spec: models.ModelSpec) -> list[np.ndarray]:
-  """The final global model of the run in `out`, in the model's order."""
-  with np.load(os.path.join(out, MODEL_WEIGHTS)) as f:
-    return [f[name] for name in spec.variable_names()]
-
-
-def _write_capture(r: Run, round_num: int, broadcast, clients, captured,
-                   sent=None) -> None:
-  count = int(captured["num_uploads"])
-  if count != len(clients):
-    raise RuntimeError(f"captured {count} uploads from {len(clients)} clients")
-  uploads = [(c.index, data.client_id(c.index), [u[i] for u in captured["uploads"]],
-              captured["upload_weights"][i], len(c.samples))
-             for i, c in enumerate(clients)]
-  meta = r.run_metadata()
-  defense_round = (r.client_defense.defense_round(round_num)
-                   if r.client_defense is not None else None)
-  UpdateStore(os.path.join(r.config.out, "updates")).write_round(
-      round_num, None if broadcast is None else list(broadcast), uploads, meta,
-      sent, defense_round)
-  GroundTruthStore(os.path.join(r.config.out, "ground_truth")).write_round(
-      round_num, [(c.index, c.x, c.y, c.attributes) for c in clients],
-      {"dataset": meta["dataset"], "value_range": meta["value_range"],
-       **{k: meta[k] for k in ("normalize",) if k in meta},
-       **_attribute_classes(r.fed.source)})
-
-
-def clean_uploads_unavailable(r: Run, clients) -> Optional[str]:
-  """Why `functional.simulate_upload` cannot reproduce exactly, from their
-  samples in their order, the uploads that `clients` (from `round_data`)
-  would send without a defence, decided by construction of the protocol;
-  None where it can: one gradient of the client's batch (FedSGD), or local
-  SGD over the client's samples in the order `local_order` drew them, which
-  one epoch keeps (and more epochs keep where every client's samples fit
-  one batch)."""
-  a, method = r.algorithm, f"method {r.config.method!r}"
-  if r.personalized:
-    return f"{method} keeps private client state: its clients train their own models"
-  if a.upload_kind not in attribute_inference.UPLOAD_KINDS:
-    return f"{method} uploads {a.upload_kind}, which is not simulated"
-  if r.central:
-    return (f"defense {r.config.defense!r} noises the aggregate on the server, "
-            "after the uploads")
-  if "dp_sample_rate" in a.protocol:
-    return (f"{method} draws its DP-SGD batches at random and clips and noises "
-            "every step")
-  if a.protocol.get("aggregation", "mean") != "mean":
-    return (f"the server aggregates by {a.protocol['aggregation']}, not by a "
-            "weighted mean")
-  if (a.upload_kind == "model_delta" and a.local_epochs > 1
-      and any(len(c.samples) > r.config.batch_size for c in clients)):
-    return (f"each of the {a.local_epochs} local epochs shuffles a client's "
-            "samples into new batches")
-  return None
-
-
-def update_fidelity(r: Run, broadcast: Sequence[np.ndarray], clients,
-                    captured) -> dict[str, Any]:
-  """metrics.json's utility of a captured round's aggregate update: the
-  weighted mean of the captured uploads (weights as the server's
-  aggregator got them) against the same weighted mean of the same clients'
-  clean uploads at the same `broadcast` model (`functional.simulate_upload`
-  from their samples), as 'update_cosine' and 'update_relative_error'
-  (`tff_privacy.metrics.updates.aggregate_fidelity`); without a defence,
-  cosine 1 and error 0 up to rounding. Clients of weight 0 (TFF's for a
-  non-finite update, which it sends as zeros) are left out of both means.
-  Where the clean uploads cannot be reproduced
-  (`clean_uploads_unavailable`), no client has a positive weight, or an
-  aggregate is zero or not finite, 'update_error_unavailable' says why
-  instead."""
-  reason = clean_uploads_unavailable(r, clients)
-  if reason is None:
-    defended = [[u[i] for u in captured["uploads"]] for i in range(len(clients))]
-    try:
-      return aggregate_fidelity(_clean_uploads(r, broadcast, clients), defended,
-                                captured["upload_weights"][:len(clients)])
-    except UndefinedFidelity as e:
-      reason = str(e)
-  return {"update_error_unavailable": reason}
-
-
-def _clean_uploads(r: Run, broadcast, clients) -> list[list[np.ndarray]]:
-  """What each of `clients` uploads without a defence at `broadcast`."""
-  model, weights = r.spec.keras(), [tf.constant(w) for w in broadcast]
-  return [[u.numpy() for u in functional.simulate_upload(
-      model, weights, tf.constant(c.x), tf.one_hot(c.y, r.spec.num_classes),
-      r.algorithm.upload_kind, r.algorithm.protocol, task=r.spec.task_object)]
-          for c in clients]
-
-
-def _check_adaptive(config: RunConfig) -> None:
-  if not config.infer_attributes:
-    raise ValueError("adaptive_adversaries is a kind of infer_attributes: "
-                     "give the attributes too")
-  if config.defense is None:
-    raise ValueError("adaptive_adversaries re-apply the clients' defence to "
-                     "their shadow uploads: give a client defence (--defense)")
-  cls = defenses.defense_class(config.defense)
-  if config.defense == defenses.DPFedAvg.name or (
-      getattr(cls, "needs_data", False) and not getattr(cls, "adaptive_from_run", False)):
-    raise ValueError(f"adaptive_adversaries re-apply the run's client defence "
-                     f"to their shadow uploads; defense={config.defense!r} "
-                     "cannot be re-applied from its parameters alone")
-
-
-def _attribute_inference(r: Run, round_num: int) -> dict[str, float]:
-  """metrics.json's attack success rates of the round's captured uploads:
-  'asr/<attribute>/<adversary>', 'balanced_asr/<attribute>/<adversary>',
-  their 95% intervals [low, high] ('asr_ci/...', 'balanced_asr_ci/...';
-  lists, which TensorBoard leaves out) and their chance rates
-  ('.../chance'); with `adaptive_adversaries`, the same rates and intervals
-  of the adaptive adversaries prefixed 'adaptive_'."""
-  entry = {}
-  for adaptive in (False, True)[:1 + r.config.adaptive_adversaries]:
-    prefix = "adaptive_" if adaptive else ""
-    for a in r.config.infer_attributes:
-      result = evaluate.infer_attributes_round(
-          os.path.join(r.config.out, "updates"), round_num, a,
-          adversaries=r.config.attribute_adversaries,
-          shadow_samples=r.config.attribute_shadow_samples,
-          shadow_pool=r.config.attribute_shadow_pool, seed=r.config.seed,
-          source=r.fed.source, adaptive=adaptive)
-      for kind in ("asr", "balanced_asr", "asr_ci", "balanced_asr_ci"):
-        entry.update({f"{prefix}{kind}/{a}/{n}": v for n, v in result[kind].items()})
-      if not adaptive:
-        entry[f"asr/{a}/chance"] = result["chance"]
-        entry[f"balanced_asr/{a}/chance"] = result["balanced_chance"]
-  return entry
-
-
-def _attribute_classes(source) -> dict[str, Any]:
-  if source.attributes is None:
-    return {}
-  return {"attributes": {a: list(c) for a, c in source.attributes.classes.items()}}
