@@ -6,9 +6,10 @@ s = 2^bits - 1 levels of |u_i| / ||u||, rounded up or down at random so
 that the upload is u in expectation. Nothing in tff_privacy is edited:
 
 * `@defenses.register` makes "qsgd" a defense like the package's own
-  (`--defense qsgd`, config checks, run metadata);
+  (`RunConfig(defense="qsgd")`, config checks, run metadata; installed as
+  a package's entry point, `tff-privacy train --defense qsgd` too);
 * `DISCLOSURE` says what an attacker who knows the defense can compute:
-  the rounding error's std on each tensor, Delta / sqrt(6) for the step
+  the rounding error's std on each tensor, estimated from the step
   Delta = ||u|| / s that the upload shows (`rounding_noise`). The
   noise-aware inversion (`ig_noise_aware`) reads that declaration, so it
   attacks QSGD's uploads beside plain IG;
@@ -37,17 +38,34 @@ from tff_privacy.listing import Listing
 from tff_privacy.params import Param, Params
 
 
+def level_step(sent: np.ndarray) -> float:
+  """The step Delta = ||u|| / s of a tensor's levels: the largest unit of
+  which every non-zero magnitude sent is a whole multiple (the smallest
+  magnitude over the fewest levels that divide them all); 0 for zeros."""
+  magnitudes = sent[sent > 0]
+  if magnitudes.size == 0:
+    return 0.0
+  smallest = magnitudes.min()
+  for k in range(1, 2 ** 16):
+    ratio = magnitudes / (smallest / k)
+    if np.all(np.abs(ratio - np.round(ratio)) < 1e-3 * ratio.max() / k + 1e-3):
+      return float(smallest / k)
+  return float(smallest)
+
+
 def rounding_noise(record) -> list[float]:
-  """The std of QSGD's rounding error on each tensor of an upload: a
-  tensor is sent in units of its norm over s, the step Delta that its
-  smallest non-zero entry shows (one level, in all but tiny tensors), and
-  a fraction p of a step rounds with variance Delta^2 p (1 - p), on
-  average Delta^2 / 6 over p."""
+  """An estimate of the std of QSGD's rounding error on each tensor of an
+  upload, from what the upload shows. An entry a fraction p of a step
+  above a level rounds with variance Delta^2 p (1 - p). Where most entries
+  lie below one level (few bits, large tensors), p is the entry's share of
+  a step and the mean variance is about Delta^2 times the share of
+  entries sent non-zero; where the levels are fine, p is spread evenly and
+  the mean variance is Delta^2 / 6. The smaller of the two is taken."""
   levels = []
   for u in record.upload:
-    sent = np.abs(np.asarray(u))
-    step = sent[sent > 0].min() if np.any(sent > 0) else 0.0
-    levels.append(float(step) / math.sqrt(6))
+    sent = np.abs(np.asarray(u, np.float64))
+    share = np.count_nonzero(sent) / max(sent.size, 1)
+    levels.append(level_step(sent) * math.sqrt(min(share, 1 / 6)))
   return levels
 
 

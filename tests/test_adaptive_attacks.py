@@ -157,6 +157,19 @@ def test_each_defense_is_answered_by_its_adaptive_attacks_or_listed_without():
     attacks.adaptive_attacks("nope")
 
 
+def test_a_defense_not_registered_here_leaves_plain_ig_and_refuses_adaptive_ones(
+    digits):
+  # a store captured under a plugin that this process does not have
+  record = record_of(digits[0][:1], digits[1][:1])
+  record = dataclasses.replace(record, metadata={
+      **record.metadata, "defense": {"name": "plugin_not_installed"}})
+  assert len(attacks.build("ig", iterations=1)([record])) == 1
+  with pytest.raises(attacks.UploadRefused, match=(
+      r"reads the transmitted_mask a defense declares \(soteria, sparsification\)"
+      r".*plugin_not_installed, which is not registered here")):
+    attacks.build("ig_masked", iterations=1)([record])
+
+
 def test_every_registered_defense_has_an_adaptive_attack_or_says_why_not():
   # over the registries, so that a new defense cannot leave it unsaid
   unanswered = attacks.without_adaptive_attack()

@@ -25,20 +25,26 @@ def own_defense():
   defenses.DEFENSES.unregister("qsgd")
 
 
-def test_qsgd_is_unbiased_and_its_declared_noise_is_its_rounding_error(own_defense):
+@pytest.mark.parametrize("bits, entries", [(2, 20000), (4, 2000), (8, 2000)])
+def test_qsgd_is_unbiased_and_its_declared_noise_is_its_rounding_error(
+    own_defense, bits, entries):
+  # few bits on many entries leave most below one level; many bits spread
+  # the rounding evenly: the declaration holds in both regimes
   rng = np.random.default_rng(0)
-  update = [tf.constant(rng.standard_normal(2000), tf.float32),
+  update = [tf.constant(rng.standard_normal(entries), tf.float32),
             tf.constant(rng.standard_normal((30, 40)) * 0.01, tf.float32)]
-  qsgd = own_defense.QSGD(bits=4)
-  uploads = [qsgd.apply(update, tf.constant([s, 7], tf.int64)) for s in range(200)]
+  qsgd = own_defense.QSGD(bits=bits)
+  uploads = [qsgd.apply(update, tf.constant([s, 7], tf.int64)) for s in range(100)]
+  levels = 2 ** bits - 1
   for k, u in enumerate(update):
     drawn = np.stack([up[k].numpy() for up in uploads])
-    # by hand: 15 levels of the norm; each entry within one level of u and
-    # u on average
-    step = np.linalg.norm(u.numpy()) / 15
+    # by hand: `levels` steps of the norm; each entry within one step of u
+    # and u on average
+    step = np.linalg.norm(u.numpy()) / levels
     assert np.all(np.abs(drawn - u.numpy()) <= step * (1 + 1e-5))
-    np.testing.assert_allclose(drawn.mean(0), u.numpy(), atol=4 * step / np.sqrt(200))
-    record = types.SimpleNamespace(upload=[drawn[0]], metadata={"defense": {"bits": 4}})
+    np.testing.assert_allclose(drawn.mean(0), u.numpy(), atol=5 * step / np.sqrt(100))
+    assert own_defense.level_step(np.abs(drawn[0])) == pytest.approx(step, rel=1e-4)
+    record = types.SimpleNamespace(upload=[drawn[0]], metadata={})
     declared = own_defense.rounding_noise(record)[0]
     assert declared == pytest.approx(np.std(drawn - u.numpy()), rel=0.1)
 

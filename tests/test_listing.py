@@ -79,11 +79,20 @@ def test_a_listing_states_its_strength_whole_and_its_label_once(quantization):
     Listing("X", scales=("huge",))
 
   @defenses.register
+  class Heir(quantization):  # inherits the listing: not listed twice
+    name = "heir_for_test"
+
+  @defenses.register
   class Twin(quantization):
     name = "twin_for_test"
+    LISTING = quantization.LISTING
 
   try:
     with pytest.raises(ValueError, match=r"listings share the labels \['Quantize'\]"):
       defaults.grid("compact")
-  finally:
     defenses.DEFENSES.unregister(Twin.name)
+    names = [e["name"] for e in defaults.grid("compact")["entries"]]
+    assert names.count("Quantize") == 1
+  finally:
+    for cls in (Heir, Twin):
+      defenses.DEFENSES.unregister(cls.name)

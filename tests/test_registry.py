@@ -70,8 +70,10 @@ def test_a_name_is_registered_once():
 
 def _plugin_package(tmp_path, group, target, module_text):
   """An installed distribution on `tmp_path` declaring entry point 'qsgd'
-  of `group` at `target`, its module `qsgd_plugin` holding `module_text`."""
-  (tmp_path / "qsgd_plugin.py").write_text(textwrap.dedent(module_text))
+  of `group` at `target` ('module:attribute'), its module holding
+  `module_text` (each test its own module name: imports are cached)."""
+  module = target.split(":")[0]
+  (tmp_path / f"{module}.py").write_text(textwrap.dedent(module_text))
   info = tmp_path / "qsgd_plugin-1.0.dist-info"
   info.mkdir()
   (info / "METADATA").write_text("Metadata-Version: 2.1\nName: qsgd-plugin\nVersion: 1.0\n")
@@ -80,17 +82,17 @@ def _plugin_package(tmp_path, group, target, module_text):
 
 def test_an_installed_packages_entry_point_registers_its_component(tmp_path,
                                                                    monkeypatch):
-  _plugin_package(tmp_path, "tff_privacy_test.widgets", "qsgd_plugin:Widget",
+  _plugin_package(tmp_path, "tff_privacy_test.widgets", "widget_plugin:Widget",
                   "class Widget:\n  pass\n")
   monkeypatch.syspath_prepend(str(tmp_path))
   registry = Registry("widget", "tff_privacy.disclosure", "tff_privacy_test.widgets")
   assert list(registry) == ["qsgd"]
-  assert registry["qsgd"].__module__ == "qsgd_plugin"
+  assert registry["qsgd"].__module__ == "widget_plugin"
 
 
 def test_an_entry_point_that_fails_to_load_is_left_out_with_a_warning(
     tmp_path, monkeypatch):
-  _plugin_package(tmp_path, "tff_privacy_test.broken", "qsgd_plugin:Missing",
+  _plugin_package(tmp_path, "tff_privacy_test.broken", "broken_plugin:Missing",
                   "x = 1\n")
   monkeypatch.syspath_prepend(str(tmp_path))
   registry = Registry("widget", "tff_privacy.disclosure", "tff_privacy_test.broken")
@@ -98,13 +100,33 @@ def test_an_entry_point_that_fails_to_load_is_left_out_with_a_warning(
     assert list(registry) == []
 
 
+def test_an_entry_point_named_unlike_its_component_is_left_out(tmp_path, monkeypatch):
+  # runs record the component's own name, which must be the one it is found by
+  _plugin_package(tmp_path, "tff_privacy_test.misnamed", "misnamed_plugin:Widget",
+                  "class Widget:\n  name = 'other'\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  registry = Registry("widget", "tff_privacy.disclosure", "tff_privacy_test.misnamed")
+  with pytest.warns(UserWarning, match="is named 'other', not 'qsgd'"):
+    assert list(registry) == []
+
+
+def test_a_registry_whose_builtin_import_fails_tries_again():
+  registry = Registry("widget", "tff_privacy_test_no_such_module", "tff_privacy_test.none")
+  for _ in range(2):  # not left empty for good by the first failure
+    with pytest.raises(ModuleNotFoundError):
+      list(registry)
+
+
 def test_the_cli_offers_a_plugin_defense_from_an_installed_package(tmp_path):
   # a fresh process: the plugin is found through its entry point alone
+  # its module reads the runner as it loads: the registry is read after
+  # the runner's import, not during it
   _plugin_package(tmp_path, "tff_privacy.defenses", "qsgd_plugin:Quantize", """
-      from tff_privacy import defenses
+      from tff_privacy import defenses, runner
       from tff_privacy.disclosure import Disclosure
 
       class Quantize(defenses.UpdateDefense):
+        name = "qsgd"
         DISCLOSURE = Disclosure(no_adaptive_attack="a test's plugin")
 
         def apply(self, update, seed, client=None):

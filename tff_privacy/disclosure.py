@@ -20,9 +20,11 @@ Each declaration is a function of a captured `tff_privacy.updates.UpdateRecord`:
   inputs, 'linf' per entry or 'l2' per sample (`ig_denoised` denoises within it).
 * `sensitive_region`: the client's privacy-sensitive pixels as [1, H, W, 1]
   0/1 (`ig_noise_aware`'s `region_tv_weight`).
-* `hypernetwork`: the `tff_privacy.models.hypernetwork.Hypernetwork` whose
-  weights the upload holds, generating the client's feature extractor from
-  its private embedding (`tailored_hyperfl`).
+* `hypernetwork`: the sizes {'embedding_dim', 'hidden_dim'} of the
+  hypernetwork whose weights the upload holds
+  (`tff_privacy.models.hypernetwork.Hypernetwork.for_model`), generating the
+  client's feature extractor from its private embedding
+  (`tailored_hyperfl`).
 
 A declaration raises `tff_privacy.attacks.UploadRefused` for an upload it
 cannot speak for (e.g. FedRE's noise on the pixels, not the upload), with

@@ -52,7 +52,9 @@ class Param:
     default: the paper's default, `REQUIRED`, or None for "chosen by the
       component" (then None is an accepted value).
     help: one line for `--help`.
-    choices: the accepted values, if they are few.
+    choices: the accepted values, if they are few, or a live collection
+      of them (a `tff_privacy.registry.Registry`), read when a value is
+      checked: its default is checked then, not at import.
     minimum, maximum: the valid range (None: unbounded);
       `exclusive_minimum` / `exclusive_maximum` make a bound open.
     flag: the command-line flag without its dashes (default: the name with
@@ -84,7 +86,8 @@ class Param:
                       "cli=False")
     if self.cli and self.flag is None:
       object.__setattr__(self, "flag", self.name.replace("_", "-"))
-    if self.default is not REQUIRED and self.default is not None:
+    live = not isinstance(self.choices, (tuple, list, set, frozenset))
+    if self.default is not REQUIRED and self.default is not None and not live:
       self.check(self.default)
 
   @property

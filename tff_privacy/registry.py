@@ -56,7 +56,11 @@ class Registry(Mapping):
     """
     if component is None:
       return lambda c: self.register(c, name=name)
-    name = name or getattr(component, "name", None)
+    own = getattr(component, "name", None)
+    if name is not None and own is not None and own != name:
+      raise ValueError(f"{self.kind} {_where(component)} is named {own!r}, "
+                       f"not {name!r}: runs record its own name")
+    name = name or own
     if not isinstance(name, str) or not name:
       raise ValueError(f"a {self.kind} needs a non-empty string `name` to be "
                        f"registered; got {name!r} for {component!r}")
@@ -101,21 +105,24 @@ class Registry(Mapping):
     if self._loaded:
       return
     self._loaded = True  # first: the imports below register into it
-    importlib.import_module(self.builtin)
+    try:
+      importlib.import_module(self.builtin)
+    except BaseException:
+      self._loaded = False  # read again, the import tried again
+      raise
     for entry in metadata.entry_points(group=self.group):
       try:
         loaded = entry.load()
+        if not inspect.ismodule(loaded):  # a module registers its own
+          self.register(loaded, name=entry.name)
       except Exception as e:  # noqa: BLE001 -- one broken plugin, not all
         warnings.warn(f"entry point {entry.name!r} of {self.group!r} "
-                      f"({entry.value}) did not load and is left out: {e}")
-        continue
-      if not inspect.ismodule(loaded):  # a module registers its own
-        self.register(loaded, name=entry.name)
+                      f"({entry.value}) is left out: {e}")
 
 
 def _same(a: Any, b: Any) -> bool:
-  """One component, also when its module was imported twice (a script run
-  as __main__ and imported again by name)."""
+  """One component, also when its module ran again (`importlib.reload`, a
+  notebook cell run again): the same class name in the same module."""
   return a is b or (getattr(a, "__qualname__", None) == getattr(b, "__qualname__", 0)
                     and _where(a) == _where(b))
 

@@ -80,18 +80,36 @@ def read(attack: str, records: Sequence[UpdateRecord],
       (a store without the fields it reads, a configuration it does not
       cover); the same records are refused on every try.
   """
+  if not declarations:  # an attack unaware of defenses reads none
+    return [{} for _ in records]
   out = []
   for record in records:
     defense = defense_of(record)
-    known = disclosure(defense) if defense else disclosures.NOTHING
+    known = _known(defense)
     values = {}
     for name in declarations:
-      if name not in known.declared():
+      if known is None or name not in known.declared():
+        makers = ", ".join(declaring(name)) or "none here"
         raise UploadRefused(
-            f"attack {attack!r} reads the {name} a defense declares; round "
-            f"{record.round_num} client {record.client_index} was uploaded "
-            f"under {defense or 'no defense'}, which declares none: use 'ig'")
+            f"attack {attack!r} reads the {name} a defense declares ({makers}); "
+            f"round {record.round_num} client {record.client_index} was "
+            f"uploaded under {defense or 'no defense'}, which "
+            f"{'is not registered here' if known is None else 'declares none'}: "
+            "use 'ig'")
       with refusing_unreadable(attack, record, name):
         values[name] = known.read(name, record)
     out.append(values)
   return out
+
+
+def _known(defense: Optional[str]) -> Optional[disclosures.Disclosure]:
+  """What `defense` discloses; nothing without a defense; None for one
+  that is not registered in this process (a plugin not installed here)."""
+  if defense is None:
+    return disclosures.NOTHING
+  return disclosure(defense) if defense in defenses() else None
+
+
+def declaring(name: str) -> list[str]:
+  """The defenses that make declaration `name`."""
+  return [d for d in defenses() if name in disclosure(d).declared()]

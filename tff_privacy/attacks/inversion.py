@@ -349,7 +349,9 @@ class GradientInversion(abc.ABC):
 
   def check_records(self, records: Sequence[UpdateRecord]) -> None:
     """Raises `UploadRefused` for an upload of a kind or a model's task the
-    attack does not handle, or of more than `max_examples` examples."""
+    attack does not handle, of more than `max_examples` examples, or, for
+    an adaptive attack, of a defense that does not declare what it reads
+    (`reads`; read again for `targets`)."""
     for record in records:
       if record.model_spec.task not in self.TASKS:
         raise UploadRefused(
@@ -368,6 +370,7 @@ class GradientInversion(abc.ABC):
             f"stands for {record.num_examples} examples, more than "
             f"max_examples={self.max_examples} (inverting that many images is "
             "slow and recovers little; raise --max-examples to try anyway)")
+    adaptive.read(self.name, records, self.reads())
 
   def plan(self, records: Sequence[UpdateRecord]) -> str:
     """One line: what the attack will do."""

@@ -36,9 +36,10 @@ def defense_class(name: str):
 
 
 def is_client_side(name: str) -> bool:
-  """Whether defense `name` transforms each client's upload (an
-  `UpdateDefense`), rather than the server's aggregate."""
-  return issubclass(defense_class(name), UpdateDefense)
+  """Whether defense `name` is registered and transforms each client's
+  upload (an `UpdateDefense`), rather than the server's aggregate."""
+  cls = DEFENSES.get(name)
+  return isinstance(cls, type) and issubclass(cls, UpdateDefense)
 
 
 def resolve(name: str, kwargs: dict) -> dict:

@@ -30,6 +30,8 @@ Reading of the details:
 
 from __future__ import annotations
 
+import functools
+import json
 from typing import Optional
 
 import numpy as np
@@ -45,12 +47,20 @@ from tff_privacy.params import Param, Params
 from tff_privacy.registry import DEFENSES
 
 
+@functools.lru_cache(maxsize=16)
+def _kernel_index(spec: str, layer: str) -> int:
+  """The index of `layer`'s kernel among the weights of the model of
+  `spec` (a `ModelSpec`'s JSON), built once."""
+  with tf.Graph().as_default():  # the architecture only, no eager state
+    return functional.kernel_index(ModelSpec.from_json(json.loads(spec)).keras(),
+                                   layer)
+
+
 def transmitted_rows(record) -> list[np.ndarray]:
   """1 everywhere but at the all-zero rows of the defended layer's kernel
   (the layer named in the record's metadata): the pruned rows."""
-  with tf.Graph().as_default():  # the architecture only, no eager state
-    index = functional.kernel_index(record.model_spec.keras(),
-                                    record.metadata["defense"]["layer"])
+  index = _kernel_index(json.dumps(record.model_spec.to_json(), sort_keys=True),
+                        record.metadata["defense"]["layer"])
   mask = [np.ones(np.shape(u), np.float32) for u in record.upload]
   kept = np.any(np.asarray(record.upload[index]) != 0, axis=1, keepdims=True)
   mask[index] = np.broadcast_to(kept, mask[index].shape).astype(np.float32)

@@ -75,7 +75,8 @@ def _listed() -> list[tuple[Listing, str, Optional[str]]]:
   out = [(m.listing, name, None) for name, m in METHODS.items()
          if getattr(m, "listing", None) is not None]
   for name, cls in DEFENSES.items():
-    listing = getattr(cls, "LISTING", None)
+    # its own: a subclass of a listed defense is not listed twice
+    listing = vars(cls).get("LISTING")
     if listing is not None:
       if listing.method not in METHODS or METHODS[listing.method].listing is None:
         raise ValueError(f"defense {name!r}: its listing's method="
