@@ -1,6 +1,6 @@
 """The built-in grids: `compact` (`make demo`: each entry at its default
-strength only, to keep near ten minutes on 2 cores: 578 s with 16 victims
-a row in a worktree), `cnn` (the same under a small CNN at batches of 1
+strength only, to keep within ten minutes on 2 cores: 270 s with 16
+victims a row in a worktree, 578 s on a machine half as fast), `cnn` (the same under a small CNN at batches of 1
 and 8, each attack for 1000 iterations, where Inverting Gradients
 converges on a CNN's uploads), and `full` (three or four strengths of
 each defence, more rounds, clients and shadow samples, each attack for
