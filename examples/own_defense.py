@@ -31,7 +31,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tff_privacy import attacks, defenses
+from tff_privacy import attacks, defenses, runtime
 from tff_privacy.disclosure import Disclosure
 from tff_privacy.leaderboard import board, defaults, grid, report
 from tff_privacy.listing import Listing
@@ -109,6 +109,7 @@ def leaderboard_grid(small: bool) -> grid.Grid:
 
 
 def main(argv=None) -> int:
+  runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", required=True, help="the leaderboard's folder")
   parser.add_argument("--small", action="store_true",
@@ -116,7 +117,12 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   print("attacks that know qsgd:", ", ".join(attacks.adaptive_attacks("qsgd")))
   chosen = leaderboard_grid(args.small)
-  results = board.run(chosen, args.out)
+  runtime.start()  # this machine's private TFF worker, stopped at exit
+  try:
+    results = board.run(chosen, args.out)
+  except ValueError as e:  # a wrong --out: one line, as the CLI says it
+    print(f"own_defense.py: {e}", file=sys.stderr)
+    return 2
   print("report:", report.write(chosen, results, args.out))
   return 0
 
