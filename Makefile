@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEMO_OUT ?= results/leaderboard
 export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: venv demo test test-slow test-all bazel-test benchmark clean
+.PHONY: venv demo test test-slow test-all docs bazel-test benchmark clean
 
 # uv installs the lock in a third of pip's time (41 s against 126 s here,
 # bytecode compiled as pip does; make venv 49 s in all); --system-certs: the
@@ -50,6 +50,12 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(PYTEST) tests
 
+# The documentation site (mkdocs.yml): docs/ and the docstrings (mkdocstrings),
+# built offline into site/; --strict fails on any warning (a broken link, a
+# docstring naming a parameter the signature lacks). Open site/index.html.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # Every BUILD target, offline, with Debian's Bazel 4.2 and the .venv
 # interpreter (tools/bazel); installs bazel-bootstrap with apt when missing.
 bazel-test: $(STAMP)
@@ -63,4 +69,4 @@ benchmark: $(STAMP)
 
 clean:
 	-command -v bazel >/dev/null && bazel clean --expunge
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) results site .pytest_cache

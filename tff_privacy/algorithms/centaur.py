@@ -68,11 +68,14 @@ def build_centaur(
     keras_model_fn: returns the model (uncompiled, logits), initialised as
       the server's body and every client's classifier start; its last dense
       layer is the private classifier.
-    noise_multiplier, l2_norm_clip: the body's DP-SGD (sigma, C).
-    classifier_learning_rate, classifier_epochs: the classifier phase (0.1,
-      1 epoch).
-    learning_rate, local_epochs: the DP phase on the body (0.02, 5 epochs).
-    momentum, weight_decay: both optimisers' (0.5, 5e-4).
+    noise_multiplier: the body's DP-SGD noise multiplier sigma.
+    l2_norm_clip: the body's DP-SGD clip C.
+    classifier_learning_rate: the classifier phase's step (0.1).
+    classifier_epochs: the classifier phase's epochs (1).
+    learning_rate: the DP phase's step on the body (0.02).
+    local_epochs: the DP phase's epochs (5).
+    momentum: both optimisers' momentum (0.5).
+    weight_decay: both optimisers' weight decay (5e-4).
     batch_sampling: how the DP steps' batches are drawn, 'poisson' or
       'shuffle' (see `tff_privacy.algorithms.local_dp_sgd`).
     model_aggregator: aggregates the uploaded bodies, weighted by examples.

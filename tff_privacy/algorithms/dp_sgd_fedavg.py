@@ -88,10 +88,13 @@ def build_dp_sgd_fedavg(
   Args:
     keras_model_fn: returns the model (uncompiled, logits), initialised as
       the server's first model.
-    noise_multiplier, l2_norm_clip: the clients' DP-SGD (sigma, C).
-    learning_rate, local_epochs: the clients' SGD (0.02, 5 epochs; the data
-      set a client receives holds them all).
-    momentum, weight_decay: the clients' SGD (0.5, 5e-4).
+    noise_multiplier: the clients' DP-SGD noise multiplier sigma.
+    l2_norm_clip: the clients' DP-SGD clip C.
+    learning_rate: the clients' SGD step (0.02).
+    local_epochs: the clients' epochs (5; the data set a client receives
+      holds them all).
+    momentum: the clients' SGD momentum (0.5).
+    weight_decay: the clients' SGD weight decay (5e-4).
     server_learning_rate: the server's step on the mean delta (1).
     batch_sampling: how the DP steps' batches are drawn, 'poisson' or
       'shuffle' (see `tff_privacy.algorithms.local_dp_sgd`).

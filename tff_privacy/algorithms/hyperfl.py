@@ -115,10 +115,14 @@ def build_hyperfl(
     keras_model_fn: returns the target model (uncompiled, logits); its last
       dense layer is the private classifier, the rest is generated.
     seed: fixes the hypernetwork's initial weights.
-    embedding_dim, hidden_dim: the hypernetwork's sizes (paper: 64, 128).
-    classifier_learning_rate, classifier_epochs: eq. 4 (0.1, 1 epoch).
-    hypernetwork_learning_rate, hypernetwork_epochs: eq. 5 (0.02, 5 epochs).
-    momentum, weight_decay: both phases' SGD (0.5, 5e-4).
+    embedding_dim: the client embedding's size (paper: 64).
+    hidden_dim: the hypernetwork's hidden width (paper: 128).
+    classifier_learning_rate: eq. 4's step (0.1).
+    classifier_epochs: eq. 4's epochs (1).
+    hypernetwork_learning_rate: eq. 5's step (0.02).
+    hypernetwork_epochs: eq. 5's epochs (5).
+    momentum: both phases' SGD momentum (0.5).
+    weight_decay: both phases' SGD weight decay (5e-4).
     max_grad_norm: the gradient clip norm of eq. 5's phase (50).
     model_aggregator: aggregates the uploaded hypernetworks, weighted by the
       clients' numbers of samples (default

@@ -135,11 +135,16 @@ def build_pfedhn(
     personal_classifier: pFedHN-PC: generate the extractor only, keep a
       private classifier on each client.
     seed: fixes the hypernetwork's and the embeddings' initial values.
-    embedding_dim, hidden_dim: the hypernetwork's sizes (default embedding
-      1 + num_clients / 4; hidden 100).
-    learning_rate, local_epochs, momentum, weight_decay: the clients' SGD.
-    server_learning_rate, server_momentum, server_weight_decay: the
-      server's SGD on the hypernetwork and embeddings.
+    embedding_dim: the client embedding's size (default 1 + num_clients / 4).
+    hidden_dim: the hypernetwork's hidden width (default 100).
+    learning_rate: the clients' SGD step.
+    local_epochs: the clients' epochs.
+    momentum: the clients' SGD momentum.
+    weight_decay: the clients' SGD weight decay.
+    server_learning_rate: the server's SGD step on the hypernetwork and
+      embeddings.
+    server_momentum: that SGD's momentum.
+    server_weight_decay: that SGD's weight decay.
     server_aggregation: 'sum' or 'mean' of the round's directions.
     model_aggregator: receives the uploads (weighted by examples); only its
       measurements are used (an upload-capturing wrapper records there).

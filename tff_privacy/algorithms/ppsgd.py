@@ -61,12 +61,14 @@ def build_ppsgd(
     keras_model_fn: returns the model (uncompiled, logits), initialised as
       the server's body and every client's classifier start; its last dense
       layer is the private classifier.
-    noise_multiplier, l2_norm_clip: the body's DP-SGD (sigma, C).
-    classifier_learning_rate, learning_rate: the classifier's (0.1) and the
-      body's (0.02) SGD steps.
+    noise_multiplier: the body's DP-SGD noise multiplier sigma.
+    l2_norm_clip: the body's DP-SGD clip C.
+    classifier_learning_rate: the classifier's SGD step (0.1).
+    learning_rate: the body's SGD step (0.02).
     local_epochs: passes over the client's batches per round (5); the data
       set a client receives holds them all.
-    momentum, weight_decay: both optimisers' (0.5, 5e-4).
+    momentum: both optimisers' momentum (0.5).
+    weight_decay: both optimisers' weight decay (5e-4).
     batch_sampling: how the DP steps' batches are drawn, 'poisson' or
       'shuffle' (see `tff_privacy.algorithms.local_dp_sgd`).
     model_aggregator: aggregates the uploaded bodies, weighted by examples.

@@ -303,7 +303,9 @@ def infer_round(records, victim_attributes: np.ndarray, shadow_x: np.ndarray,
     records: `tff_privacy.updates.UpdateRecord`s of one round, one broadcast.
     victim_attributes: [clients] each record's client's attribute class
       (the most frequent one among its samples).
-    shadow_x, shadow_y, shadow_attributes: the adversary's shadow samples.
+    shadow_x: the adversary's shadow samples' inputs.
+    shadow_y: their labels.
+    shadow_attributes: their attribute classes.
     adversaries: names from `ADVERSARIES`.
     length: max-pooled length of an upload.
     seed: seeds the adversaries and the bootstrap.

@@ -157,9 +157,10 @@ def lpm_resnet(input_shape, num_classes, seed: int = 0,
       or none (a fixed feature extractor).
     adapter_reduction: channels over bottleneck width (the authors' ViT
       adapters use 16 on 384 channels; 4 suits these narrow stages).
-    pretrain_dataset, pretrain_epochs: the default backbone is pre-trained
-      on this bundled data set (which must not be the federated task's; the
-      runner checks) for this many epochs.
+    pretrain_dataset: the bundled data set the default backbone is
+      pre-trained on (it must not be the federated task's; the runner
+      checks).
+    pretrain_epochs: the epochs of that pre-training.
     backbone_fingerprint: the `tff_privacy.pretrained.fingerprint` of the
       backbone a run or record was made with (`pinned_kwargs`; runs record
       it in their config.json and update store); other weights are refused.
