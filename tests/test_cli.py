@@ -578,7 +578,7 @@ def test_sharded_attack_merges_into_the_unsharded_result(capsys, tmp_path,
 
 @pytest.mark.slow
 def test_readme_tour_runs_and_leaks(tmp_path):
-  """The README's tour as a user types it: FedSGD on mnist5k with 4-image
+  """The training guide's tour as a user types it: FedSGD on mnist5k with 4-image
   batches, then Inverting Gradients on round 1, in a few minutes; the
   reconstructions resemble the originals (the demo's mean SSIM is 0.6).
   A FedAvg delta of hundreds of images is refused with a one-line error."""
