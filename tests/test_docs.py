@@ -8,7 +8,7 @@ or is checked as the program it names would check it:
 * `sh`: `bash -n`, then each command: `tff-privacy SUB ...` through the
   CLI's own parser, and `train` on to its RunConfig (every check a run
   makes before training; nothing trains); `python FILE ...`: FILE exists
-  and takes every flag given; `make T`: a target of the Makefile; other
+  and takes every flag given, and the scripts in `RUN` run; `make T`: a target of the Makefile; other
   programs (ssh) only by `bash -n`;
 * `json`: parsed; `toml`: parsed, and an entry-point group it names is one
   of the registries';
@@ -34,6 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted([os.path.join(ROOT, "README.md")]
                + glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
 LANGUAGES = ("python", "sh", "json", "toml", "text")
+# scripts a shell block runs for real, since a later command reads what they
+# write (seconds each)
+RUN = {"experiments/write_split.py"}
 # a file a page includes whole, and the test that runs it
 INCLUDED = {"examples/own_defense.py": "tests/test_examples.py"}
 SNIPPET = re.compile(r'^--8<-- "([^"]+)"$')
@@ -124,6 +127,9 @@ def check_command(words):
     flags = [w.split("=")[0] for w in words[2:] if w.startswith("--")]
     missing = [f for f in flags if f'"{f}"' not in text]
     assert not missing, f"{script} takes no {missing}"
+    if script in RUN:
+      subprocess.run([sys.executable, path, *words[2:]], check=True,
+                     capture_output=True)
   elif program == "make":
     assert set(words[1:]) <= make_targets(), words
 

@@ -2,7 +2,7 @@
 
 A split file is a JSON object
 
-  {"clients": [{"train": [3, 17, ...], "test": [5, ...]}, ...]}
+    {"clients": [{"train": [3, 17, ...], "test": [5, ...]}, ...]}
 
 whose client k holds the samples `train` of the data set's training arrays
 and `test` of its test arrays (indices into `Source.x_train` and
