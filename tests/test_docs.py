@@ -1,5 +1,6 @@
-"""Every code block of the README and of the documentation site (docs/) runs
-or is checked as the program it names would check it:
+"""Every code block of the README, of the documentation site's pages
+(docs/) and of the docstrings its API reference shows runs, or is checked
+as the program it names would check it:
 
 * `python`: run as a script in a fresh interpreter, in an empty folder
   (slow: they train), and where the page goes on "prints `X`", X is in
@@ -17,6 +18,7 @@ or is checked as the program it names would check it:
 The tables of docs/threat-model.md are checked against the registries.
 """
 
+import ast
 import glob
 import json
 import os
@@ -46,7 +48,13 @@ FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 def code_blocks(path):
   """(language, code, line, after) of each fenced block of the page at
   `path`; `after`: the paragraph that follows it."""
-  blocks, lines = [], open(path).read().split("\n")
+  with open(path) as f:
+    return fenced_blocks(f.read())
+
+
+def fenced_blocks(text):
+  """(language, code, line, after) of each fenced block of Markdown `text`."""
+  blocks, lines = [], text.split("\n")
   i = 0
   while i < len(lines):
     opened = FENCE.match(lines[i])
@@ -63,8 +71,26 @@ def code_blocks(path):
   return blocks
 
 
+def docstring_blocks():
+  """The fenced blocks of the package's docstrings, which the API
+  reference shows: (file, line, language, code, after)."""
+  found = []
+  for path in sorted(glob.glob(os.path.join(ROOT, "tff_privacy", "**", "*.py"),
+                               recursive=True)):
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+        doc = ast.get_docstring(node)
+        for language, code, line, after in fenced_blocks(doc or ""):
+          found.append((os.path.relpath(path, ROOT), node.body[0].lineno + line - 1,
+                        language, code, after))
+  return found
+
+
 BLOCKS = [(os.path.relpath(page, ROOT), line, language, code, after)
-          for page in PAGES for language, code, line, after in code_blocks(page)]
+          for page in PAGES for language, code, line, after in code_blocks(page)
+          ] + docstring_blocks()
 
 
 def blocks_of(*languages):
@@ -77,6 +103,13 @@ def test_the_pages_have_blocks_of_known_languages_only():
   unknown = [f"{page}:{line}: {language or 'none'}"
              for page, line, language, _, _ in BLOCKS if language not in LANGUAGES]
   assert not unknown, f"give each block one of {LANGUAGES}: {unknown}"
+
+
+@pytest.mark.parametrize("language, code", blocks_of("text"))
+def test_text_blocks_hold_no_command_or_code(language, code):
+  first = code.strip().split("\n")[0]
+  assert not re.match(r"^(\.venv/|tff-privacy |python|make |import |from |\$ )", first), (
+      f"label this block with its language: {first}")
 
 
 def commands(code):
@@ -111,12 +144,16 @@ def make_targets():
     return set(re.findall(r"^([\w-]+):", f.read(), re.M))
 
 
+# programs a shell block may name that the checks below do not know
+SHELL_ONLY = {"for", "wait"}
+
+
 def check_command(words):
+  while words and (re.match(r"^\w+=", words[0]) or words[0] in ("time", "env")):
+    words = words[1:]  # VAR=value, time, env: the command they run
   program = os.path.basename(words[0])
   if program == "tff-privacy":
-    args = cli._parser().parse_args(words[1:])
-    if args.command == "train":
-      cli._config_from_args(args)
+    check_cli(words[1:])
   elif program.startswith("python") and words[1:2] != ["-c"]:
     script = words[2] if words[1] == "-m" else words[1]
     path = (os.path.join(ROOT, *script.split(".")) + ".py" if words[1] == "-m"
@@ -132,6 +169,25 @@ def check_command(words):
                      capture_output=True)
   elif program == "make":
     assert set(words[1:]) <= make_targets(), words
+  elif program == "ssh":  # ssh [-N -L SPEC] HOST ['COMMAND']
+    command = [w for w in words[1:] if not w.startswith("-") and ":" not in w][1:]
+    for inner in commands(" ".join(command)):
+      check_command(inner)
+  else:
+    assert program in SHELL_ONLY, f"{program}: no check for it; add one"
+
+
+def check_cli(argv):
+  """`tff-privacy` ARGV as the CLI checks it before it runs anything."""
+  args = cli._parser().parse_args(argv)
+  if args.command == "train":
+    cli._config_from_args(args)
+  elif args.command == "attack":
+    cli._attack_flags().given(args, args.attack)
+  elif args.command == "leaderboard" and args.entries:
+    from tff_privacy import leaderboard
+    grid = leaderboard.grid.parse(leaderboard.defaults.grid(args.scale))
+    leaderboard.grid.only(grid, args.entries)
 
 
 @pytest.mark.parametrize("language, code", blocks_of("sh"))
@@ -181,8 +237,50 @@ def test_python_blocks_run(code, after, tmp_path):
                         capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-3000:]
   if after.startswith("prints "):  # what the page says it prints, it prints
-    for said in re.findall(r"`([^`]+)`", after.split(":")[0]):
-      assert said in done.stdout, (said, done.stdout[-2000:])
+    said = printed_claims(after)
+    assert said, f"nothing in backticks after 'prints': {after[:80]}"
+    for claim in said:
+      assert printed(claim, done.stdout), (claim, done.stdout[-2000:])
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def printed_claims(paragraph):
+  """The backticked strings of `paragraph` before its first colon outside
+  backticks (what a block is said to print)."""
+  quoted, claims, current = False, [], ""
+  for char in paragraph[len("prints "):]:
+    if char == "`":
+      if quoted:
+        claims.append(current)
+      quoted, current = not quoted, ""
+    elif quoted:
+      current += char
+    elif char == ":":
+      break
+  return claims
+
+
+def printed(claim, output, tolerance=0.02):
+  """Whether `output` holds `claim`, its numbers within `tolerance` (float
+  results may round differently on another CPU)."""
+  pattern = re.escape(claim)
+  for number in NUMBER.findall(claim):
+    pattern = pattern.replace(re.escape(number), r"(-?\d+(?:\.\d+)?)", 1)
+  for match in re.finditer(pattern, output):
+    found = [float(g) for g in match.groups()]
+    if all(abs(f - float(n)) <= tolerance for f, n in zip(found, NUMBER.findall(claim))):
+      return True
+  return False
+
+
+def test_printed_claims_are_read_and_matched_as_a_reader_would():
+  after = "prints `ig SSIM 0.751` and `attacks: ig` (about 15 s): Soteria `x`"
+  assert printed_claims(after) == ["ig SSIM 0.751", "attacks: ig"]
+  assert printed("ig SSIM 0.751", "x\nig SSIM 0.76\n")
+  assert not printed("ig SSIM 0.751", "ig SSIM 0.80")
+  assert not printed("ig SSIM 0.751", "ig_masked SSIM 0.751")
 
 
 def table(page, heading):
@@ -212,3 +310,19 @@ def test_the_threat_models_tables_are_the_registries():
           for r in rows if r[0] in answered} == answered
   unanswered = table("threat-model.md", "The defenses that declare nothing")
   assert {r[0]: r[1] for r in unanswered} == attacks.without_adaptive_attack()
+
+
+def test_the_relations_table_is_the_mechanisms_own():
+  from tff_privacy.algorithms import fedre
+  from tff_privacy.audit.clients import TRAINING_RELATION
+  from tff_privacy.defenses.central import DPFedAvg
+  from tff_privacy.defenses.updates import LOCAL_RELATION
+  from tff_privacy.dp import dp_sgd
+  dp_fedavg = DPFedAvg(clip=1.0, noise_multiplier=1.0)
+  relations = [LOCAL_RELATION, dp_fedavg.round_event(200, 200).relation,
+               dp_fedavg.round_event(200, 16).relation, dp_sgd.RELATION,
+               fedre.SAMPLE_RELATION, TRAINING_RELATION]
+  cells = [row[1] for row in table("privacy/dp-accounting.md", "An epsilon means")]
+  assert len(cells) == len(relations)
+  for cell, relation in zip(cells, relations):
+    assert relation.startswith(cell), (cell, relation)

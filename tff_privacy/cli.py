@@ -1,8 +1,10 @@
 """`tff-privacy`: command-line entry point.
 
-    tff-privacy train --method fedsgd --dataset mnist5k --model lenet \\
-        --clients 10 --rounds 20 --batch-size 32 --seed 0 --capture-rounds 1 \\
-        --out results/run
+```sh
+tff-privacy train --method fedsgd --dataset mnist5k --model lenet \\
+    --clients 10 --rounds 20 --batch-size 32 --seed 0 --capture-rounds 1 \\
+    --out results/run
+```
 
 The flags of methods, defences and attacks are derived from their declared
 parameters (`tff_privacy.params`): a flag belongs to the components that

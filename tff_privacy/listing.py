@@ -5,10 +5,15 @@ Declared once, beside the component (a defense's `LISTING`, a `Method`'s
 from the registries when a grid is asked for, so a defense registered by a
 user's script or an installed package is on them too:
 
-    @defenses.register
-    class Quantization(defenses.UpdateDefense):
-      name = "qsgd"
-      LISTING = Listing("QSGD", parameter="bits", default=4, full_sweep=(2, 4, 8))
+```python
+from tff_privacy import defenses
+from tff_privacy.listing import Listing
+
+@defenses.register
+class Quantization(defenses.UpdateDefense):
+  name = "qsgd"
+  LISTING = Listing("QSGD", parameter="bits", default=4, full_sweep=(2, 4, 8))
+```
 """
 
 from __future__ import annotations

@@ -6,12 +6,16 @@ Everything else is derived from that list: the `tff-privacy` flags and their
 help, the checks of `--method-kwargs`, of config files and of Python calls,
 and the one-line error that names a wrong value and what is accepted.
 
-    PARAMETERS = Params(
-        Param("clip", float, help="clipping bound C", minimum=0,
-              exclusive_minimum=True),
-        Param("noise_multiplier", float, 1.0, "noise std over C", minimum=0))
-    PARAMETERS.resolve("defense 'ldp_gaussian'", {"clip": 1})
-    # -> {'clip': 1.0, 'noise_multiplier': 1.0}
+```python
+from tff_privacy.params import Param, Params
+
+PARAMETERS = Params(
+    Param("clip", float, help="clipping bound C", minimum=0,
+          exclusive_minimum=True),
+    Param("noise_multiplier", float, 1.0, "noise std over C", minimum=0))
+resolved = PARAMETERS.resolve("defense 'ldp_gaussian'", {"clip": 1})
+assert resolved == {"clip": 1.0, "noise_multiplier": 1.0}
+```
 """
 
 from __future__ import annotations

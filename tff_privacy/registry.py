@@ -3,18 +3,22 @@
 One registry per kind. A component registers itself with its kind's
 decorator, in this package or in a user's own script:
 
-    from tff_privacy import defenses
+```python
+from tff_privacy import defenses
 
-    @defenses.register
-    class Quantization(defenses.UpdateDefense):
-      name = "qsgd"
-      ...
+@defenses.register
+class Quantization(defenses.UpdateDefense):
+  name = "qsgd"
+  ...
+```
 
 and an installed package registers through the entry-point group of the
 kind (Python packaging's plugin convention), e.g. in its pyproject.toml:
 
-    [project.entry-points."tff_privacy.defenses"]
-    qsgd = "my_package.qsgd:Quantization"
+```toml
+[project.entry-points."tff_privacy.defenses"]
+qsgd = "my_package.qsgd:Quantization"
+```
 
 A registry imports its kind's built-in module and loads the entry points of
 its group the first time it is read, not when it is created: a lower layer

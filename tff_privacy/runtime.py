@@ -17,10 +17,12 @@ the main thread, so the program fails instead of hanging.
 
 Importing this module changes nothing. A program opts in:
 
-    from tff_privacy import runtime
-    runtime.install()   # TFF's default context: this worker, started on first use
-    ...                 # run computations, e.g. tff_privacy.runner.run(config)
-    runtime.stop()      # optional: also registered to run at exit
+```python
+from tff_privacy import runtime
+runtime.install()   # TFF's default context: this worker, started on first use
+...                 # run computations, e.g. tff_privacy.runner.run(config)
+runtime.stop()      # optional: also registered to run at exit
+```
 
 `start()` does the same and starts the worker at once. A program that runs
 TFF under its own execution context simply does not call either.

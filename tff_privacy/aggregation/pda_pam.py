@@ -5,13 +5,15 @@ Round t, K clients, the server's model w~ and uploads d_k (TFF's sign
 convention: d_k = w~ - w^k = eta g_k, the client's noisy gradient g_k times
 eq. 11's eta, see `tff_privacy.algorithms.fedre`):
 
-    eq. 10  alpha_l^k = exp(S_l(w^k; D)) / sum_j exp(S_l(w^j; D)), where
-            S_l(w^k; D) is the PSI score (eqs. 3-5) of tensor l of the
-            client's model w^k = w~ - d_k on the public set D with its regions
-    eq. 11  'paper':      aggregate_l = (1 / K) sum_k d_l^k / alpha_l^k
-            'normalized' (default): aggregate_l = sum_k beta_l^k d_l^k with
-                          beta_l^k = (1 / alpha_l^k) / sum_j (1 / alpha_l^j),
-                          i.e. softmax(-S_l) over clients
+```text
+eq. 10  alpha_l^k = exp(S_l(w^k; D)) / sum_j exp(S_l(w^j; D)), where
+        S_l(w^k; D) is the PSI score (eqs. 3-5) of tensor l of the
+        client's model w^k = w~ - d_k on the public set D with its regions
+eq. 11  'paper':      aggregate_l = (1 / K) sum_k d_l^k / alpha_l^k
+        'normalized' (default): aggregate_l = sum_k beta_l^k d_l^k with
+                      beta_l^k = (1 / alpha_l^k) / sum_j (1 / alpha_l^j),
+                      i.e. softmax(-S_l) over clients
+```
 
 and the server's optimizer applies w = w~ - lr * aggregate (lr 1 gives eq.
 11 with eta folded into d_k). Both rules favour uploads whose model reacts
@@ -51,7 +53,9 @@ scoring of each upload, a function of that upload, the broadcast model and
 the public set only (no client data), is mapped where the uploads are, and
 only the scores and weighted sums reach the server, in the form
 
-    sum_k d_k / alpha^k = e^(M - m) (sum_j e^(S^j - M)) (sum_k e^(m - S^k) d_k)
+```text
+sum_k d_k / alpha^k = e^(M - m) (sum_j e^(S^j - M)) (sum_k e^(m - S^k) d_k)
+```
 
 with M and m the largest and smallest score (`federated_max`/`min`), which
 never overflows except through e^(M - m) itself: that factor is capped at

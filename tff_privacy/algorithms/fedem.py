@@ -4,8 +4,10 @@ Round t (Algorithm 1, lines 3-14). The server broadcasts theta; client k,
 holding batch (x_k, y_k), draws a random perturbation delta_k, copies
 theta_u <- theta and repeats N times:
 
-    delta_k <- Proj(delta_k - alpha_u sign(grad_delta L(f_theta_u(t(x_k + delta_k)), y_k)))
-    theta_u <- theta_u - eta_u grad_theta_u L(f_theta_u(t(x_k + delta_k)), y_k)
+```text
+delta_k <- Proj(delta_k - alpha_u sign(grad_delta L(f_theta_u(t(x_k + delta_k)), y_k)))
+theta_u <- theta_u - eta_u grad_theta_u L(f_theta_u(t(x_k + delta_k)), y_k)
+```
 
 where Proj keeps rho_min <= ||delta_k|| <= rho_max; it then uploads the FedSGD
 gradient g_k = grad_theta L(f_theta(t(x_k + delta_k)), y_k) of the broadcast

@@ -6,10 +6,12 @@ and embedding, a local-only model) cannot travel through one. A
 `PersonalizedProcess` is the `tff.templates.IterativeProcess` such methods
 build instead::
 
-    initialize: ( -> S@SERVER)
-    next: (<S@SERVER, {D}@CLIENTS, {P}@CLIENTS>
-           -> <state=S@SERVER, client_states={P}@CLIENTS, metrics=M@SERVER>)
-    get_model_weights: (S -> W), the server's model, which it broadcasts
+```text
+initialize: ( -> S@SERVER)
+next: (<S@SERVER, {D}@CLIENTS, {P}@CLIENTS>
+       -> <state=S@SERVER, client_states={P}@CLIENTS, metrics=M@SERVER>)
+get_model_weights: (S -> W), the server's model, which it broadcasts
+```
 
 The private states P enter and leave the computation CLIENTS-placed, in the
 order of the clients' data sets, and reach neither the aggregator nor the

@@ -10,9 +10,13 @@ An attack registers itself with `register` (or, from an installed package,
 through the entry-point group 'tff_privacy.attacks'; see
 `tff_privacy.registry`):
 
-    @attacks.register
-    class MyInversion(attacks.InvertingGradients):
-      name = "my_ig"
+```python
+from tff_privacy import attacks
+
+@attacks.register
+class MyInversion(attacks.InvertingGradients):
+  name = "my_ig"
+```
 """
 
 from tff_privacy.attacks.adaptive import (defending_methods, defense_name,

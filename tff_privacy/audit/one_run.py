@@ -10,8 +10,10 @@ abstains on the rest. Of its r = 2k guesses, v are right. Under
 epsilon-randomised response, Binomial(r, q) with q = e^eps / (1 + e^eps),
 plus a term for delta (their Theorem 5.2):
 
-    P[right >= v] <= P[Bin(r, q) >= v]
-                     + 2 m delta max_{1<=i<=v} P[v - i <= Bin(r, q) < v] / i.
+```text
+P[right >= v] <= P[Bin(r, q) >= v]
+                 + 2 m delta max_{1<=i<=v} P[v - i <= Bin(r, q) < v] / i.
+```
 
 `p_value` is that right-hand side; an epsilon whose p-value lies below
 1 - confidence is refuted, and `epsilon_lower_bound` is the largest such

@@ -4,15 +4,17 @@ Layout under the data folder (as published: the LFW image archive unpacked,
 and the attribute file of Kumar et al., "Attribute and Simile Classifiers
 for Face Verification", ICCV 2009)::
 
-    lfw_attributes.txt                        tab-separated: comment lines
-                                              starting with '#', the last of
-                                              them the header '#, person,
-                                              imagenum, <73 attribute names>';
-                                              then per image its person, its
-                                              number and 73 classifier scores
-    lfw_funneled/<Person>/<Person>_<NNNN>.jpg 250 x 250 RGB images (or lfw/,
-                                              lfw-deepfunneled/); <Person> is
-                                              the name with '_' for spaces
+```text
+lfw_attributes.txt                        tab-separated: comment lines
+                                          starting with '#', the last of
+                                          them the header '#, person,
+                                          imagenum, <73 attribute names>';
+                                          then per image its person, its
+                                          number and 73 classifier scores
+lfw_funneled/<Person>/<Person>_<NNNN>.jpg 250 x 250 RGB images (or lfw/,
+                                          lfw-deepfunneled/); <Person> is
+                                          the name with '_' for spaces
+```
 
 Images are cropped to rows 70-194 and columns 78-171 and halved to 62 x 47
 (scikit-learn's `fetch_lfw_people(resize=0.5)` crop, the size RECUP-FL

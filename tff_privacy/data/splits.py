@@ -2,7 +2,10 @@
 
 A split file is a JSON object
 
-    {"clients": [{"train": [3, 17, ...], "test": [5, ...]}, ...]}
+```json
+{"clients": [{"train": [3, 17, 20], "test": [5, 8]},
+             {"train": [0, 4], "test": [1]}]}
+```
 
 whose client k holds the samples `train` of the data set's training arrays
 and `test` of its test arrays (indices into `Source.x_train` and

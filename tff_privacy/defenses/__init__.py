@@ -9,10 +9,14 @@ how it is shown and swept. It registers itself with `register`, in this
 package or in a user's own script (or, from an installed package, through
 the entry-point group 'tff_privacy.defenses'; see `tff_privacy.registry`):
 
-    @defenses.register
-    class Quantization(defenses.UpdateDefense):
-      name = "qsgd"
-      ...
+```python
+from tff_privacy import defenses
+
+@defenses.register
+class Quantization(defenses.UpdateDefense):
+  name = "qsgd"
+  ...
+```
 """
 
 from typing import Optional

@@ -9,11 +9,13 @@ moves its upload w so that they mispredict a. With P iterations of Q models
 sampled from the zoo and budget epsilon, 'recupfl' (Algorithm 1) is, from
 w^0 = w:
 
-    for p = 1..P:
-      x = w^(p-1)
-      meta-train (eq. 5), q = 1..Q-1:  x = x + (epsilon / Q) sign(d CE(S_q(x), a) / dx)
-      meta-test (eq. 6):               step = epsilon sign(d CE(S_Q(x), a) / dx)
-      w^p = w^(p-1) + step             (eqs. 7-8, line 22)
+```text
+for p = 1..P:
+  x = w^(p-1)
+  meta-train (eq. 5), q = 1..Q-1:  x = x + (epsilon / Q) sign(d CE(S_q(x), a) / dx)
+  meta-test (eq. 6):               step = epsilon sign(d CE(S_Q(x), a) / dx)
+  w^p = w^(p-1) + step             (eqs. 7-8, line 22)
+```
 
 and the attribute's perturbation is w^P - w. Only the meta-test steps reach
 the upload; the meta-train steps choose where the meta-test gradient is

@@ -3,13 +3,15 @@
 A client with total budget (epsilon, delta) over T rounds and PSI scores S_l
 of its L model tensors:
 
-    eq. 6  epsilon_l = epsilon (1 / S_l) / sum_t (1 / S_t)
-           (tensors that react more to the private region get less budget)
-    Corollary 1: sum_l delta_l = delta; here delta_l = delta / L (the paper
-           leaves the split open; an even split is the choice, see `split_delta`)
-    eq. 9  sigma_l = sqrt(2 T ln(1 / delta_l)) / epsilon_l
-           (layer l is clipped to C_l and gets Gaussian noise of std sigma_l
-           times its sensitivity, eq. 8)
+```text
+eq. 6  epsilon_l = epsilon (1 / S_l) / sum_t (1 / S_t)
+       (tensors that react more to the private region get less budget)
+Corollary 1: sum_l delta_l = delta; here delta_l = delta / L (the paper
+       leaves the split open; an even split is the choice, see `split_delta`)
+eq. 9  sigma_l = sqrt(2 T ln(1 / delta_l)) / epsilon_l
+       (layer l is clipped to C_l and gets Gaussian noise of std sigma_l
+       times its sensitivity, eq. 8)
+```
 
 Zero scores. Eq. 6 divides by S_l, and a tensor whose gradient does not
 react to the region at all (a layer of dead ReLUs) scores S_l = 0. Its
@@ -42,7 +44,9 @@ ones giving eq. 9. Round r's noise, eq. 9's for that round's share
 epsilon_{l,r} of a budget planned over T rounds (`paper_layer_epsilons`
 recovers it from any sigma), has therefore spent, after rounds 1..t,
 
-    sum_l sqrt(sum_{r <= t} epsilon_{l,r}^2 / T)    (`paper_epsilon_spent`)
+```text
+sum_l sqrt(sum_{r <= t} epsilon_{l,r}^2 / T)    (`paper_epsilon_spent`)
+```
 
 which is epsilon sqrt(t / T) when every round splits epsilon alike (epsilon
 at round T, more past it) and, by Cauchy-Schwarz, more than that when the

@@ -1,18 +1,21 @@
 """The leaderboard's grid: one protocol, one set of attacks, and the entries
 (a method, optionally a defence, and the strengths it is swept over).
 
-A grid is a JSON object; every key but `entries` has a default:
+A grid is a JSON object; every key but `entries` has a default (the
+protocol and the attacks take more keys than these):
 
-    {"protocol": {"dataset": "mnist5k_parity", "model": "cnn", "rounds": 20, ...},
-     "attacks": {"inversion": ["ig"], "iterations": 200, "victims": 4,
-                 "attribute": "parity", "shadow_samples": 200, ...},
-     "reference": "FedSGD",
-     "utility_target": 0.9,
-     "entries": [
-       {"name": "FedSGD", "method": "fedsgd"},
-       {"name": "DP Gaussian", "method": "fedsgd", "defense": "ldp_gaussian",
-        "defense_kwargs": {"clip": 1.0},
-        "sweep": {"noise_multiplier": [0.01, 0.1, 1.0]}, "default": 0.1}]}
+```json
+{"protocol": {"dataset": "mnist5k_parity", "model": "cnn", "rounds": 20},
+ "attacks": {"inversion": ["ig"], "iterations": 200, "victims": 4,
+             "attribute": "parity", "shadow_samples": 200},
+ "reference": "FedSGD",
+ "utility_target": 0.9,
+ "entries": [
+   {"name": "FedSGD", "method": "fedsgd"},
+   {"name": "DP Gaussian", "method": "fedsgd", "defense": "ldp_gaussian",
+    "defense_kwargs": {"clip": 1.0},
+    "sweep": {"noise_multiplier": [0.01, 0.1, 1.0]}, "default": 0.1}]}
+```
 
 `protocol` holds the `RunConfig` fields every entry shares (an entry may
 override some under its own "protocol", e.g. a method that needs its own

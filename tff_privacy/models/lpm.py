@@ -11,7 +11,9 @@ extractor, Table 2's first baselines).
 The adapter is the HyperFL authors' ViT adapter (a Houlsby et al. 2019
 bottleneck) on feature maps, after each stage:
 
-    y = x + (1 + g) * LN(U ReLU(D x + d) + u) + b,
+```text
+y = x + (1 + g) * LN(U ReLU(D x + d) + u) + b,
+```
 
 D (c -> c / `adapter_reduction`) and U (back to c) 1x1 convolutions, LN the
 normalisation over channels at each pixel (no statistics kept), g and b its

@@ -3,10 +3,12 @@ reacts to the pixels of a privacy-sensitive region.
 
 For one sample x with label y and model tensors w_1..w_L:
 
-    eq. 3  J_l(x) = d g_l(x) / d x,  g_l = d loss(x, y; w) / d w_l
-    eq. 4  J_l^R(x)[a, b] = || J_l(x)[..., a, b, :] ||_F   (over w_l's entries
-           and the channels, one value per pixel (a, b) of the region R)
-    eq. 5  S_l = mean of J_l^R(x) over the region's pixels
+```text
+eq. 3  J_l(x) = d g_l(x) / d x,  g_l = d loss(x, y; w) / d w_l
+eq. 4  J_l^R(x)[a, b] = || J_l(x)[..., a, b, :] ||_F   (over w_l's entries
+       and the channels, one value per pixel (a, b) of the region R)
+eq. 5  S_l = mean of J_l^R(x) over the region's pixels
+```
 
 Two exact implementations and one estimator:
 

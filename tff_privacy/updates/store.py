@@ -3,13 +3,15 @@
 
 Layout under the store's root::
 
-    manifest.json               format, run metadata, one entry per file
-    round_0001/broadcast.npz    the global model the server broadcast that round
-    round_0001/client_0007.npz  client 7's upload, tensors t000, t001, ... in the
-                                model's trainable-variable order
-    round_0001/sent_0007.npz    instead of broadcast.npz, for methods whose
-                                server sends each client its own model (pFedHN):
-                                what client 7 received
+```text
+manifest.json               format, run metadata, one entry per file
+round_0001/broadcast.npz    the global model the server broadcast that round
+round_0001/client_0007.npz  client 7's upload, tensors t000, t001, ... in the
+                            model's trainable-variable order
+round_0001/sent_0007.npz    instead of broadcast.npz, for methods whose
+                            server sends each client its own model (pFedHN):
+                            what client 7 received
+```
 
 Each client's manifest entry also holds its aggregation weight and the number
 of examples behind its upload (the distinct samples the client computed on
