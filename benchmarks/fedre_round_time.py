@@ -17,11 +17,16 @@ then `--rounds` timed rounds on round 1's clients, with no capture and no
 evaluation. The whole process tree (the driver and its TFF worker) is
 sampled every 0.5 s for its resident memory and killed above `--limit-mb`.
 
-Prints the median seconds per round of each method, then
-`ratio_fedre_over_fedavg=` and `peak_rss_mb_<method>=`.
+The two processes alternate `--repeats` times (FedAvg, FedRE, FedAvg,
+...): on these 2-core machines one process's rounds can run 30% slower
+than the next one's, so a single pair can mis-state the ratio. Each
+repeat prints its medians and ratio; the summary gives the median ratio
+over the repeats with their smallest and largest, then
+`ratio_fedre_over_fedavg=` (that median) and `peak_rss_mb_<method>=`
+(the largest over the repeats).
 
   python benchmarks/fedre_round_time.py [--setting docs|digits] [--rounds 3]
-      [--epsilon 50] [--fedre-kwargs JSON] [--limit-mb 12000]
+      [--repeats 3] [--epsilon 50] [--fedre-kwargs JSON] [--limit-mb 12000]
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--setting", choices=SETTINGS, default="docs")
   parser.add_argument("--rounds", type=_positive_int, default=3)
+  parser.add_argument("--repeats", type=_positive_int, default=3,
+                      help="alternations of the two methods' processes")
   parser.add_argument("--epsilon", type=_epsilon, default=50.0)
   parser.add_argument("--fedre-kwargs", type=_object, default={},
                       help="FedRE's parameters other than epsilon, a JSON object")
@@ -110,17 +117,23 @@ def main() -> None:
     config(args.setting, "fedre", "unused", fedre_kwargs)
   except ValueError as e:
     parser.error(f"--fedre-kwargs: {e}")
-  times, peaks = {}, {}
-  for method in METHODS:
-    times[method], peaks[method] = measured(method, args)
-  seconds = {m: statistics.median(times[m]) for m in METHODS}
   print(f"setting: {args.setting}, FedRE at epsilon {args.epsilon:g}"
         + (f" with {json.dumps(args.fedre_kwargs)}" if args.fedre_kwargs else ""))
-  print(", ".join(f"{m}: {seconds[m]:.3f} s/round" for m in METHODS)
-        + f" (medians of {args.rounds})")
-  print(f"ratio_fedre_over_fedavg={seconds['fedre'] / seconds['fedavg']:.2f} "
+  ratios, peaks = [], {m: 0 for m in METHODS}
+  for repeat in range(1, args.repeats + 1):
+    seconds = {}
+    for method in METHODS:
+      times, peak = measured(method, args)
+      seconds[method] = statistics.median(times)
+      peaks[method] = max(peaks[method], peak)
+    ratios.append(seconds["fedre"] / seconds["fedavg"])
+    print(f"repeat {repeat}: "
+          + ", ".join(f"{m}: {seconds[m]:.3f} s/round" for m in METHODS)
+          + f" (medians of {args.rounds}), ratio {ratios[-1]:.2f}", flush=True)
+  print(f"ratio over {args.repeats} repeats: median {statistics.median(ratios):.2f}, "
+        f"from {min(ratios):.2f} to {max(ratios):.2f}")
+  print(f"ratio_fedre_over_fedavg={statistics.median(ratios):.2f} "
         + " ".join(f"peak_rss_mb_{m}={peaks[m] // 2**20}" for m in METHODS))
-
 
 if __name__ == "__main__":
   main()
