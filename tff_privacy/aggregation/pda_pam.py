@@ -148,26 +148,24 @@ def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
   public_y = np.stack([p.y for p in sets])
   public_masks = np.stack([p.masks for p in sets])
 
+  # scoring and its exponents in one computation: each call of a
+  # computation per client costs a round trip through TFF's executor
   @tff.tensorflow.computation(trainable, trainable, np.int32)
-  def score(server_weights, update, profile):
-    client_model = [w - d for w, d in zip(server_weights, update)]
-    scores = psi.psi_scores(spec.keras(), client_model,
-                            tf.gather(public_x, profile),
-                            tf.gather(public_y, profile),
-                            tf.gather(public_masks, profile), loss_fn,
-                            pixels=pixels).scores
-    return tf.reduce_mean(scores, 0)
-
-  score_type = score.type_signature.result
-
-  @tff.tensorflow.computation(trainable, score_type)
-  def usable(update, scores):
-    """Each tensor's exponent of eq. 10 where it and its upload are finite;
+  def usable(server_weights, update, profile):
+    """Each tensor's exponent of eq. 10 (its PSI score on the public
+    samples of the client's profile) where it and its upload are finite;
     -inf (for the max) and inf (for the min) elsewhere."""
+    client_model = [w - d for w, d in zip(server_weights, update)]
+    scores = tf.reduce_mean(psi.psi_scores(
+        spec.keras(), client_model, tf.gather(public_x, profile),
+        tf.gather(public_y, profile), tf.gather(public_masks, profile),
+        loss_fn, pixels=pixels).scores, 0)
     if score_scale == "log":
       scores = tf.math.log(scores)
     ok = _finite(update, scores)
     return tf.where(ok, scores, -np.inf), tf.where(ok, scores, np.inf)
+
+  score_type = usable.type_signature.result[0]
 
   @tff.tensorflow.computation(trainable, usable.type_signature.result,
                               (score_type, score_type))
@@ -199,9 +197,8 @@ def build_pda_pam(spec, public: Union[PublicRegions, Sequence[PublicRegions]],
                              tff.FederatedType(trainable, tff.CLIENTS),
                              tff.FederatedType(np.int32, tff.CLIENTS))
   def aggregate(server_weights, updates, profiles):
-    scores = tff.federated_map(score, (tff.federated_broadcast(server_weights),
-                                       updates, profiles))
-    exponents = tff.federated_map(usable, (updates, scores))
+    exponents = tff.federated_map(usable, (tff.federated_broadcast(server_weights),
+                                           updates, profiles))
     high = tff.federated_max(exponents[0])
     low = tff.federated_min(exponents[1])
     bounds = tff.federated_broadcast(tff.federated_zip((high, low)))

@@ -809,7 +809,8 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
 
   @tff.tensorflow.computation(client_work.next.type_signature.parameter[2].member)
   def client_profile(dataset):
-    return dataset.reduce(tf.constant(0, tf.int32), lambda _, b: b[PROFILE_KEY])
+    # every batch carries the profile: the first's, without reading the rest
+    return dataset.take(1).reduce(tf.constant(0, tf.int32), lambda _, b: b[PROFILE_KEY])
 
   return compose_with_server_aggregation(
       initial_model_weights_fn, client_work,
