@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEMO_OUT ?= results/leaderboard
 export TF_CPP_MIN_LOG_LEVEL := 3
 
-.PHONY: venv demo test test-slow test-all docs bazel-test benchmark clean
+.PHONY: venv venv-torch demo test test-slow test-all docs bazel-test benchmark clean
 
 # uv installs the lock in a third of pip's time (41 s against 126 s here,
 # bytecode compiled as pip does; make venv 49 s in all); --system-certs: the
@@ -25,6 +25,13 @@ $(STAMP): requirements.lock setup.py tools/install_privacy_tests.py
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The HyperFL authors' PyTorch stack, for benchmarks/hyperfl_authors_fedavg.py's
+# baseline only (4.6 GB: PyPI's torch brings its CUDA libraries)
+TORCH_VENV := .venv-torch
+venv-torch:
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q -r benchmarks/authors-torch-requirements.txt
 
 # The compact leaderboard: every method and defence on the bundled digits,
 # attacked alike; a rerun reuses the finished rows.
@@ -69,4 +76,4 @@ benchmark: $(STAMP)
 
 clean:
 	-command -v bazel >/dev/null && bazel clean --expunge
-	rm -rf $(VENV) results site .pytest_cache
+	rm -rf $(VENV) $(TORCH_VENV) results site .pytest_cache

@@ -44,7 +44,12 @@ from tff_privacy.defenses import ClientView, UpdateDefense
 
 SEED_KEY = "seed"
 SEED_TYPE = tff.TensorType(np.int64, [2])
-_LOOP = tff.learning.LoopImplementation.DATASET_REDUCE  # TFF's default
+# How TFF's client updates step through a client's batches: a Python loop
+# over the dataset's iterator inside the client's graph rather than TFF's
+# default `Dataset.reduce`. The same batches in the same order; a FedAvg
+# round of HyperFL's MNIST setting runs 25-30% faster (1.7-2.1 s against
+# 2.5-3.0 s, benchmarks/hyperfl_authors_fedavg.py's round).
+CLIENT_LOOP = tff.learning.LoopImplementation.DATASET_ITERATOR
 
 
 def client_seed(run_seed: int, round_num: int, client: int) -> np.ndarray:
@@ -99,7 +104,7 @@ def model_delta_update(model_fn, optimizer: tff.learning.optimizers.Optimizer,
   update (the optimizer at its own hyperparameters, fresh each round)."""
   def build():
     update = model_delta_client_work.build_model_delta_update_with_tff_optimizer(
-        model_fn, weighting=weighting, loop_implementation=_LOOP)
+        model_fn, weighting=weighting, loop_implementation=CLIENT_LOOP)
     return functools.partial(update, optimizer)
   return LocalUpdate(model_fn, build)
 
@@ -107,7 +112,7 @@ def model_delta_update(model_fn, optimizer: tff.learning.optimizers.Optimizer,
 def fed_sgd_update(model_fn) -> LocalUpdate:
   """FedSGD's gradient: the update of TFF's `build_fed_sgd`."""
   return LocalUpdate(model_fn, lambda: fed_sgd._build_client_update(
-      model_fn(), loop_implementation=_LOOP))
+      model_fn(), loop_implementation=CLIENT_LOOP))
 
 
 def with_update_defense(local: LocalUpdate, defense: UpdateDefense,

@@ -70,7 +70,8 @@ def build_fedavg(
         model_fn, client_optimizer_fn=client_optimizer,
         server_optimizer_fn=server_optimizer,
         model_aggregator=model_aggregator or wide_mean_factory(),
-        metrics_aggregator=wide_sum_then_finalize)
+        metrics_aggregator=wide_sum_then_finalize,
+        loop_implementation=defended.CLIENT_LOOP)
   client_work = defended.with_update_defense(
       defended.model_delta_update(model_fn, client_optimizer), defense,
       wide_sum_then_finalize)

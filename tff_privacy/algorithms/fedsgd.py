@@ -44,7 +44,8 @@ def build_fedsgd(
     return tff.learning.algorithms.build_fed_sgd(
         model_fn, server_optimizer_fn=server_optimizer,
         model_aggregator=model_aggregator or wide_mean_factory(),
-        metrics_aggregator=wide_sum_then_finalize)
+        metrics_aggregator=wide_sum_then_finalize,
+        loop_implementation=defended.CLIENT_LOOP)
   client_work = defended.with_update_defense(
       defended.fed_sgd_update(model_fn), defense, wide_sum_then_finalize)
   return defended.compose_defended(model_fn, client_work, server_optimizer,
