@@ -326,3 +326,40 @@ def test_a_defended_client_uploads_tffs_own_update_defended(local):
       np.testing.assert_array_equal(gu, -wu)
   assert got.measurements["train"] == want.measurements["train"]
   assert float(got.measurements["defense"]["unperturbed_share"]) == 0.0
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsgd"])
+def test_undefended_rounds_equal_tffs_own_with_its_default_loop(method):
+  # the library's processes step through the batches by the dataset's
+  # iterator (defended.CLIENT_LOOP); TFF's defaults use Dataset.reduce
+  import collections
+
+  import tensorflow_federated as tff
+
+  from tff_privacy.aggregation.wide_sum import wide_mean_factory, wide_sum_then_finalize
+  from tff_privacy.algorithms import fedavg, fedsgd
+
+  spec = ModelSpec("mlp", (8, 8, 1), 3, {"hidden": (5,)})
+  model_fn = spec.tff_model_fn()
+  sgdm = tff.learning.optimizers.build_sgdm
+  if method == "fedavg":
+    ours = fedavg.build_fedavg(model_fn, client_learning_rate=0.3, client_momentum=0.9)
+    tffs = tff.learning.algorithms.build_weighted_fed_avg(
+        model_fn, client_optimizer_fn=sgdm(0.3, momentum=0.9),
+        server_optimizer_fn=sgdm(1.0), model_aggregator=wide_mean_factory(),
+        metrics_aggregator=wide_sum_then_finalize)
+  else:
+    ours = fedsgd.build_fedsgd(model_fn, server_learning_rate=0.3)
+    tffs = tff.learning.algorithms.build_fed_sgd(
+        model_fn, server_optimizer_fn=sgdm(0.3), model_aggregator=wide_mean_factory(),
+        metrics_aggregator=wide_sum_then_finalize)
+  rng = np.random.default_rng(0)
+  x = rng.uniform(size=(2, 7, 8, 8, 1)).astype(np.float32)
+  y = rng.integers(0, 3, size=(2, 7)).astype(np.int32)
+  clients = [tf.data.Dataset.from_tensor_slices(
+      collections.OrderedDict(x=x[c], y=y[c])).batch(3) for c in (0, 1)]
+  got, want = (p.next(p.initialize(), clients) for p in (ours, tffs))
+  for g, w in zip(ours.get_model_weights(got.state).trainable,
+                  tffs.get_model_weights(want.state).trainable):
+    np.testing.assert_array_equal(g, w)
+  assert got.metrics["client_work"] == want.metrics["client_work"]

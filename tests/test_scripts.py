@@ -60,3 +60,15 @@ def test_a_refused_flag_prints_one_line_and_no_traceback():
   assert result.returncode == 2
   assert "argument --repeats: takes an integer >= 1, got '0'" in result.stderr
   assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+@pytest.mark.slow
+def test_the_authors_baseline_refuses_a_folder_without_their_code(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "hyperfl_authors_fedavg.py"),
+       "--authors-code", str(tmp_path)], capture_output=True, text=True,
+      timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+  assert result.returncode == 2
+  assert (f"--authors-code: '{tmp_path}' has no cnn/methods/fedavg.py; give a clone "
+          "of the HyperFL authors' repository") in result.stderr
+  assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
