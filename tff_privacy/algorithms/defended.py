@@ -47,8 +47,8 @@ SEED_TYPE = tff.TensorType(np.int64, [2])
 # How TFF's client updates step through a client's batches: a Python loop
 # over the dataset's iterator inside the client's graph rather than TFF's
 # default `Dataset.reduce`. The same batches in the same order; a FedAvg
-# round of HyperFL's MNIST setting runs 25-30% faster (1.7-2.1 s against
-# 2.5-3.0 s, benchmarks/hyperfl_authors_fedavg.py's round).
+# round of HyperFL's MNIST setting takes about a third less time (1.7-2.1 s
+# against 2.5-3.0 s, benchmarks/hyperfl_authors_fedavg.py's round).
 CLIENT_LOOP = tff.learning.LoopImplementation.DATASET_ITERATOR
 
 
