@@ -27,7 +27,8 @@ $(STAMP): requirements.lock setup.py tools/install_privacy_tests.py
 venv: $(STAMP)
 
 # The HyperFL authors' PyTorch stack, for benchmarks/hyperfl_authors_fedavg.py's
-# baseline only (4.6 GB: PyPI's torch brings its CUDA libraries)
+# baseline only (4.6 GB: PyPI's torch brings its CUDA libraries); PYTHON
+# must be 3.8 to 3.11, which torch 2.0.1 has wheels for
 TORCH_VENV := .venv-torch
 venv-torch:
 	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)

@@ -14,7 +14,8 @@ compared with evaluates nothing; and the samples are ready float tensors,
 where their loaders turn each one from an image when it is read.
 
   python authors_fedavg_round.py --authors-code DIR --clients-file NPZ
-      --rounds N --times-file JSON [--threads 4]
+      --rounds N --times-file JSON [--threads 4] [--batch-size 50]
+      [--local-epochs 5]
 """
 
 from __future__ import annotations

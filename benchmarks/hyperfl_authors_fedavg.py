@@ -22,7 +22,7 @@ median over the repeats, with its smallest and largest) and
 `peak_rss_mb_<side>=` (the largest process-tree resident size).
 
   python benchmarks/hyperfl_authors_fedavg.py --authors-code DIR
-      [--torch-python .venv-torch/bin/python] [--torch-threads 4]
+      [--torch-python PYTHON] [--torch-threads 4]
       [--rounds 3] [--repeats 3] [--limit-mb 12000]
 """
 
@@ -48,16 +48,17 @@ from tff_privacy import runner, runtime
 from tff_privacy.cli import _positive_int
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TORCH_PYTHON = os.path.join(os.path.dirname(HERE), ".venv-torch", "bin", "python")
 AUTHORS_FILE = os.path.join("cnn", "methods", "fedavg.py")
-CLIENTS, SAMPLES = 20, 150
+CLIENTS, SAMPLES, BATCH, EPOCHS = 20, 150, 50, 5
 
 
 def config() -> runner.RunConfig:
   return runner.RunConfig(
       out="unused", method="fedavg", dataset="mnist5k", model="hyperfl_cnn",
-      clients=CLIENTS, batch_size=50, partition="label_groups",
+      clients=CLIENTS, batch_size=BATCH, partition="label_groups",
       samples_per_client=SAMPLES, seed=0,
-      method_kwargs=dict(local_epochs=5, client_learning_rate=0.02,
+      method_kwargs=dict(local_epochs=EPOCHS, client_learning_rate=0.02,
                          client_momentum=0.5, weight_decay=5e-4))
 
 
@@ -81,6 +82,7 @@ def authors_round(args, clients_file: str) -> tuple[list[float], int]:
         [args.torch_python, os.path.join(HERE, "authors_fedavg_round.py"),
          "--authors-code", args.authors_code, "--clients-file", clients_file,
          "--rounds", str(args.rounds), "--threads", str(args.torch_threads),
+         "--batch-size", str(BATCH), "--local-epochs", str(EPOCHS),
          "--times-file", times_file], args.limit_mb * 2**20)
     if outcome != "finished":
       sys.exit(f"the authors' round: {outcome} at peak_rss_mb={peak // 2**20}")
@@ -108,7 +110,7 @@ def main() -> None:
   runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--authors-code", help="a clone of Pengxin-Guo/HyperFL")
-  parser.add_argument("--torch-python", default=".venv-torch/bin/python",
+  parser.add_argument("--torch-python", default=TORCH_PYTHON,
                       help="the PyTorch virtualenv's Python (make venv-torch)")
   parser.add_argument("--torch-threads", type=_positive_int, default=4,
                       help="torch.set_num_threads of the authors' side "
@@ -127,9 +129,9 @@ def main() -> None:
   if args.authors_code is None:
     parser.error("--authors-code: required, a clone of the HyperFL authors' repository")
   _checked(parser, args)
-  print(f"setting: {CLIENTS} clients x {SAMPLES} samples, 5 local epochs of batch "
-        f"50, SGD lr 0.02 momentum 0.5 weight decay 5e-4; the authors' side at "
-        f"{args.torch_threads} torch threads", flush=True)
+  print(f"setting: {CLIENTS} clients x {SAMPLES} samples, {EPOCHS} local epochs of "
+        f"batch {BATCH}, SGD lr 0.02 momentum 0.5 weight decay 5e-4; the authors' "
+        f"side at {args.torch_threads} torch threads", flush=True)
   ratios, peaks = [], {"tff": 0, "authors": 0}
   with tempfile.TemporaryDirectory() as tmp:
     clients_file = os.path.join(tmp, "clients.npz")

@@ -59,7 +59,7 @@ def plain_tf_round_times(spec, datasets, rounds: int, lr: float) -> list[float]:
     for v, g in zip(model.trainable_variables, global_weights):
       v.assign(g)
     n = tf.constant(0.0)
-    for batch in dataset:
+    for batch in iter(dataset):  # the loop TFF's client updates run (defended.CLIENT_LOOP)
       with tf.GradientTape() as tape:
         loss = loss_fn(batch["y"], model(batch["x"], training=True))
       grads = tape.gradient(loss, model.trainable_variables)

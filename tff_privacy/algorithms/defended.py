@@ -44,11 +44,12 @@ from tff_privacy.defenses import ClientView, UpdateDefense
 
 SEED_KEY = "seed"
 SEED_TYPE = tff.TensorType(np.int64, [2])
-# How TFF's client updates step through a client's batches: a Python loop
-# over the dataset's iterator inside the client's graph rather than TFF's
-# default `Dataset.reduce`. The same batches in the same order; a FedAvg
-# round of HyperFL's MNIST setting takes about a third less time (1.7-2.1 s
-# against 2.5-3.0 s, benchmarks/hyperfl_authors_fedavg.py's round).
+# How TFF's client updates step through a client's batches: a loop over
+# the dataset's iterator (a graph while-loop over iterator ops) rather than
+# TFF's default `Dataset.reduce`. The same batches in the same order, the
+# same weights to the bit on CPU; a FedAvg round of HyperFL's MNIST setting
+# takes about a third less time (benchmarks/hyperfl_authors_fedavg.py's TFF
+# side: 1.66-2.01 s against 2.70-3.11 s).
 CLIENT_LOOP = tff.learning.LoopImplementation.DATASET_ITERATOR
 
 
