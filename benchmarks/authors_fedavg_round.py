@@ -43,15 +43,21 @@ def _clients(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
           for c in range(len(arrays.files) // 2)]
 
 
+def _positive(text: str) -> int:
+  if not text.isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"takes an integer >= 1, got {text!r}")
+  return int(text)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--authors-code", required=True)
   parser.add_argument("--clients-file", required=True)
-  parser.add_argument("--rounds", type=int, required=True)
+  parser.add_argument("--rounds", type=_positive, required=True)
   parser.add_argument("--times-file", required=True)
-  parser.add_argument("--threads", type=int, default=4)
-  parser.add_argument("--batch-size", type=int, default=50)
-  parser.add_argument("--local-epochs", type=int, default=5)
+  parser.add_argument("--threads", type=_positive, default=4)
+  parser.add_argument("--batch-size", type=_positive, default=50)
+  parser.add_argument("--local-epochs", type=_positive, default=5)
   args = parser.parse_args()
   sys.path.insert(0, os.path.join(args.authors_code, "cnn"))
   from methods.fedavg import LocalUpdate_FedAvg  # the authors' modules

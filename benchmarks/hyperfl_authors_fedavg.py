@@ -34,16 +34,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 import dataclasses
-import json
 import statistics
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
 
 import round_timing  # this folder's
-from fedre_memory import watch  # this folder's
 from tff_privacy import runner, runtime
 from tff_privacy.cli import _positive_int
 
@@ -76,18 +73,12 @@ def write_clients(path: str) -> None:
 
 def authors_round(args, clients_file: str) -> tuple[list[float], int]:
   """(seconds of each timed round, peak tree RSS) of the authors' code."""
-  with tempfile.TemporaryDirectory() as tmp:
-    times_file = os.path.join(tmp, "times.json")
-    peak, _, _, outcome = watch(
-        [args.torch_python, os.path.join(HERE, "authors_fedavg_round.py"),
-         "--authors-code", args.authors_code, "--clients-file", clients_file,
-         "--rounds", str(args.rounds), "--threads", str(args.torch_threads),
-         "--batch-size", str(BATCH), "--local-epochs", str(EPOCHS),
-         "--times-file", times_file], args.limit_mb * 2**20)
-    if outcome != "finished":
-      sys.exit(f"the authors' round: {outcome} at peak_rss_mb={peak // 2**20}")
-    with open(times_file) as f:
-      return json.load(f), peak
+  return round_timing.measured(
+      os.path.join(HERE, "authors_fedavg_round.py"),
+      ["--authors-code", args.authors_code, "--clients-file", clients_file,
+       "--rounds", str(args.rounds), "--threads", str(args.torch_threads),
+       "--batch-size", str(BATCH), "--local-epochs", str(EPOCHS)],
+      args.limit_mb, "the authors' round", python=args.torch_python)
 
 
 def tff_round(args) -> tuple[list[float], int]:

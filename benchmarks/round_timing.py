@@ -34,16 +34,16 @@ def time_rounds(config: runner.RunConfig, rounds: int, path: str) -> None:
   runtime.stop()
 
 
-def measured(script: str, arguments: list[str], limit_mb: int,
-             what: str) -> tuple[list[float], int]:
+def measured(script: str, arguments: list[str], limit_mb: int, what: str,
+             python: str = sys.executable) -> tuple[list[float], int]:
   """(seconds of each timed round, peak resident bytes of the process
   tree) of `python script ARGUMENTS --times-file PATH`, a process that
-  calls `time_rounds`; exits naming `what` where it fails or passes
-  `limit_mb`."""
+  writes them there as `time_rounds` does; exits naming `what` where it
+  fails or passes `limit_mb`."""
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "times.json")
     peak, _, _, outcome = watch(
-        [sys.executable, os.path.abspath(script), *arguments, "--times-file", path],
+        [python, os.path.abspath(script), *arguments, "--times-file", path],
         limit_mb * 2**20)
     if outcome != "finished":
       sys.exit(f"{what}: {outcome} at peak_rss_mb={peak // 2**20}")
