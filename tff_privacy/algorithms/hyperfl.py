@@ -75,12 +75,12 @@ _F32 = np.float32
 
 # the runner's rounds run in calls whose clients' uploads (whole
 # hypernetworks, which TFF's runtime holds until the call ends) stay within
-# this many bytes: 7 clients of the 28x28 CNN's 60 MB (a round of 20 peaks
-# at 3,913 MiB, benchmarks/hyperfl_round_time.py; 3,748 MiB but 41% slower
-# in calls of 5), and the compact leaderboard's round of 16 clients of the
-# MLP's 26 MB in one call, which spares the calls' float64 totals their
-# trip through the Python client
-UPLOAD_BYTES_PER_CALL = 420 * 2**20
+# this many bytes: the 28x28 CNN's 60 MB for up to 21 clients, so that the
+# paper's 20 clients run in one call. Calls of fewer clients hold less on the
+# worker but send the calls' float64 totals through the Python client: in
+# calls of 7 a round of 20 took twice as long for 5% less memory
+# (benchmarks/hyperfl_round_time.py)
+UPLOAD_BYTES_PER_CALL = 1200 * 2**20
 
 
 def clients_per_call_for(num_parameters: int) -> int:
