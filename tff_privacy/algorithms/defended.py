@@ -146,13 +146,15 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
   def client_update(weights, dataset):
     zero = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
                                    for k, t in input_types.items())
-    inputs = dataset.reduce(zero, lambda _, b: collections.OrderedDict(
-        (k, b[k]) for k in input_types))
+    # one pass reads the inputs (alike in every batch) and counts the samples
+    inputs, num_samples = dataset.reduce((zero, tf.constant(0, tf.int32)), lambda c, b: (
+        collections.OrderedDict((k, b[k]) for k in input_types),
+        c[1] + tf.shape(b["x"])[0]))
     batches = dataset.map(lambda b: defense.transform_batch(
         collections.OrderedDict((k, b[k]) for k in names),
         {k: b[k] for k in input_types}))
     result, model_outputs = local.build()(weights, batches)
-    view = (ClientView(list(weights.trainable), batches, dict(inputs))
+    view = (ClientView(list(weights.trainable), batches, dict(inputs), num_samples)
             if defense.needs_client_view else None)
     upload, measured, per_client = measured_defense(
         defense, list(result.update), inputs[SEED_KEY], view)

@@ -521,8 +521,7 @@ class FedREMechanism(UpdateDefense):
     whose eq. 8 noise is C_l sigma_l)."""
     if self.sensitivity == "update":
       return tf.constant(1.0)
-    seen = client.dataset.reduce(tf.constant(0, tf.int32),
-                                 lambda n, b: n + tf.shape(b["x"])[0])
+    seen = client.sample_count()
     return 2.0 * self.local_epochs / tf.cast(tf.maximum(seen, 1), tf.float32)
 
   def apply(self, update, seed, client: Optional[ClientView] = None):
@@ -541,7 +540,7 @@ class FedREMechanism(UpdateDefense):
     upload, spent = self._noised(update, seed, client)
     row = tf.cast(client.inputs[CLIENT_KEY], tf.int32)
     rows = tf.scatter_nd([[row]], spent[None], [self.num_clients, self.num_layers])
-    has_data = client.dataset.take(1).reduce(tf.constant(False), lambda *_: True)
+    has_data = client.sample_count() > 0
     return upload, {SPENT_KEY: tf.where(has_data, rows, tf.zeros_like(rows))}
 
   def _noised(self, update, seed, client: Optional[ClientView]):

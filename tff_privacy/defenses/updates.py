@@ -85,6 +85,22 @@ class ClientView:
   weights: list[tf.Tensor]
   dataset: tf.data.Dataset
   inputs: dict = dataclasses.field(default_factory=dict)
+  # the samples in `dataset` (int32) where the caller counted them already
+  num_samples: Optional[tf.Tensor] = None
+
+  def sample_count(self) -> tf.Tensor:
+    """The number of samples in `dataset` (int32), counted at most once:
+    each pass over a client's data set costs a few milliseconds on a TFF
+    worker however few samples it reads."""
+    if self.num_samples is None:
+      self.num_samples = count_samples(self.dataset)
+    return self.num_samples
+
+
+def count_samples(dataset: tf.data.Dataset) -> tf.Tensor:
+  """The samples in the batches 'x' of `dataset` (int32)."""
+  return dataset.reduce(tf.constant(0, tf.int32),
+                        lambda n, b: n + tf.shape(b["x"])[0])
 
 
 class UpdateDefense(abc.ABC):
