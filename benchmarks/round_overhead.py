@@ -26,14 +26,15 @@ import numpy as np
 import tensorflow as tf
 
 from tff_privacy import algorithms, data, models, runtime
+from tff_privacy.runs import clients
 
 
 def client_datasets(fed: data.FederatedData, batch_size: int):
   out = []
   for c in range(fed.num_clients):
     x, y = fed.client_arrays(c)
-    out.append(tf.data.Dataset.from_tensor_slices(
-        collections.OrderedDict(x=x, y=y)).batch(batch_size))
+    out.append(clients.unoptimized(tf.data.Dataset.from_tensor_slices(
+        collections.OrderedDict(x=x, y=y)).batch(batch_size)))  # as the runner's
   return out
 
 

@@ -146,7 +146,8 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
   def client_update(weights, dataset):
     zero = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
                                    for k, t in input_types.items())
-    # one pass reads the inputs (alike in every batch) and counts the samples
+    # one pass reads the inputs (alike in every batch) and counts the samples,
+    # which are also those of `batches`: transform_batch keeps batch sizes
     inputs, num_samples = dataset.reduce((zero, tf.constant(0, tf.int32)), lambda c, b: (
         collections.OrderedDict((k, b[k]) for k in input_types),
         c[1] + tf.shape(b["x"])[0]))

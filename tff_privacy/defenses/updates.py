@@ -79,21 +79,22 @@ def per_tensor_at_norm(direction: np.ndarray, sizes: Sequence[int],
 @dataclasses.dataclass
 class ClientView:
   """What a data-dependent defence sees on the client: the broadcast model's
-  trainable weights, the client's local data set (batches of 'x', 'y') and
-  the client's own inputs (`UpdateDefense.client_input_types`, by name)."""
+  trainable weights, the client's local data set (batches of 'x', 'y'),
+  the client's own inputs (`UpdateDefense.client_input_types`, by name)
+  and, where the caller counted them in a pass it made anyway, the number
+  of samples in that data set (int32; None: `sample_count` counts them)."""
 
   weights: list[tf.Tensor]
   dataset: tf.data.Dataset
   inputs: dict = dataclasses.field(default_factory=dict)
-  # the samples in `dataset` (int32) where the caller counted them already
   num_samples: Optional[tf.Tensor] = None
 
   def sample_count(self) -> tf.Tensor:
-    """The number of samples in `dataset` (int32), counted at most once:
-    each pass over a client's data set costs a few milliseconds on a TFF
-    worker however few samples it reads."""
+    """The number of samples in `dataset` (int32): `num_samples`, or a pass
+    over the data set, which costs a few milliseconds on a TFF worker
+    however few samples it reads."""
     if self.num_samples is None:
-      self.num_samples = count_samples(self.dataset)
+      return count_samples(self.dataset)
     return self.num_samples
 
 
