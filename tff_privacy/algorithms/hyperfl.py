@@ -73,12 +73,14 @@ PARAMETERS = params.Params(
 
 _F32 = np.float32
 
-# the runner's rounds run in calls whose clients' uploads (whole
-# hypernetworks, which TFF's runtime holds until the call ends) stay within
-# this many bytes: the 28x28 CNN's 60 MB for up to 21 clients, so that the
-# paper's 20 clients run in one call. Calls of fewer clients hold less on the
-# worker but send the calls' float64 totals through the Python client: in
-# calls of 7 a round of 20 took twice as long for 5% less memory
+# `PersonalizedProcess.run_round` runs a round in TFF calls of at most
+# `clients_per_call_for` clients, whose float32 uploads (whole hypernetworks,
+# which TFF's runtime holds until the call ends) total at most this many
+# bytes: 21 of hyperfl_cnn's 60 MB (14,943,424 parameters), so that the
+# paper's 20 clients run in one call. Each further call re-sends the server
+# state and the float64 totals through the Python client: at 02e765b, 20
+# clients x 150 samples, batch 50, one run each, calls of 7 took 13.02 s a
+# round at a 4,152 MiB peak, one call 5.57 s at 4,000 MiB
 # (benchmarks/hyperfl_round_time.py)
 UPLOAD_BYTES_PER_CALL = 1200 * 2**20
 
