@@ -5,6 +5,11 @@ Settings (`--setting`):
 * docs: the documents' protocol (`tff-privacy train --dataset docs`: 10
   clients of one document format each, the U-Net, Adam at 0.005, 2 local
   epochs, batch 16, FedRE's PSI on 16 of the region's pixels);
+  `--data-kwargs '{"num": 16000}'` gives its clients 1,280 documents
+  each on average, as in the FedRE paper page's epsilon-10 run, instead
+  of 64: FedRE's PSI costs the same per client whatever the client holds
+  (10 samples of its own and 10 public ones a round), its training
+  grows with the client's data;
 * digits: the compact leaderboard's FedRE and FedAvg rows (`make demo`:
   mnist5k_parity, the MLP, 16 one-sample-batch clients a round, FedRE's
   PSI on 2 samples of 8 pixels and PDA-PAM on 2 public samples).
@@ -26,7 +31,8 @@ over the repeats with their smallest and largest, then
 (the largest over the repeats).
 
   python benchmarks/fedre_round_time.py [--setting docs|digits] [--rounds 3]
-      [--repeats 3] [--epsilon 50] [--fedre-kwargs JSON] [--limit-mb 12000]
+      [--repeats 3] [--epsilon 50] [--fedre-kwargs JSON]
+      [--data-kwargs JSON] [--limit-mb 12000]
 """
 
 from __future__ import annotations
@@ -56,26 +62,34 @@ def _epsilon(text: str) -> float:
   return _epsilon_target(text)
 
 
-def _object(text: str) -> dict:
+def _json_object(text: str) -> dict:
   try:
     value = json.loads(text)
   except json.JSONDecodeError:
     value = None
-  if not isinstance(value, dict) or "epsilon" in value:
+  if not isinstance(value, dict):
+    raise argparse.ArgumentTypeError(f"takes a JSON object, got {text!r}")
+  return value
+
+
+def _object(text: str) -> dict:
+  value = _json_object(text)
+  if "epsilon" in value:
     raise argparse.ArgumentTypeError(
         f"takes a JSON object of FedRE's parameters but epsilon, got {text!r}")
   return value
 
 
-def config(setting: str, method: str, out: str, fedre_kwargs: dict
-           ) -> runner.RunConfig:
+def config(setting: str, method: str, out: str, fedre_kwargs: dict,
+           data_kwargs: dict) -> runner.RunConfig:
   """The run of `method` in `setting`, writing to `out`, capturing
-  nothing; FedRE with `fedre_kwargs`."""
+  nothing; FedRE with `fedre_kwargs`; the documents with `data_kwargs`
+  beside the protocol's."""
   fedre_kwargs = fedre_kwargs if method == "fedre" else {}
   if setting == "docs":
     return runner.RunConfig(**runner.with_protocol(
         {"out": out, "method": method, "dataset": "docs", "model": "unet",
-         "seed": 0, "method_kwargs": fedre_kwargs}))
+         "seed": 0, "method_kwargs": fedre_kwargs, "data_kwargs": data_kwargs}))
   compact = grids.parse(defaults.grid("compact"))
   row = next(r for r in compact.rows() if r.entry == _COMPACT_ROWS[method])
   made = row.run_config(out, capture_round=1)
@@ -89,7 +103,8 @@ def measured(method: str, args) -> tuple[list[float], int]:
   return round_timing.measured(
       __file__, ["--time-method", method, "--setting", args.setting, "--rounds",
                  str(args.rounds), "--epsilon", str(args.epsilon),
-                 "--fedre-kwargs", json.dumps(args.fedre_kwargs)],
+                 "--fedre-kwargs", json.dumps(args.fedre_kwargs),
+                 "--data-kwargs", json.dumps(args.data_kwargs)],
       args.limit_mb, method)
 
 
@@ -103,6 +118,9 @@ def main() -> None:
   parser.add_argument("--epsilon", type=_epsilon, default=50.0)
   parser.add_argument("--fedre-kwargs", type=_object, default={},
                       help="FedRE's parameters other than epsilon, a JSON object")
+  parser.add_argument("--data-kwargs", type=_json_object, default={},
+                      help="the documents' generator's arguments beside the "
+                      "protocol's, a JSON object (docs only)")
   parser.add_argument("--limit-mb", type=_positive_int, default=12000,
                       help="kill a method's process tree above this resident size")
   parser.add_argument("--time-method", choices=METHODS, help=argparse.SUPPRESS)
@@ -110,15 +128,19 @@ def main() -> None:
   args = parser.parse_args()
   fedre_kwargs = {**args.fedre_kwargs, "epsilon": args.epsilon}
   if args.time_method:
-    round_timing.time_rounds(config(args.setting, args.time_method, "unused", fedre_kwargs),
+    round_timing.time_rounds(config(args.setting, args.time_method, "unused",
+                                    fedre_kwargs, args.data_kwargs),
                              args.rounds, args.times_file)
     return
+  if args.data_kwargs and args.setting != "docs":
+    parser.error("--data-kwargs: takes the documents' arguments; --setting docs only")
   try:  # a parameter FedRE lacks: one line here, not a worker's traceback
-    config(args.setting, "fedre", "unused", fedre_kwargs)
+    config(args.setting, "fedre", "unused", fedre_kwargs, args.data_kwargs)
   except ValueError as e:
-    parser.error(f"--fedre-kwargs: {e}")
+    parser.error(f"--fedre-kwargs or --data-kwargs: {e}")
   print(f"setting: {args.setting}, FedRE at epsilon {args.epsilon:g}"
-        + (f" with {json.dumps(args.fedre_kwargs)}" if args.fedre_kwargs else ""))
+        + (f" with {json.dumps(args.fedre_kwargs)}" if args.fedre_kwargs else "")
+        + (f", documents {json.dumps(args.data_kwargs)}" if args.data_kwargs else ""))
   ratios, peaks = [], {m: 0 for m in METHODS}
   for repeat in range(1, args.repeats + 1):
     seconds = {}
