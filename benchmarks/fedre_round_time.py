@@ -22,6 +22,15 @@ then `--rounds` timed rounds on round 1's clients, with no capture and no
 evaluation. The whole process tree (the driver and its TFF worker) is
 sampled every 0.5 s for its resident memory and killed above `--limit-mb`.
 
+What the paper's PSI alone costs sets a floor under the ratio: each
+FedRE client scores `psi_samples` of its samples and PDA-PAM scores its
+upload on `public_samples` public ones, every round, whatever the client
+holds. The benchmark times those scores alone in its own process (one
+client's, on the run's model, at `psi_pixels` of the default region, as
+compiled functions after a first call) and prints them times the round's
+clients as a share of FedAvg's round (`psi_s_per_round`): FedRE's round
+cannot come closer to FedAvg's than that share without other scores.
+
 The two processes alternate `--repeats` times (FedAvg, FedRE, FedAvg,
 ...): on these 2-core machines one process's rounds can run 30% slower
 than the next one's, so a single pair can mis-state the ratio. Each
@@ -45,9 +54,13 @@ import argparse
 import dataclasses
 import json
 import statistics
+import time
+
+import tensorflow as tf
 
 import round_timing  # this folder's
-from tff_privacy import runner, runtime
+from tff_privacy import psi, runner, runtime
+from tff_privacy.algorithms import fedre
 from tff_privacy.cli import _epsilon_target, _positive_int
 from tff_privacy.leaderboard import defaults, grid as grids
 
@@ -97,6 +110,39 @@ def config(setting: str, method: str, out: str, fedre_kwargs: dict,
       **made.method_kwargs, **fedre_kwargs})
 
 
+def psi_seconds(run_config: runner.RunConfig, repeats: int = 5) -> float:
+  """Median seconds of one FedRE client's PSI scores in a round: its own
+  `psi_samples` and PDA-PAM's `public_samples` (as the method's defaults
+  or `run_config`'s), at `psi_pixels` of the default region, on random
+  inputs of the run's shape (the scores' cost does not depend on the
+  values)."""
+  spec = runner.Run(run_config).spec
+  settings = {**{p.name: p.default for p in fedre.PARAMETERS},
+              **run_config.method_kwargs}
+  model = spec.keras()
+  weights = [tf.constant(w) for w in spec.initial_weights(0)]
+  height, width = spec.input_shape[:2]
+  mask = psi.box_mask([fedre.default_box(height, width)], height, width)
+  groups = psi.layer_groups(model)
+
+  def scores(n):
+    x = tf.random.stateless_uniform((n, *spec.input_shape), (0, 1))
+    y = tf.zeros((n, *spec.task_object.label_shape(spec.input_shape)), tf.int32)
+    return psi.psi_scores(model, weights, x, y, tf.constant(mask[None].repeat(n, 0)),
+                          spec.task_object.loss, pixels=settings["psi_pixels"],
+                          groups=groups).scores
+
+  client = tf.function(lambda: [scores(settings["psi_samples"]),
+                                scores(settings["public_samples"])])
+  client()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    client()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 def measured(method: str, args) -> tuple[list[float], int]:
   """(seconds of each timed round, peak resident bytes of the process
   tree) of `method` in a process of its own (`round_timing`)."""
@@ -141,7 +187,7 @@ def main() -> None:
   print(f"setting: {args.setting}, FedRE at epsilon {args.epsilon:g}"
         + (f" with {json.dumps(args.fedre_kwargs)}" if args.fedre_kwargs else "")
         + (f", documents {json.dumps(args.data_kwargs)}" if args.data_kwargs else ""))
-  ratios, peaks = [], {m: 0 for m in METHODS}
+  ratios, fedavg_seconds, peaks = [], [], {m: 0 for m in METHODS}
   for repeat in range(1, args.repeats + 1):
     seconds = {}
     for method in METHODS:
@@ -149,6 +195,7 @@ def main() -> None:
       seconds[method] = statistics.median(times)
       peaks[method] = max(peaks[method], peak)
     ratios.append(seconds["fedre"] / seconds["fedavg"])
+    fedavg_seconds.append(seconds["fedavg"])
     print(f"repeat {repeat}: "
           + ", ".join(f"{m}: {seconds[m]:.3f} s/round" for m in METHODS)
           + f" (medians of {args.rounds}), ratio {ratios[-1]:.2f}", flush=True)
@@ -156,6 +203,12 @@ def main() -> None:
         f"from {min(ratios):.2f} to {max(ratios):.2f}")
   print(f"ratio_fedre_over_fedavg={statistics.median(ratios):.2f} "
         + " ".join(f"peak_rss_mb_{m}={peaks[m] // 2**20}" for m in METHODS))
+  fedavg_median = statistics.median(fedavg_seconds)
+  run_config = config(args.setting, "fedre", "unused", fedre_kwargs, args.data_kwargs)
+  clients = run_config.sampled_per_round
+  scored = clients * psi_seconds(run_config)
+  print(f"psi_s_per_round={scored:.3f} ({scored / fedavg_median:.2f} of FedAvg's "
+        f"round; {clients} clients, their PSI scores alone)")
 
 if __name__ == "__main__":
   main()

@@ -24,6 +24,15 @@ computes, see `tff_privacy.algorithms.hyperfl`), times the steps of a round;
 HyperFL's per-step low-rank row updates (about 6 S P operations at step S for
 P generated weights) are added by hand.
 
+FLOPs miss what bounds HyperFL's step on a CPU: each hypernetwork step
+reads the broadcast head kernel (hidden x P float32, 60 MB for hyperfl_cnn)
+twice, once to generate the extractor (K^T h) and once for the gradient of
+h (K g); FedAvg's step reads its 0.5 MB model. The benchmark times those
+two matrix-vector products alone, in its own process (`head_reads_s_per_round`:
+their median time over 20 calls times the round's hypernetwork steps) and
+prints them as a share of FedAvg's round: HyperFL's round cannot be shorter
+than FedAvg's by less than that share, whatever else is made faster.
+
   python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
       [--samples 150] [--baselines dp_sgd_fedavg,ppsgd,centaur]
       [--limit-mb 12000]
@@ -37,6 +46,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
 import statistics
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -122,6 +132,29 @@ def _step_flops(spec, hyper: Hypernetwork, batch: int) -> tuple[int, int, int]:
           _flops(hypernetwork_step, hyper_specs, v, weights[split:], x, y))
 
 
+def head_reads_seconds(hyper: Hypernetwork, repeats: int = 20) -> float:
+  """Median seconds of one hypernetwork step's two products with the head
+  kernel (`_hypernetwork_phase`'s K^T h and the backward pass's K g)."""
+  split = len(hyper.target_shapes)
+  kernel = tf.concat([tf.random.stateless_normal(hyper.shapes[2 + 2 * i], (0, i))
+                      for i in range(split)], axis=1)
+  h = tf.random.stateless_normal(kernel.shape[:1], (1, 0))
+  g = tf.random.stateless_normal(kernel.shape[1:], (2, 0))
+
+  @tf.function
+  def reads(h, g):
+    theta = tf.linalg.matvec(kernel, h, transpose_a=True)
+    return theta[0] + tf.reduce_sum(tf.linalg.matvec(kernel, g))
+
+  reads(h, g)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    reads(h, g).numpy()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 def main() -> None:
   runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -172,6 +205,10 @@ def main() -> None:
         f"hyperfl={4 * hyper.num_parameters}")
   print(f"flops_per_round: fedavg={flops_fedavg:.4g} hyperfl={flops_hyperfl:.4g} "
         f"(ratio {flops_hyperfl / flops_fedavg:.2f})")
+  reads = args.clients * 5 * steps * head_reads_seconds(hyper)
+  print(f"head_reads_s_per_round={reads:.3f} ({reads / fedavg:.2f} of FedAvg's "
+        f"round; {args.clients * 5 * steps} hypernetwork steps reading "
+        f"{2 * 4 * hyper.hidden_dim * generated / 2**20:.0f} MiB each)")
   runtime.stop()
 
 

@@ -374,3 +374,17 @@ def test_a_client_view_counts_its_samples_or_takes_the_callers_count():
   assert int(defenses.ClientView([], dataset).sample_count()) == 6
   given = tf.constant(4, tf.int32)
   assert defenses.ClientView([], dataset, {}, given).sample_count() is given
+
+
+def test_a_client_view_reads_its_first_samples_or_takes_the_callers():
+  """Batches of 2, 3 and 1 samples: the first 4 samples, all 6 of them
+  where 10 are asked for; samples the caller read are cut to the number
+  asked, without reading a data set (here: none)."""
+  x = np.arange(12, dtype=np.float32).reshape(6, 2)
+  batches = tf.data.Dataset.from_tensor_slices({"x": x, "y": np.arange(6)})
+  dataset = batches.take(2).batch(2).concatenate(batches.skip(2).batch(3))
+  view = defenses.ClientView([], dataset)
+  np.testing.assert_array_equal(view.head(4)["x"], x[:4])
+  np.testing.assert_array_equal(view.head(10)["y"], np.arange(6))
+  given = defenses.ClientView([], None, head_samples={"x": tf.constant(x[3:])})
+  np.testing.assert_array_equal(given.head(2)["x"], x[3:5])

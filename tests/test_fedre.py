@@ -2,6 +2,7 @@
 run. Expected values come from hand computations in numpy, the nested-tape
 PSI reference and dp_accounting called directly."""
 
+import collections
 import dataclasses
 import functools
 import json
@@ -177,6 +178,43 @@ def test_upload_records_the_epsilons_eq_9_assigns_to_its_noise(calibration,
   got = measured[fedre.SPENT_KEY].numpy()
   np.testing.assert_allclose(got[1], expected, rtol=1e-5)
   assert got.shape == (3, 4) and not got[[0, 2]].any()
+
+
+def test_the_client_work_scores_the_samples_its_data_set_starts_with():
+  """FedRE's client work collects its PSI samples in the pass that reads
+  its inputs; the same work reading them from its data set instead
+  (`view_samples` 0: `ClientView.head`'s own pass) uploads the same bits.
+  Batches of 3 from 7 samples, 5 PSI samples: the head spans 2 batches."""
+  mechanism = _mechanism(psi_samples=5, num_clients=2)
+  reading = _mechanism(psi_samples=5, num_clients=2)
+  reading.view_samples = 0
+  model_fn = SPEC.tff_model_fn()
+  weights = tff.learning.models.ModelWeights(
+      [np.asarray(w) for w in SPEC.initial_weights(0)], [])
+  rng = np.random.default_rng(3)
+  x = rng.random((2, 7, H, W, C)).astype(np.float32)
+  y = rng.integers(0, 3, size=(2, 7)).astype(np.int32)
+
+  def client(c):
+    inputs = [("seed", tf.constant([c, 7], tf.int64)),
+              (fedre.MASK_KEY, tf.constant(MASK, tf.float32)),
+              (fedre.PROFILE_KEY, tf.constant(0, tf.int32)),
+              (fedre.CLIENT_KEY, tf.constant(c, tf.int32))]
+    return tf.data.Dataset.from_tensor_slices({"x": x[c], "y": y[c]}).batch(3).map(
+        lambda b: collections.OrderedDict([("x", b["x"]), ("y", b["y"])] + inputs))
+
+  fewer = _mechanism(psi_samples=4, num_clients=2)
+  uploads = []
+  for m in (mechanism, reading, fewer):
+    work = fedre._client_work(SPEC, m, None, model_fn, "sgd", 0.1)  # no steps
+    uploads.append(work.next(work.initialize(), [weights] * 2,
+                             [client(0), client(1)]).result)
+  assert mechanism.view_samples == 5
+  for got, want in zip(uploads[0], uploads[1]):
+    for g, w in zip(got.update, want.update):
+      np.testing.assert_array_equal(g, w)
+  # the scores, and with them the noise, depend on the samples scored
+  assert not np.array_equal(uploads[0][0].update[0], uploads[2][0].update[0])
 
 
 def test_a_client_without_samples_fills_no_row_of_the_tensor_epsilons():

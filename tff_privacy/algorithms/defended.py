@@ -144,18 +144,14 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
 
   @tff.tensorflow.computation(weights_type, seeded_data_type)
   def client_update(weights, dataset):
-    zero = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
-                                   for k, t in input_types.items())
-    # one pass reads the inputs (alike in every batch) and counts the samples,
-    # which are also those of `batches`: transform_batch keeps batch sizes
-    inputs, num_samples = dataset.reduce((zero, tf.constant(0, tf.int32)), lambda c, b: (
-        collections.OrderedDict((k, b[k]) for k in input_types),
-        c[1] + tf.shape(b["x"])[0]))
+    inputs, num_samples, head = _read_inputs(dataset, input_types, names,
+                                             defense.view_samples)
     batches = dataset.map(lambda b: defense.transform_batch(
         collections.OrderedDict((k, b[k]) for k in names),
         {k: b[k] for k in input_types}))
     result, model_outputs = local.build()(weights, batches)
-    view = (ClientView(list(weights.trainable), batches, dict(inputs), num_samples)
+    view = (ClientView(list(weights.trainable), batches, dict(inputs), num_samples,
+                       head if defense.view_samples else None)
             if defense.needs_client_view else None)
     upload, measured, per_client = measured_defense(
         defense, list(result.update), inputs[SEED_KEY], view)
@@ -182,6 +178,32 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
         state, result, tff.federated_zip(measurements))
 
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)
+
+
+def _read_inputs(dataset: tf.data.Dataset, input_types: dict, names: list,
+                 head_size: int):
+  """One pass over a client's batches: its inputs (alike in every batch),
+  its number of samples and its first `head_size` samples of `names` as
+  one batch. The count and the samples are also those of the batches it
+  trains on where `transform_batch` keeps batch sizes and leaves the
+  samples as they are (every defence with `view_samples`)."""
+  inputs = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
+                                   for k, t in input_types.items())
+  head = collections.OrderedDict(
+      (k, tf.zeros([0, *dataset.element_spec[k].shape[1:]], dataset.element_spec[k].dtype))
+      for k in names)
+
+  def read(state, batch):
+    _, count, first = state
+    first = tf.cond(  # once full, the head is no longer copied
+        tf.shape(first[names[0]])[0] < head_size,
+        lambda: collections.OrderedDict(
+            (k, tf.concat([first[k], batch[k]], 0)[:head_size]) for k in names),
+        lambda: first)
+    return (collections.OrderedDict((k, batch[k]) for k in input_types),
+            count + tf.shape(batch["x"])[0], first)
+
+  return dataset.reduce((inputs, tf.constant(0, tf.int32), head), read)
 
 
 def compose_defended(model_fn: Callable, client_work, server_optimizer,

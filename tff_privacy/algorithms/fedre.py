@@ -429,6 +429,10 @@ class FedREMechanism(UpdateDefense):
     self.epsilon, self.delta, self.rounds, self.clip = epsilon, delta, rounds, clip
     self.budget_split, self.noise_calibration = budget_split, noise_calibration
     self.psi_samples, self.psi_pixels = psi_samples, psi_pixels
+    # read with the inputs where the update is noised: 'pixels' trains on
+    # other samples than the data set's (transform_batch) and scores none
+    self.view_samples = (psi_samples if self.acts_on_update and budget_split == "psi"
+                         else 0)
     self.layer_delta = budget.split_delta(delta, self.num_layers)
     self.round_multiplier = (budget.round_multiplier(epsilon, delta, rounds)
                              if noise_calibration == "accountant" else None)
@@ -488,8 +492,7 @@ class FedREMechanism(UpdateDefense):
     under the broadcast model, or the even split."""
     if self.budget_split == "even":
       return self.even_epsilons()
-    batch = client.dataset.unbatch().take(self.psi_samples).batch(
-        self.psi_samples).get_single_element()
+    batch = client.head(self.psi_samples)
     masks = tf.tile(client.inputs[MASK_KEY][None] > 0.5,
                     [tf.shape(batch["x"])[0], 1, 1])
     scores = psi.psi_scores(self.spec.keras(), client.weights, batch["x"],

@@ -81,13 +81,17 @@ class ClientView:
   """What a data-dependent defence sees on the client: the broadcast model's
   trainable weights, the client's local data set (batches of 'x', 'y'),
   the client's own inputs (`UpdateDefense.client_input_types`, by name)
-  and, where the caller counted them in a pass it made anyway, the number
-  of samples in that data set (int32; None: `sample_count` counts them)."""
+  and, where the caller read them in a pass it made anyway, the number of
+  samples in that data set (int32; None: `sample_count` counts them) and
+  its first samples as one batch (`head_samples`, up to
+  `UpdateDefense.view_samples` of them, fewer where the data set holds
+  fewer; None: `head` reads them)."""
 
   weights: list[tf.Tensor]
   dataset: tf.data.Dataset
   inputs: dict = dataclasses.field(default_factory=dict)
   num_samples: Optional[tf.Tensor] = None
+  head_samples: Optional[dict] = None
 
   def sample_count(self) -> tf.Tensor:
     """The number of samples in `dataset` (int32): `num_samples`, or a pass
@@ -96,6 +100,15 @@ class ClientView:
     if self.num_samples is None:
       return count_samples(self.dataset)
     return self.num_samples
+
+  def head(self, n: int) -> dict:
+    """The first `n` samples of `dataset` (fewer where it holds fewer) as
+    one batch: `head_samples`' first `n`, or a pass over the data set.
+    Callers that set `head_samples` read at least `n` (the defence's
+    `view_samples`)."""
+    if self.head_samples is None:
+      return self.dataset.unbatch().take(n).batch(n).get_single_element()
+    return {k: v[:n] for k, v in self.head_samples.items()}
 
 
 def count_samples(dataset: tf.data.Dataset) -> tf.Tensor:
@@ -115,6 +128,9 @@ class UpdateDefense(abc.ABC):
   # the client work reads files that the server writes under `out`, so the
   # run's workers must share this machine's file system
   reads_run_files = False
+  # the first samples of its data set its `ClientView` reads (`head`), which
+  # the client work then collects in the pass that reads the inputs
+  view_samples = 0
   # per-client inputs beyond the noise seed: {name: tff.TensorType}, given
   # by the method's `client_inputs` and read from `ClientView.inputs`
   client_input_types: dict = {}
