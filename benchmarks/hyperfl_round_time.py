@@ -30,8 +30,13 @@ twice, once to generate the extractor (K^T h) and once for the gradient of
 h (K g); FedAvg's step reads its 0.5 MB model. The benchmark times those
 two matrix-vector products alone, in its own process (`head_reads_s_per_round`:
 their median time over 20 calls times the round's hypernetwork steps) and
-prints them as a share of FedAvg's round: HyperFL's round cannot be shorter
-than FedAvg's by less than that share, whatever else is made faster.
+prints them as a share of FedAvg's round. The server state, the
+hypernetwork itself, goes through TFF's Python client into the round's
+call and back out every round; `state_trip_s_per_round` times that alone
+(a TensorFlow computation returning the hypernetwork it is given, on TFF's
+worker, median over 5 calls). Neither is work FedAvg's round does at that
+size, so HyperFL's round is at least FedAvg's plus both, whatever else is
+made faster.
 
   python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
       [--samples 150] [--baselines dp_sgd_fedavg,ppsgd,centaur]
@@ -50,6 +55,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_federated as tff
 
 import round_timing  # this folder's
 from tff_privacy import runner, runtime
@@ -155,6 +161,25 @@ def head_reads_seconds(hyper: Hypernetwork, repeats: int = 20) -> float:
   return statistics.median(times)
 
 
+def state_trip_seconds(hyper: Hypernetwork, repeats: int = 5) -> float:
+  """Median seconds of one call of a computation on TFF's worker that
+  returns the hypernetwork (HyperFL's server state) it is given."""
+  types = [tff.TensorType(np.float32, shape) for shape in hyper.shapes]
+  values = [np.zeros(shape, np.float32) for shape in hyper.shapes]
+
+  @tff.tensorflow.computation(types)
+  def same(weights):
+    return [tf.identity(w) for w in weights]
+
+  same(values)
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    same(values)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 def main() -> None:
   runtime.install()  # first: TFF's own default context fails at exit
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -209,6 +234,11 @@ def main() -> None:
   print(f"head_reads_s_per_round={reads:.3f} ({reads / fedavg:.2f} of FedAvg's "
         f"round; {args.clients * 5 * steps} hypernetwork steps reading "
         f"{2 * 4 * hyper.hidden_dim * generated / 2**20:.0f} MiB each)")
+  trip = state_trip_seconds(hyper)
+  print(f"state_trip_s_per_round={trip:.3f} ({trip / fedavg:.2f} of FedAvg's "
+        f"round; {4 * hyper.num_parameters / 2**20:.0f} MiB in and out)")
+  print(f"floor_ratio_hyperfl_over_fedavg={(fedavg + reads + trip) / fedavg:.2f} "
+        "(FedAvg's round plus both)")
   runtime.stop()
 
 
