@@ -25,11 +25,13 @@ sampled every 0.5 s for its resident memory and killed above `--limit-mb`.
 What the paper's PSI alone costs sets a floor under the ratio: each
 FedRE client scores `psi_samples` of its samples and PDA-PAM scores its
 upload on `public_samples` public ones, every round, whatever the client
-holds. The benchmark times those scores alone in its own process (one
-client's, on the run's model, at `psi_pixels` of the default region, as
-compiled functions after a first call) and prints them times the round's
-clients as a share of FedAvg's round (`psi_s_per_round`): FedRE's round
-cannot come closer to FedAvg's than that share without other scores.
+holds. The benchmark times those scores alone in its own process (client
+0's, on the run's model, region and public set, at `psi_pixels`, as one
+compiled function after a first call) and prints them times the round's
+clients as a share of FedAvg's round (`psi_s_per_round`; n/a for a FedRE
+that scores nothing, e.g. '{"budget_split": "even", "aggregation":
+"mean"}'): FedRE's round cannot come closer to FedAvg's than that share
+while it scores the same.
 
 The two processes alternate `--repeats` times (FedAvg, FedRE, FedAvg,
 ...): on these 2-core machines one process's rounds can run 30% slower
@@ -55,6 +57,7 @@ import dataclasses
 import json
 import statistics
 import time
+from typing import Optional
 
 import tensorflow as tf
 
@@ -110,35 +113,54 @@ def config(setting: str, method: str, out: str, fedre_kwargs: dict,
       **made.method_kwargs, **fedre_kwargs})
 
 
-def psi_seconds(run_config: runner.RunConfig, repeats: int = 5) -> float:
-  """Median seconds of one FedRE client's PSI scores in a round: its own
-  `psi_samples` and PDA-PAM's `public_samples` (as the method's defaults
-  or `run_config`'s), at `psi_pixels` of the default region, on random
-  inputs of the run's shape (the scores' cost does not depend on the
-  values)."""
-  spec = runner.Run(run_config).spec
+def psi_seconds(run_config: runner.RunConfig, repeats: int = 5
+                ) -> Optional[float]:
+  """Median seconds of client 0's PSI scores in a round of the run
+  `run_config`: its own `psi_samples` (where its budget is split by PSI)
+  on random inputs of the run's shape inside its region (the scores' cost
+  does not depend on the values) and PDA-PAM's of its upload on its public
+  set (where the run aggregates by PDA-PAM), both at the run's
+  `psi_pixels`; None where the run scores nothing."""
+  run = runner.Run(run_config)
+  mechanism = run.algorithm.audited_mechanism
   settings = {**{p.name: p.default for p in fedre.PARAMETERS},
-              **run_config.method_kwargs}
-  model = spec.keras()
+              **run.config.method_kwargs}
+  scores_own = mechanism is not None and mechanism.budget_split == "psi"
+  public = None
+  if run.algorithm.protocol.get("aggregation") == "pda_pam":
+    masks = [run.algorithm.client_inputs(c, 1)[fedre.MASK_KEY] > 0.5
+             for c in range(len(run.fed.client_sizes))]
+    public = fedre.public_regions(run.fed, settings["regions"], masks,
+                                  settings["public_samples"])[0]
+  if not scores_own and public is None:
+    return None
+  spec, model = run.spec, run.spec.keras()
   weights = [tf.constant(w) for w in spec.initial_weights(0)]
-  height, width = spec.input_shape[:2]
-  mask = psi.box_mask([fedre.default_box(height, width)], height, width)
-  groups = psi.layer_groups(model)
+  groups = psi.layer_groups(model) if settings["budget_unit"] == "layer" else None
+  mask = run.algorithm.client_inputs(0, 1)[fedre.MASK_KEY] > 0.5
+  pixels = settings["psi_pixels"]
 
-  def scores(n):
-    x = tf.random.stateless_uniform((n, *spec.input_shape), (0, 1))
-    y = tf.zeros((n, *spec.task_object.label_shape(spec.input_shape)), tf.int32)
-    return psi.psi_scores(model, weights, x, y, tf.constant(mask[None].repeat(n, 0)),
-                          spec.task_object.loss, pixels=settings["psi_pixels"],
-                          groups=groups).scores
+  def scores(x, y, masks, groups):
+    return psi.psi_scores(model, weights, x, y, masks, spec.task_object.loss,
+                          pixels=pixels, groups=groups).scores
 
-  client = tf.function(lambda: [scores(settings["psi_samples"]),
-                                scores(settings["public_samples"])])
-  client()
+  def client_work():
+    out = []
+    if scores_own:
+      n = settings["psi_samples"]
+      x = tf.random.stateless_uniform((n, *spec.input_shape), (0, 1))
+      y = tf.zeros((n, *spec.task_object.label_shape(spec.input_shape)), tf.int32)
+      out.append(scores(x, y, tf.constant(mask[None].repeat(n, 0)), groups))
+    if public is not None:  # PDA-PAM scores every tensor
+      out.append(scores(public.x, public.y, public.masks, None))
+    return out
+
+  compiled = tf.function(client_work)
+  compiled()
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    client()
+    compiled()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
 
@@ -205,8 +227,12 @@ def main() -> None:
         + " ".join(f"peak_rss_mb_{m}={peaks[m] // 2**20}" for m in METHODS))
   fedavg_median = statistics.median(fedavg_seconds)
   run_config = config(args.setting, "fedre", "unused", fedre_kwargs, args.data_kwargs)
+  one_client = psi_seconds(run_config)
+  if one_client is None:
+    print("psi_s_per_round=n/a (this FedRE scores no PSI)")
+    return
   clients = run_config.sampled_per_round
-  scored = clients * psi_seconds(run_config)
+  scored = clients * one_client
   print(f"psi_s_per_round={scored:.3f} ({scored / fedavg_median:.2f} of FedAvg's "
         f"round; {clients} clients, their PSI scores alone)")
 

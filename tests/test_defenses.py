@@ -386,5 +386,38 @@ def test_a_client_view_reads_its_first_samples_or_takes_the_callers():
   view = defenses.ClientView([], dataset)
   np.testing.assert_array_equal(view.head(4)["x"], x[:4])
   np.testing.assert_array_equal(view.head(10)["y"], np.arange(6))
-  given = defenses.ClientView([], None, head_samples={"x": tf.constant(x[3:])})
+  assert view.head(3)["x"].shape == (3, 2)
+  empty = defenses.ClientView([], dataset.take(0))
+  assert empty.head(3)["x"].shape == (0, 2)
+  given = defenses.ClientView([], None, head_samples={"x": tf.constant(x[3:])},
+                              head_size=3)
   np.testing.assert_array_equal(given.head(2)["x"], x[3:5])
+  # more than the caller read: a pass over the data set
+  short = defenses.ClientView([], dataset, head_samples={"x": tf.constant(x[3:])},
+                              head_size=3)
+  np.testing.assert_array_equal(short.head(4)["x"], x[:4])
+
+
+@pytest.mark.parametrize("head_size", [0, 4, 10])
+def test_the_client_works_pass_reads_inputs_count_and_first_samples(head_size):
+  """Batches of 2, 3 and 1 samples, each with the client's seed: the seed,
+  6 samples and the first 4 of them (all 6 where 10 are asked; none kept
+  where 0 are)."""
+  import collections
+
+  from tff_privacy.algorithms import defended
+
+  x = np.arange(12, dtype=np.float32).reshape(6, 2)
+  samples = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+      x=x, y=np.arange(6, dtype=np.int32)))
+  seeded = samples.take(2).batch(2).concatenate(samples.skip(2).batch(3)).map(
+      lambda b: collections.OrderedDict(b, seed=tf.constant([4, 5], tf.int64)))
+  inputs, count, head = defended._read_inputs(
+      seeded, {"seed": defended.SEED_TYPE}, ["x", "y"], head_size)
+  np.testing.assert_array_equal(inputs["seed"], [4, 5])
+  assert int(count) == 6
+  if head_size == 0:
+    assert head is None
+  else:
+    np.testing.assert_array_equal(head["x"], x[:min(head_size, 6)])
+    np.testing.assert_array_equal(head["y"], np.arange(min(head_size, 6)))

@@ -24,11 +24,11 @@ SPEC = models.ModelSpec("mlp", (H, W, C), 3, {"hidden": (6,), "activation": "sig
 MASK = psi.box_mask([[1, 1, 3, 4]], H, W)
 
 
-def _mechanism(**kwargs):
+def _mechanism(cls=fedre.FedREMechanism, **kwargs):
   settings = dict(epsilon=20.0, delta=1e-5, rounds=5, clip=0.5, budget_split="psi",
                   noise_calibration="paper", psi_samples=3, psi_pixels=None)
   settings.update(kwargs)
-  return fedre.FedREMechanism(SPEC, **settings)
+  return cls(SPEC, **settings)
 
 
 def _view(weights, seed=0, epochs=1):
@@ -185,9 +185,11 @@ def test_the_client_work_scores_the_samples_its_data_set_starts_with():
   its inputs; the same work reading them from its data set instead
   (`view_samples` 0: `ClientView.head`'s own pass) uploads the same bits.
   Batches of 3 from 7 samples, 5 PSI samples: the head spans 2 batches."""
+  class ReadsItsOwnSamples(fedre.FedREMechanism):
+    view_samples = 0
+
   mechanism = _mechanism(psi_samples=5, num_clients=2)
-  reading = _mechanism(psi_samples=5, num_clients=2)
-  reading.view_samples = 0
+  reading = _mechanism(psi_samples=5, num_clients=2, cls=ReadsItsOwnSamples)
   model_fn = SPEC.tff_model_fn()
   weights = tff.learning.models.ModelWeights(
       [np.asarray(w) for w in SPEC.initial_weights(0)], [])
@@ -215,6 +217,59 @@ def test_the_client_work_scores_the_samples_its_data_set_starts_with():
       np.testing.assert_array_equal(g, w)
   # the scores, and with them the noise, depend on the samples scored
   assert not np.array_equal(uploads[0][0].update[0], uploads[2][0].update[0])
+
+
+def test_one_public_set_for_every_profile_scores_alike_without_reading_profiles(
+    monkeypatch):
+  """Two clients whose public sets are equal: FedRE's process then reads
+  no client's profile and scores both uploads on the one set; a round of it
+  gives the same state and metrics, to the bit, as the process that reads
+  each profile and scores on that profile's copy of the set."""
+  rng = np.random.default_rng(5)
+  public = PublicRegions(rng.random((2, H, W, C)).astype(np.float32),
+                         np.array([0, 2]), np.repeat(MASK[None], 2, 0))
+  other = dataclasses.replace(public, y=np.array([1, 2]))
+  assert fedre.one_public_set([public, dataclasses.replace(public)]) is public
+  assert fedre.one_public_set([public, other]) is None
+  x = rng.random((2, 4, H, W, C)).astype(np.float32)
+  y = rng.integers(0, 3, size=(2, 4)).astype(np.int32)
+
+  def client(c):
+    inputs = [("seed", tf.constant([c, 3], tf.int64)),
+              (fedre.MASK_KEY, tf.constant(MASK, tf.float32)),
+              (fedre.PROFILE_KEY, tf.constant(c, tf.int32)),
+              (fedre.CLIENT_KEY, tf.constant(c, tf.int32))]
+    return tf.data.Dataset.from_tensor_slices({"x": x[c], "y": y[c]}).batch(2).map(
+        lambda b: collections.OrderedDict([("x", b["x"]), ("y", b["y"])] + inputs))
+
+  def one_round():
+    process = fedre.build_fedre(SPEC, _mechanism(num_clients=2),
+                                client_learning_rate=0.1,
+                                public=[public, dataclasses.replace(public)])
+    return process.next(process.initialize(), [client(0), client(1)])
+
+  shared = one_round()
+  monkeypatch.setattr(fedre, "one_public_set", lambda sets: None)
+  read = one_round()
+  for a, b in zip(tf.nest.flatten(shared.state), tf.nest.flatten(read.state)):
+    np.testing.assert_array_equal(a, b)
+  assert str(shared.metrics) == str(read.metrics)
+
+
+def test_a_client_without_samples_takes_the_even_split_under_psi():
+  """No samples, no PSI scores: each of the MLP's 4 tensors gets 20 / 4,
+  and the upload stays finite."""
+  mechanism = _mechanism()
+  view, _, _ = _view(SPEC.initial_weights(0))
+  empty = ClientView(view.weights, view.dataset.unbatch().take(0).batch(2),
+                     view.inputs)
+  seed = tf.constant([1, 2], tf.int64)
+  np.testing.assert_allclose(mechanism.layer_epsilons(empty, seed), [5.0] * 4,
+                             rtol=1e-6)
+  update = [tf.zeros(w.shape) for w in SPEC.initial_weights(0)]
+  assert all(np.isfinite(u).all() for u in mechanism.apply(update, seed, empty))
+  # with samples, the scores split it unevenly
+  assert not np.allclose(mechanism.layer_epsilons(view, seed), [5.0] * 4)
 
 
 def test_a_client_without_samples_fills_no_row_of_the_tensor_epsilons():

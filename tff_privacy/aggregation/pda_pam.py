@@ -216,16 +216,17 @@ def _finite(update, scores) -> tf.Tensor:
 
 def compose_with_server_aggregation(
     initial_model_weights_fn: tff.Computation, client_work, server_aggregation,
-    server_optimizer, client_profile_fn: tff.Computation,
+    server_optimizer, client_profile_fn: Optional[tff.Computation],
     model_aggregator=None) -> tff.learning.templates.LearningProcess:
   """A `LearningProcess` like `tff.learning.templates.compose_learning_process`
   whose server step uses `server_aggregation` (e.g. `build_pda_pam`'s) on
   (the broadcast model, the uploads, the clients' profiles) instead of the
   model aggregator's result. `client_profile_fn` maps a client's data to
   its profile index, which the client declares (its data category, public
-  like the region it chose for the server's scoring). `model_aggregator` (a
-  weighted factory, default a mean) still runs on the uploads for its
-  measurements, e.g. upload capture."""
+  like the region it chose for the server's scoring); None gives every
+  client profile 0 (one public set) without reading its data.
+  `model_aggregator` (a weighted factory, default a mean) still runs on the
+  uploads for its measurements, e.g. upload capture."""
   weights_type = initial_model_weights_fn.type_signature.result
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
   aggregator = (model_aggregator or wide_mean_factory()).create(
@@ -255,7 +256,9 @@ def compose_with_server_aggregation(
     mean = aggregator.next(state.aggregator, work.result.update,
                            work.result.update_weight)
     trainable = tff.federated_map(trainable_of, state.global_model_weights)
-    profiles = tff.federated_map(client_profile_fn, data)
+    profiles = (tff.federated_value(np.int32(0), tff.CLIENTS)
+                if client_profile_fn is None
+                else tff.federated_map(client_profile_fn, data))
     aggregate, server_measurements = server_aggregation(
         trainable, work.result.update, profiles)
     final = finalizer.next(state.finalizer, state.global_model_weights, aggregate)

@@ -151,7 +151,7 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
         {k: b[k] for k in input_types}))
     result, model_outputs = local.build()(weights, batches)
     view = (ClientView(list(weights.trainable), batches, dict(inputs), num_samples,
-                       head if defense.view_samples else None)
+                       head, defense.view_samples)
             if defense.needs_client_view else None)
     upload, measured, per_client = measured_defense(
         defense, list(result.update), inputs[SEED_KEY], view)
@@ -183,27 +183,35 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
 def _read_inputs(dataset: tf.data.Dataset, input_types: dict, names: list,
                  head_size: int):
   """One pass over a client's batches: its inputs (alike in every batch),
-  its number of samples and its first `head_size` samples of `names` as
-  one batch. The count and the samples are also those of the batches it
-  trains on where `transform_batch` keeps batch sizes and leaves the
-  samples as they are (every defence with `view_samples`)."""
+  its number of samples and, for `head_size` > 0, its first `head_size`
+  samples of `names` as one batch (else None). The count and the samples
+  are also those of the batches it trains on where `transform_batch`
+  keeps batch sizes and, for the samples, leaves them as they are (see
+  `UpdateDefense.view_samples`)."""
   inputs = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
                                    for k, t in input_types.items())
+  count = tf.constant(0, tf.int32)
+
+  def read(state, batch):
+    return (collections.OrderedDict((k, batch[k]) for k in input_types),
+            state[1] + tf.shape(batch["x"])[0])
+
+  if not head_size:
+    return (*dataset.reduce((inputs, count), read), None)
   head = collections.OrderedDict(
       (k, tf.zeros([0, *dataset.element_spec[k].shape[1:]], dataset.element_spec[k].dtype))
       for k in names)
 
-  def read(state, batch):
-    _, count, first = state
+  def read_with_head(state, batch):
+    first = state[2]
     first = tf.cond(  # once full, the head is no longer copied
         tf.shape(first[names[0]])[0] < head_size,
         lambda: collections.OrderedDict(
             (k, tf.concat([first[k], batch[k]], 0)[:head_size]) for k in names),
         lambda: first)
-    return (collections.OrderedDict((k, batch[k]) for k in input_types),
-            count + tf.shape(batch["x"])[0], first)
+    return (*read(state, batch), first)
 
-  return dataset.reduce((inputs, tf.constant(0, tf.int32), head), read)
+  return dataset.reduce((inputs, count, head), read_with_head)
 
 
 def compose_defended(model_fn: Callable, client_work, server_optimizer,

@@ -429,10 +429,6 @@ class FedREMechanism(UpdateDefense):
     self.epsilon, self.delta, self.rounds, self.clip = epsilon, delta, rounds, clip
     self.budget_split, self.noise_calibration = budget_split, noise_calibration
     self.psi_samples, self.psi_pixels = psi_samples, psi_pixels
-    # read with the inputs where the update is noised: 'pixels' trains on
-    # other samples than the data set's (transform_batch) and scores none
-    self.view_samples = (psi_samples if self.acts_on_update and budget_split == "psi"
-                         else 0)
     self.layer_delta = budget.split_delta(delta, self.num_layers)
     self.round_multiplier = (budget.round_multiplier(epsilon, delta, rounds)
                              if noise_calibration == "accountant" else None)
@@ -444,6 +440,14 @@ class FedREMechanism(UpdateDefense):
     self.client_input_types = {MASK_KEY: tff.TensorType(np.float32, [height, width]),
                                PROFILE_KEY: tff.TensorType(np.int32),
                                CLIENT_KEY: tff.TensorType(np.int32)}
+
+  @property
+  def view_samples(self) -> int:
+    """The PSI samples, read with the client's inputs where the update is
+    noised by the PSI split ('pixels' trains on other samples than its data
+    set's, by `transform_batch`, and scores none; 'steps' reads its own)."""
+    return (self.psi_samples if self.acts_on_update and self.budget_split == "psi"
+            else 0)
 
   def params(self):
     if self.perturbation == "pixels":  # no update noise, no budget
@@ -489,19 +493,24 @@ class FedREMechanism(UpdateDefense):
   def layer_epsilons(self, client: ClientView, seed) -> tf.Tensor:
     """Each tensor's epsilon_l: eq. 6 on the PSI scores (of its layer, or
     of itself by `budget_unit`) of the client's first `psi_samples` samples
-    under the broadcast model, or the even split."""
+    under the broadcast model, or the even split (also that of a client
+    without samples, which has no scores)."""
     if self.budget_split == "even":
       return self.even_epsilons()
     batch = client.head(self.psi_samples)
-    masks = tf.tile(client.inputs[MASK_KEY][None] > 0.5,
-                    [tf.shape(batch["x"])[0], 1, 1])
-    scores = psi.psi_scores(self.spec.keras(), client.weights, batch["x"],
-                            batch["y"], masks, self.spec.task_object.loss,
-                            pixels=self.psi_pixels, seed=seed,
-                            groups=(self.groups if self.budget_unit == "layer"
-                                    else None)).scores
-    return self.per_tensor(
-        budget.layerwise_budget(tf.reduce_mean(scores, 0), self.epsilon))
+    num = tf.shape(batch["x"])[0]
+
+    def scored():
+      masks = tf.tile(client.inputs[MASK_KEY][None] > 0.5, [num, 1, 1])
+      scores = psi.psi_scores(self.spec.keras(), client.weights, batch["x"],
+                              batch["y"], masks, self.spec.task_object.loss,
+                              pixels=self.psi_pixels, seed=seed,
+                              groups=(self.groups if self.budget_unit == "layer"
+                                      else None)).scores
+      return self.per_tensor(
+          budget.layerwise_budget(tf.reduce_mean(scores, 0), self.epsilon))
+
+    return tf.cond(num > 0, scored, self.even_epsilons)
 
   def step_noise_multipliers(self, client: ClientView, seed) -> tf.Tensor:
     """noise_on='steps': every local step's sigma_l, eq. 9's shape 1 /
@@ -809,10 +818,15 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
     return defended.compose_from_weights(initial_model_weights_fn, client_work,
                                          server_optimizer, model_aggregator)
 
-  @tff.tensorflow.computation(client_work.next.type_signature.parameter[2].member)
-  def client_profile(dataset):
-    # every batch carries the profile: the first's, without reading the rest
-    return dataset.take(1).reduce(tf.constant(0, tf.int32), lambda _, b: b[PROFILE_KEY])
+  one_set = one_public_set(public)
+  if one_set is not None:  # every profile scores alike: no client reads its own
+    public, client_profile = one_set, None
+  else:
+    @tff.tensorflow.computation(client_work.next.type_signature.parameter[2].member)
+    def client_profile(dataset):
+      # every batch carries the profile: the first's, without reading the rest
+      return dataset.take(1).reduce(tf.constant(0, tf.int32),
+                                    lambda _, b: b[PROFILE_KEY])
 
   return compose_with_server_aggregation(
       initial_model_weights_fn, client_work,
@@ -820,6 +834,20 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
                     pixels=mechanism.psi_pixels,
                     loss_fn=spec.task_object.loss),
       server_optimizer, client_profile, model_aggregator)
+
+
+def one_public_set(public: Sequence[PublicRegions]) -> Optional[PublicRegions]:
+  """The set every profile holds where `public`'s sets are all equal (the
+  same samples, labels and regions, e.g. clients of one data category with
+  one default region), else None. PDA-PAM then scores every upload on it
+  and no client reads its profile from its first batch (a pass over its
+  data set that reads one batch, about as costly as a whole one)."""
+  if not public:
+    return None
+  first = public[0]
+  same = all(np.array_equal(p.x, first.x) and np.array_equal(p.y, first.y)
+             and np.array_equal(p.masks, first.masks) for p in public[1:])
+  return first if same else None
 
 
 def public_regions(federation: Federation, regions: Optional[str],

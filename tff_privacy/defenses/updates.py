@@ -83,15 +83,15 @@ class ClientView:
   the client's own inputs (`UpdateDefense.client_input_types`, by name)
   and, where the caller read them in a pass it made anyway, the number of
   samples in that data set (int32; None: `sample_count` counts them) and
-  its first samples as one batch (`head_samples`, up to
-  `UpdateDefense.view_samples` of them, fewer where the data set holds
-  fewer; None: `head` reads them)."""
+  its first `head_size` samples as one batch (`head_samples`, fewer where
+  the data set holds fewer; None: `head` reads them)."""
 
   weights: list[tf.Tensor]
   dataset: tf.data.Dataset
   inputs: dict = dataclasses.field(default_factory=dict)
   num_samples: Optional[tf.Tensor] = None
   head_samples: Optional[dict] = None
+  head_size: int = 0
 
   def sample_count(self) -> tf.Tensor:
     """The number of samples in `dataset` (int32): `num_samples`, or a pass
@@ -103,11 +103,12 @@ class ClientView:
 
   def head(self, n: int) -> dict:
     """The first `n` samples of `dataset` (fewer where it holds fewer) as
-    one batch: `head_samples`' first `n`, or a pass over the data set.
-    Callers that set `head_samples` read at least `n` (the defence's
-    `view_samples`)."""
-    if self.head_samples is None:
-      return self.dataset.unbatch().take(n).batch(n).get_single_element()
+    one batch: `head_samples`' first `n` where they hold that many, else a
+    pass over the data set."""
+    if self.head_samples is None or n > self.head_size:
+      spec = self.dataset.element_spec
+      none = {k: tf.zeros([0, *s.shape[1:]], s.dtype) for k, s in spec.items()}
+      return self.dataset.unbatch().take(n).batch(n).reduce(none, lambda _, b: b)
     return {k: v[:n] for k, v in self.head_samples.items()}
 
 
@@ -129,7 +130,8 @@ class UpdateDefense(abc.ABC):
   # run's workers must share this machine's file system
   reads_run_files = False
   # the first samples of its data set its `ClientView` reads (`head`), which
-  # the client work then collects in the pass that reads the inputs
+  # the client work then collects in the pass that reads the inputs: only
+  # for a defence whose `transform_batch` leaves the samples as they are
   view_samples = 0
   # per-client inputs beyond the noise seed: {name: tff.TensorType}, given
   # by the method's `client_inputs` and read from `ClientView.inputs`
