@@ -62,7 +62,7 @@ from typing import Optional
 import tensorflow as tf
 
 import round_timing  # this folder's
-from tff_privacy import psi, runner, runtime
+from tff_privacy import algorithms, psi, runner, runtime
 from tff_privacy.algorithms import fedre
 from tff_privacy.cli import _epsilon_target, _positive_int
 from tff_privacy.leaderboard import defaults, grid as grids
@@ -128,9 +128,13 @@ def psi_seconds(run_config: runner.RunConfig, repeats: int = 5
   scores_own = mechanism is not None and mechanism.budget_split == "psi"
   public = None
   if run.algorithm.protocol.get("aggregation") == "pda_pam":
+    clients = len(run.fed.client_indices)
     masks = [run.algorithm.client_inputs(c, 1)[fedre.MASK_KEY] > 0.5
-             for c in range(len(run.fed.client_sizes))]
-    public = fedre.public_regions(run.fed, settings["regions"], masks,
+             for c in range(clients)]
+    federation = algorithms.Federation(
+        run.config.rounds, tuple(len(i) for i in run.fed.client_indices),
+        run.fed.test, run.config.dp_delta, run.fed)
+    public = fedre.public_regions(federation, settings["regions"], masks,
                                   settings["public_samples"])[0]
   if not scores_own and public is None:
     return None
