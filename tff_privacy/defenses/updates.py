@@ -107,7 +107,7 @@ class ClientView:
     pass over the data set."""
     if self.head_samples is None or n > self.head_size:
       spec = self.dataset.element_spec
-      none = {k: tf.zeros([0, *s.shape[1:]], s.dtype) for k, s in spec.items()}
+      none = type(spec)((k, tf.zeros([0, *s.shape[1:]], s.dtype)) for k, s in spec.items())
       return self.dataset.unbatch().take(n).batch(n).reduce(none, lambda _, b: b)
     return {k: v[:n] for k, v in self.head_samples.items()}
 
