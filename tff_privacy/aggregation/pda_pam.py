@@ -224,7 +224,9 @@ def compose_with_server_aggregation(
   model aggregator's result. `client_profile_fn` maps a client's data to
   its profile index, which the client declares (its data category, public
   like the region it chose for the server's scoring); None gives every
-  client profile 0 (one public set) without reading its data.
+  client profile 0 without reading its data, for a `server_aggregation`
+  built on one public set (with several, every client would be scored on
+  the first).
   `model_aggregator` (a weighted factory, default a mean) still runs on the
   uploads for its measurements, e.g. upload capture."""
   weights_type = initial_model_weights_fn.type_signature.result

@@ -499,10 +499,11 @@ class FedREMechanism(UpdateDefense):
       return self.even_epsilons()
     batch = client.head(self.psi_samples)
     num = tf.shape(batch["x"])[0]
+    model = self.spec.keras()
+    masks = tf.tile(client.inputs[MASK_KEY][None] > 0.5, [num, 1, 1])
 
     def scored():
-      masks = tf.tile(client.inputs[MASK_KEY][None] > 0.5, [num, 1, 1])
-      scores = psi.psi_scores(self.spec.keras(), client.weights, batch["x"],
+      scores = psi.psi_scores(model, client.weights, batch["x"],
                               batch["y"], masks, self.spec.task_object.loss,
                               pixels=self.psi_pixels, seed=seed,
                               groups=(self.groups if self.budget_unit == "layer"
