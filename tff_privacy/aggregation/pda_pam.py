@@ -80,7 +80,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import psi
-from tff_privacy.aggregation.wide_sum import federated_wide_sum, wide_mean_factory
+from tff_privacy.aggregation.wide_sum import (MEAN_MEASUREMENTS, WideMeanFactory,
+                                             federated_wide_sum, wide_mean_factory)
 
 UPDATE_RULES = ("paper", "normalized")
 SCORE_SCALES = ("linear", "log")
@@ -228,8 +229,12 @@ def compose_with_server_aggregation(
   built on one public set (with several, every client would be scored on
   the first).
   `model_aggregator` (a weighted factory, default a mean) still runs on the
-  uploads for its measurements, e.g. upload capture."""
+  uploads for its measurements, e.g. upload capture; a plain
+  `WideMeanFactory`, which measures nothing, keeps its state and does not
+  run."""
   weights_type = initial_model_weights_fn.type_signature.result
+  # a plain mean's result is replaced and it measures nothing: not run
+  mean_unused = model_aggregator is None or isinstance(model_aggregator, WideMeanFactory)
   distributor = tff.learning.templates.build_broadcast_process(weights_type)
   aggregator = (model_aggregator or wide_mean_factory()).create(
       weights_type.trainable, tff.TensorType(np.float32))
@@ -255,8 +260,12 @@ def compose_with_server_aggregation(
   def next_fn(state, data):
     sent = distributor.next(state.distributor, state.global_model_weights)
     work = client_work.next(state.client_work, sent.result, data)
-    mean = aggregator.next(state.aggregator, work.result.update,
-                           work.result.update_weight)
+    if mean_unused:
+      mean = tff.templates.MeasuredProcessOutput(
+          state.aggregator, None, tff.federated_value(MEAN_MEASUREMENTS, tff.SERVER))
+    else:
+      mean = aggregator.next(state.aggregator, work.result.update,
+                             work.result.update_weight)
     trainable = tff.federated_map(trainable_of, state.global_model_weights)
     profiles = (tff.federated_value(np.int32(0), tff.CLIENTS)
                 if client_profile_fn is None
