@@ -48,7 +48,8 @@ therefore a federated computation of (the server's model, the uploads),
 and `compose_with_server_aggregation` builds a `LearningProcess` around any
 method's client work with it; the method's ordinary aggregator still runs on
 the same uploads, so upload capture and its measurements work unchanged,
-but its result is replaced. TFF 0.87 has no `federated_collect`, so the
+but its result is replaced (a plain mean, which measures nothing, is not
+run at all). TFF 0.87 has no `federated_collect`, so the
 scoring of each upload, a function of that upload, the broadcast model and
 the public set only (no client data), is mapped where the uploads are, and
 only the scores and weighted sums reach the server, in the form
