@@ -159,13 +159,14 @@ class Run:
     # the method's client work.
     self.central = defense if isinstance(defense, defenses.DPFedAvg) else None
     self.client_defense = None if self.central else defense
+    # what the method may size itself by (FedRE: its public sets)
+    self.federation = algorithms.Federation(
+        config.rounds, tuple(len(i) for i in self.fed.client_indices),
+        self.fed.test, config.dp_delta, self.fed)
     self.algorithm = algorithms.get(
         config.method, self.spec, batch_size=config.batch_size,
         seed=config.seed, defense=None if self.central else defense,
-        federation=algorithms.Federation(
-            config.rounds, tuple(len(i) for i in self.fed.client_indices),
-            self.fed.test, config.dp_delta, self.fed),
-        **config.method_kwargs)
+        federation=self.federation, **config.method_kwargs)
     if (self.central and self.central.audit_canaries and (
         self.algorithm.upload_kind not in ("gradient", "model_delta")
         or self.algorithm.private_state is not None)):
