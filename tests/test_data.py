@@ -222,3 +222,51 @@ def test_client_data_samples_are_normalised_like_the_data_set():
                              (src.x_train[:5] - 0.1307) / 0.3081, atol=1e-6)
   np.testing.assert_allclose(fed.test[0], (src.x_test[:3] - 0.1307) / 0.3081,
                              atol=1e-6)
+
+
+def _batches(sizes, seed=0):
+  """One-sample-per-row batches of the given sizes: x [b, 2], y [b], a
+  per-client 'seed' [2] alike in every batch."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(sum(sizes), 2)).astype(np.float32)
+  y = np.arange(sum(sizes), dtype=np.int32)
+  starts = np.cumsum([0] + list(sizes))
+  import collections
+  import tensorflow as tf
+  elements = [collections.OrderedDict(x=x[a:b], y=y[a:b], seed=np.array([7, a], np.int64))
+              for a, b in zip(starts[:-1], starts[1:])]
+  spec = collections.OrderedDict(x=tf.TensorSpec([None, 2], tf.float32),
+                                 y=tf.TensorSpec([None], tf.int32),
+                                 seed=tf.TensorSpec([2], tf.int64))
+  return tf.data.Dataset.from_generator(lambda: iter(elements), output_signature=spec), x, y
+
+
+@pytest.mark.parametrize("sizes", [[3, 3, 1], [1], [4, 4, 2, 4, 4, 2], []])
+def test_reads_count_and_take_what_a_loop_over_the_batches_sees(sizes):
+  import tensorflow as tf
+  from tff_privacy.data import reads
+  dataset, x, y = _batches(sizes)
+  assert int(reads.count_samples(dataset)) == sum(sizes)
+  assert int(reads.count_samples(dataset, "y")) == sum(sizes)
+  assert int(reads.count_batches(dataset)) == len(sizes)
+  for n in (1, 5, 30):
+    head = reads.first_samples(dataset, n, ["x", "y"])
+    assert list(head) == ["x", "y"]
+    np.testing.assert_array_equal(head["x"].numpy(), x[:n])
+    np.testing.assert_array_equal(head["y"].numpy(), y[:n])
+  first = reads.first_or(dataset.map(lambda b: b["seed"]), tf.constant([-1, -1], tf.int64))
+  assert first.numpy().tolist() == ([7, 0] if sizes else [-1, -1])
+
+
+def test_reads_work_inside_a_graph_and_on_tuple_elements():
+  import tensorflow as tf
+  from tff_privacy.data import reads
+  pairs = tf.data.Dataset.from_tensor_slices((np.arange(10), np.arange(10))).batch(4)
+
+  @tf.function
+  def counted():
+    return reads.count_batches(pairs), reads.first_or(pairs, (
+        tf.zeros([0], tf.int64), tf.zeros([0], tf.int64)))[0]
+
+  batches, first = counted()
+  assert int(batches) == 3 and first.numpy().tolist() == [0, 1, 2, 3]

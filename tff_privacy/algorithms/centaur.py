@@ -37,6 +37,7 @@ from tff_privacy import params
 from tff_privacy.algorithms import local_dp_sgd, personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          model_from_upload, refuse_defense)
+from tff_privacy.data import reads
 from tff_privacy.registry import METHODS
 
 PARAMETERS = params.Params(
@@ -99,7 +100,7 @@ def build_centaur(
   total_epochs = classifier_epochs + local_epochs
 
   def local_training(target, body, head, dataset):
-    num_batches = dataset.reduce(tf.constant(0, tf.int64), lambda c, _: c + 1)
+    num_batches = reads.count_batches(dataset)
     classifier_batches = num_batches // total_epochs * classifier_epochs
 
     def classifier_step(carry, batch):

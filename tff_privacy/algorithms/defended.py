@@ -40,6 +40,7 @@ from tensorflow_federated.python.learning.algorithms import fed_sgd
 from tensorflow_federated.python.learning.templates import model_delta_client_work
 
 from tff_privacy.aggregation.wide_sum import wide_mean_factory
+from tff_privacy.data import reads
 from tff_privacy.defenses import ClientView, UpdateDefense
 
 SEED_KEY = "seed"
@@ -182,36 +183,19 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
 
 def _read_inputs(dataset: tf.data.Dataset, input_types: dict, names: list,
                  head_size: int):
-  """One pass over a client's batches: its inputs (alike in every batch),
-  its number of samples and, for `head_size` > 0, its first `head_size`
-  samples of `names` as one batch (else None). The count and the samples
-  are also those of the batches it trains on where `transform_batch`
-  keeps batch sizes and, for the samples, leaves them as they are (see
-  `UpdateDefense.view_samples`)."""
-  inputs = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
-                                   for k, t in input_types.items())
-  count = tf.constant(0, tf.int32)
-
-  def read(state, batch):
-    return (collections.OrderedDict((k, batch[k]) for k in input_types),
-            state[1] + tf.shape(batch["x"])[0])
-
-  if not head_size:
-    return (*dataset.reduce((inputs, count), read), None)
-  head = collections.OrderedDict(
-      (k, tf.zeros([0, *dataset.element_spec[k].shape[1:]], dataset.element_spec[k].dtype))
-      for k in names)
-
-  def read_with_head(state, batch):
-    first = state[2]
-    first = tf.cond(  # once full, the head is no longer copied
-        tf.shape(first[names[0]])[0] < head_size,
-        lambda: collections.OrderedDict(
-            (k, tf.concat([first[k], batch[k]], 0)[:head_size]) for k in names),
-        lambda: first)
-    return (*read(state, batch), first)
-
-  return dataset.reduce((inputs, count, head), read_with_head)
+  """A client's inputs (alike in every batch: its first batch's, zeros
+  where it has none), its number of samples and, for `head_size` > 0, its
+  first `head_size` samples of `names` as one batch (else None), each by
+  a single-element read (`tff_privacy.data.reads`). The count and the
+  samples are also those of the batches it trains on where
+  `transform_batch` keeps batch sizes and, for the samples, leaves them as
+  they are (see `UpdateDefense.view_samples`)."""
+  zeros = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
+                                  for k, t in input_types.items())
+  inputs = reads.first_or(dataset.take(1).map(
+      lambda b: collections.OrderedDict((k, b[k]) for k in input_types)), zeros)
+  head = reads.first_samples(dataset, head_size, names) if head_size else None
+  return inputs, reads.count_samples(dataset), head
 
 
 def compose_defended(model_fn: Callable, client_work, server_optimizer,

@@ -154,6 +154,7 @@ from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Federation
                                          check_positive, refuse_defense,
                                          server_learning_rate)
 from tff_privacy.algorithms.defended import SEED_KEY, client_seed
+from tff_privacy.data import reads
 from tff_privacy.data.documents import PRIVACY_PREFERENCES
 from tff_privacy.defenses.updates import (LOCAL_RELATION, ClientView,
                                           UpdateDefense, per_tensor_at_norm,
@@ -826,8 +827,8 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
     @tff.tensorflow.computation(client_work.next.type_signature.parameter[2].member)
     def client_profile(dataset):
       # every batch carries the profile: the first's, without reading the rest
-      return dataset.take(1).reduce(tf.constant(0, tf.int32),
-                                    lambda _, b: b[PROFILE_KEY])
+      return reads.first_or(dataset.take(1).map(lambda b: b[PROFILE_KEY]),
+                            tf.constant(0, tf.int32))
 
   return compose_with_server_aggregation(
       initial_model_weights_fn, client_work,
@@ -841,8 +842,8 @@ def one_public_set(public: Sequence[PublicRegions]) -> Optional[PublicRegions]:
   """The set every profile holds where `public`'s sets are all equal (the
   same samples, labels and regions, e.g. clients of one data category with
   one default region), else None. PDA-PAM then scores every upload on it
-  and no client reads its profile from its first batch (a pass over its
-  data set that reads one batch, about as costly as a whole one)."""
+  and no client reads its profile from its first batch (a computation of
+  its own per client, and a read of its data set)."""
   if not public:
     return None
   first = public[0]

@@ -43,6 +43,7 @@ from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import (Algorithm, Method, PrivateState,
                                          check_positive, model_from_upload,
                                          refuse_defense)
+from tff_privacy.data import reads
 from tff_privacy.models.hypernetwork import Hypernetwork, num_extractor_tensors
 from tff_privacy.disclosure import Disclosure
 from tff_privacy.listing import Listing
@@ -167,7 +168,7 @@ def build_hyperfl(
     """Eqs. 4-5 on one client."""
     target = keras_model_fn()
     phi, v = state["classifier"], state["embedding"]
-    num_batches = dataset.reduce(tf.constant(0, tf.int64), lambda c, _: c + 1)
+    num_batches = reads.count_batches(dataset)
     classifier_batches = num_batches // total_epochs * classifier_epochs
 
     def loss_and_sums(extractor, phi, batch):

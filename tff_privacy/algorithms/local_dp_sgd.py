@@ -59,6 +59,7 @@ from tff_privacy.aggregation.wide_sum import federated_wide_sum
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import Federation, PrivateState
 from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
+from tff_privacy.data import reads
 from tff_privacy.defenses.updates import UpdateDefense, per_tensor_at_norm
 from tff_privacy.dp import accounting, dp_sgd
 from tff_privacy.models.functional import forward
@@ -379,9 +380,7 @@ def step_seed(batch, step: tf.Tensor) -> tf.Tensor:
 def examples_per_pass(dataset: tf.data.Dataset, passes: int) -> tf.Tensor:
   """A client's n (float32): the examples in `dataset`, which holds
   `passes` passes over them, divided by `passes`."""
-  total = dataset.reduce(tf.constant(0.0), lambda count, batch: count + tf.cast(
-      tf.shape(batch["y"])[0], tf.float32))
-  return total / passes
+  return tf.cast(reads.count_samples(dataset, "y"), tf.float32) / passes
 
 
 def dp_batches(dataset: tf.data.Dataset, dp: DPSGD,
@@ -403,7 +402,7 @@ def poisson_batches(dataset: tf.data.Dataset, passes: int) -> tf.data.Dataset:
   and its expected size q n (`EXPECTED_SIZE_KEY`).
   """
   first = dataset.take(1).get_single_element()
-  steps = dataset.reduce(tf.constant(0, tf.int64), lambda count, _: count + 1)
+  steps = reads.count_batches(dataset)
   n = tf.cast(examples_per_pass(dataset, passes), tf.int64)
   x, y = dataset.map(lambda b: (b["x"], b["y"])).unbatch().take(n).batch(
       n).get_single_element()

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow_privacy.privacy.dp_query import dp_query
 
+from tff_privacy.data import reads
 from tff_privacy.disclosure import NOTHING, Disclosure
 from tff_privacy.listing import Listing
 from tff_privacy.dp import LaplaceSumQuery, SeededGaussianSumQuery, with_seed
@@ -81,7 +82,7 @@ class ClientView:
   """What a data-dependent defence sees on the client: the broadcast model's
   trainable weights, the client's local data set (batches of 'x', 'y'),
   the client's own inputs (`UpdateDefense.client_input_types`, by name)
-  and, where the caller read them in a pass it made anyway, the number of
+  and, where the caller read them already, the number of
   samples in that data set (int32; None: `sample_count` counts them) and
   its first `head_size` samples as one batch (`head_samples`, fewer where
   the data set holds fewer; None: `head` reads them)."""
@@ -94,28 +95,19 @@ class ClientView:
   head_size: int = 0
 
   def sample_count(self) -> tf.Tensor:
-    """The number of samples in `dataset` (int32): `num_samples`, or a pass
-    over the data set, which costs a few milliseconds on a TFF worker
-    however few samples it reads."""
+    """The number of samples in `dataset` (int32): `num_samples`, or a
+    read of the data set (`tff_privacy.data.reads`)."""
     if self.num_samples is None:
-      return count_samples(self.dataset)
+      return reads.count_samples(self.dataset)
     return self.num_samples
 
   def head(self, n: int) -> dict:
     """The first `n` samples of `dataset` (fewer where it holds fewer) as
     one batch: `head_samples`' first `n` where they hold that many, else a
-    pass over the data set."""
+    read of the data set."""
     if self.head_samples is None or n > self.head_size:
-      spec = self.dataset.element_spec
-      none = type(spec)((k, tf.zeros([0, *s.shape[1:]], s.dtype)) for k, s in spec.items())
-      return self.dataset.unbatch().take(n).batch(n).reduce(none, lambda _, b: b)
+      return reads.first_samples(self.dataset, n, list(self.dataset.element_spec))
     return {k: v[:n] for k, v in self.head_samples.items()}
-
-
-def count_samples(dataset: tf.data.Dataset) -> tf.Tensor:
-  """The samples in the batches 'x' of `dataset` (int32)."""
-  return dataset.reduce(tf.constant(0, tf.int32),
-                        lambda n, b: n + tf.shape(b["x"])[0])
 
 
 class UpdateDefense(abc.ABC):
@@ -130,7 +122,7 @@ class UpdateDefense(abc.ABC):
   # run's workers must share this machine's file system
   reads_run_files = False
   # the first samples of its data set its `ClientView` reads (`head`), which
-  # the client work then collects in the pass that reads the inputs: only
+  # the client work then reads with its inputs (`defended`): only
   # for a defence whose `transform_batch` leaves the samples as they are
   view_samples = 0
   # per-client inputs beyond the noise seed: {name: tff.TensorType}, given
