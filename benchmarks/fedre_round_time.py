@@ -34,6 +34,15 @@ that scores nothing, e.g. '{"budget_split": "even", "aggregation":
 while it scores the same (timed apart, against the repeats' median FedAvg
 round, which moves from run to run).
 
+The work those scores add does not depend on the implementation: the
+benchmark counts, by TensorFlow's profiler, the floating point operations
+of client 0's training (its batches' forward and backward passes) and of
+its PSI scores, as TensorFlow computes them and at the least any exact
+implementation needs (one forward and backward pass's worth per JVP),
+and prints both as multiples of the training's (`round_flops`;
+`psi_least_over_training`): FedRE's round does at least 1 plus that
+many times FedAvg's client work.
+
 The two processes alternate `--repeats` times (FedAvg, FedRE, FedAvg,
 ...): on these 2-core machines one process's rounds can run 30% slower
 than the next one's, so a single pair can mis-state the ratio. Each
@@ -60,6 +69,7 @@ import statistics
 import time
 from typing import Optional
 
+import numpy as np
 import tensorflow as tf
 
 import round_timing  # this folder's
@@ -67,6 +77,8 @@ from tff_privacy import psi, runner, runtime
 from tff_privacy.algorithms import fedre
 from tff_privacy.cli import _epsilon_target, _positive_int
 from tff_privacy.leaderboard import defaults, grid as grids
+from tff_privacy.models.functional import forward
+from tff_privacy.runs.clients import local_batches
 
 SETTINGS = ("docs", "digits")
 METHODS = ("fedavg", "fedre")
@@ -114,45 +126,69 @@ def config(setting: str, method: str, out: str, fedre_kwargs: dict,
       **made.method_kwargs, **fedre_kwargs})
 
 
-def psi_seconds(run_config: runner.RunConfig, repeats: int = 5
-                ) -> Optional[float]:
-  """Median seconds of client 0's PSI scores in a round of the run
-  `run_config`: its own `psi_samples` (where its budget is split by PSI)
-  on random inputs of the run's shape inside its region (the scores' cost
-  does not depend on the values) and PDA-PAM's of its upload on its public
-  set (where the run aggregates by PDA-PAM), both at the run's
-  `psi_pixels`; None where the run scores nothing."""
+@dataclasses.dataclass
+class Scoring:
+  """What client 0 of the run scores each round: its own `psi_samples`
+  under its region (`own`, where its budget is split by PSI) and, where the
+  run aggregates by PDA-PAM, its upload on the public set (`public`), at
+  `pixels` region pixels a sample (None: all); with the run's model."""
+  run: runner.Run
+  own: bool
+  public: Optional[fedre.PublicRegions]
+  mask: np.ndarray
+  samples: int
+  pixels: Optional[int]
+  groups: Optional[list]
+
+
+def scoring(run_config: runner.RunConfig) -> Optional[Scoring]:
+  """The run's `Scoring`; None where it scores nothing."""
   run = runner.Run(run_config)
   mechanism = run.algorithm.audited_mechanism
   settings = {**{p.name: p.default for p in fedre.PARAMETERS},
               **run.config.method_kwargs}
-  scores_own = mechanism is not None and mechanism.budget_split == "psi"
+  own = mechanism is not None and mechanism.budget_split == "psi"
   public = None
   masks = [run.algorithm.client_inputs(c, 1)[fedre.MASK_KEY] > 0.5
            for c in range(len(run.federation.client_sizes))]
   if run.algorithm.protocol.get("aggregation") == "pda_pam":
     public = fedre.public_regions(run.federation, settings["regions"], masks,
                                   settings["public_samples"])[0]
-  if not scores_own and public is None:
+  if not own and public is None:
     return None
-  spec, model = run.spec, run.spec.keras()
+  groups = (psi.layer_groups(run.spec.keras()) if settings["budget_unit"] == "layer"
+            else None)
+  return Scoring(run, own, public, masks[0], settings["psi_samples"],
+                 settings["psi_pixels"], groups)
+
+
+def psi_seconds(run_config: runner.RunConfig, repeats: int = 5
+                ) -> Optional[float]:
+  """Median seconds of client 0's PSI scores in a round of the run
+  `run_config` (`scoring`), on random inputs of the run's shape (the
+  scores' cost does not depend on the values); None where the run scores
+  nothing."""
+  scored = scoring(run_config)
+  if scored is None:
+    return None
+  spec = scored.run.spec
+  model = spec.keras()
   weights = [tf.constant(w) for w in spec.initial_weights(0)]
-  groups = psi.layer_groups(model) if settings["budget_unit"] == "layer" else None
-  mask = masks[0]
-  pixels = settings["psi_pixels"]
 
   def scores(x, y, masks, groups):
     return psi.psi_scores(model, weights, x, y, masks, spec.task_object.loss,
-                          pixels=pixels, groups=groups).scores
+                          pixels=scored.pixels, groups=groups).scores
 
   def client_work():
     out = []
-    if scores_own:
-      n = settings["psi_samples"]
+    if scored.own:
+      n = scored.samples
       x = tf.random.stateless_uniform((n, *spec.input_shape), (0, 1))
       y = tf.zeros((n, *spec.task_object.label_shape(spec.input_shape)), tf.int32)
-      out.append(scores(x, y, tf.constant(mask[None].repeat(n, 0)), groups))
-    if public is not None:  # PDA-PAM scores every tensor
+      out.append(scores(x, y, tf.constant(scored.mask[None].repeat(n, 0)),
+                        scored.groups))
+    if scored.public is not None:  # PDA-PAM scores every tensor
+      public = scored.public
       out.append(scores(public.x, public.y, public.masks, None))
     return out
 
@@ -164,6 +200,64 @@ def psi_seconds(run_config: runner.RunConfig, repeats: int = 5
     compiled()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def round_flops(run_config: runner.RunConfig) -> tuple[int, int, int]:
+  """(training, PSI, PSI's least) floating point operations of client 0's
+  round in the run `run_config`, by TensorFlow's profiler
+  (`round_timing.graph_flops`): its batches' forward and backward passes;
+  its PSI scores (`scoring`; 0 where it scores nothing), each sample's
+  forward and backward pass once plus one Jacobian-vector product per
+  region pixel scored and channel (`psi.pixel_jvp_squares` as TensorFlow
+  runs it, less the forward and backward pass it repeats, which
+  `psi_scores` computes once per chunk of JVPs); and the least any exact
+  implementation needs for those scores: a JVP through the gradient takes
+  at least one operation of the same size per operation of the sample's
+  forward and backward pass (each depends on the input), so at least that
+  pass's count per JVP. The work PSI adds per client, whatever the
+  overheads."""
+  scored = scoring(run_config)
+  run = scored.run if scored else runner.Run(run_config)
+  spec = run.spec
+  model = spec.keras()
+  weights = [tf.TensorSpec(v.shape) for v in model.trainable_variables]
+  label = spec.task_object.label_shape(spec.input_shape)
+
+  def step(w, x, y):
+    with tf.GradientTape() as tape:
+      tape.watch(w)
+      loss = spec.task_object.loss(forward(model, w, x), y)
+    return tape.gradient(loss, w)
+
+  def step_flops(batch: int) -> int:
+    return round_timing.graph_flops(
+        step, weights, tf.TensorSpec((batch, *spec.input_shape)),
+        tf.TensorSpec((batch, *label), tf.int32))
+
+  client = run.round_data(1)[0]
+  training = sum(step_flops(b) for b in local_batches(
+      len(client.samples), run.algorithm, run.config))
+  if scored is None:
+    return training, 0, 0
+
+  def one_jvp(w, x1, y1):
+    return psi.pixel_jvp_squares(model, w, x1, y1, tf.zeros([3], tf.int32),
+                                 spec.task_object.loss)
+
+  jvp = round_timing.graph_flops(one_jvp, weights, tf.TensorSpec(spec.input_shape),
+                                 tf.TensorSpec(label, tf.int32))
+  primal = step_flops(1)
+  channels = spec.input_shape[-1]
+
+  def jvps(mask) -> int:
+    pixels = int(np.sum(mask))
+    return (pixels if scored.pixels is None else min(scored.pixels, pixels)) * channels
+
+  masks = [scored.mask] * min(scored.samples, len(client.samples)) if scored.own else []
+  if scored.public is not None:
+    masks += list(scored.public.masks)
+  psi_flops = sum(primal + jvps(m) * (jvp - primal) for m in masks)
+  return training, psi_flops, sum(jvps(m) * primal for m in masks)
 
 
 def measured(method: str, args) -> tuple[list[float], int]:
@@ -228,6 +322,11 @@ def main() -> None:
         + " ".join(f"peak_rss_mb_{m}={peaks[m] // 2**20}" for m in METHODS))
   fedavg_median = statistics.median(fedavg_seconds)
   run_config = config(args.setting, "fedre", "unused", fedre_kwargs, args.data_kwargs)
+  training, psi_flops, least = round_flops(run_config)
+  print(f"flops_per_client_round: training={training:.3g} psi={psi_flops:.3g} "
+        f"psi_least={least:.3g} (client 0, TensorFlow's profiler)")
+  print(f"psi_flops_over_training={psi_flops / training:.2f} "
+        f"psi_least_over_training={least / training:.2f}")
   one_client = psi_seconds(run_config)
   if one_client is None:
     print("psi_s_per_round=n/a (this FedRE scores no PSI)")
@@ -236,6 +335,7 @@ def main() -> None:
   scored = clients * one_client
   print(f"psi_s_per_round={scored:.3f} ({scored / fedavg_median:.2f} of FedAvg's "
         f"round; {clients} clients, their PSI scores alone)")
+
 
 if __name__ == "__main__":
   main()

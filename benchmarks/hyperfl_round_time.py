@@ -87,13 +87,6 @@ def measured(method: str, args) -> tuple[list[float], int]:
       args.limit_mb, method)
 
 
-def _flops(fn, *specs) -> int:
-  graph = tf.function(fn).get_concrete_function(*specs).graph
-  options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
-  options["output"] = "none"
-  return tf.compat.v1.profiler.profile(graph, options=options).total_float_ops
-
-
 def _step_flops(spec, hyper: Hypernetwork, batch: int) -> tuple[int, int, int]:
   """FLOPs of a FedAvg step, a HyperFL classifier step and a HyperFL
   hypernetwork step on one batch."""
@@ -135,9 +128,10 @@ def _step_flops(spec, hyper: Hypernetwork, batch: int) -> tuple[int, int, int]:
       value = loss(extractor + list(phi), x, y)
     return tape.gradient(value, [varphi[0], varphi[1], theta, v])
 
-  return (_flops(model_step, weights, x, y),
-          _flops(classifier_step, weights, x, y),
-          _flops(hypernetwork_step, hyper_specs, v, weights[split:], x, y))
+  return (round_timing.graph_flops(model_step, weights, x, y),
+          round_timing.graph_flops(classifier_step, weights, x, y),
+          round_timing.graph_flops(hypernetwork_step, hyper_specs, v, weights[split:],
+                                   x, y))
 
 
 def head_reads_seconds(hyper: Hypernetwork, repeats: int = 20) -> float:

@@ -149,11 +149,7 @@ def region_pixel_norms(model: tf.keras.Model, weights: Sequence[tf.Tensor],
   triples = tf.concat([triples, tf.zeros([padded - num, 3], tf.int32)], 0)
 
   def column(triple):
-    tangent = tf.scatter_nd(triple[None], [1.0], tf.shape(x1))
-    with tf.autodiff.ForwardAccumulator(x1, tangent) as acc:
-      grads = _gradient(model, weights, loss_fn, x1, y1)
-    return tf.stack([_sum_of_squares(acc.jvp(
-        g, unconnected_gradients=tf.UnconnectedGradients.ZERO)) for g in grads])
+    return pixel_jvp_squares(model, weights, x1, y1, triple, loss_fn)
 
   # parallel_iterations=1 here and over the samples: a graph's map_fn would
   # otherwise run 10 iterations at once, each holding a chunk of JVPs
@@ -167,6 +163,19 @@ def region_pixel_norms(model: tf.keras.Model, weights: Sequence[tf.Tensor],
   squares = tf.reshape(squares, [-1, len(weights)])[:num]
   per_pixel = tf.reduce_sum(tf.reshape(squares, [-1, channels, len(weights)]), 1)
   return tf.cast(tf.sqrt(per_pixel), tf.float32)
+
+
+def pixel_jvp_squares(model: tf.keras.Model, weights: Sequence[tf.Tensor],
+                      x1: tf.Tensor, y1: tf.Tensor, triple: tf.Tensor,
+                      loss_fn: LossFn = CLASSIFICATION_LOSS) -> tf.Tensor:
+  """[L] float64: the squared norm of d g_l / d x1[row, column, channel]
+  for every tensor l at one (row, column, channel) `triple` of the sample
+  `x1` (float32), by one Jacobian-vector product through the gradient."""
+  tangent = tf.scatter_nd(triple[None], [1.0], tf.shape(x1))
+  with tf.autodiff.ForwardAccumulator(x1, tangent) as acc:
+    grads = _gradient(model, weights, loss_fn, x1, y1)
+  return tf.stack([_sum_of_squares(acc.jvp(
+      g, unconnected_gradients=tf.UnconnectedGradients.ZERO)) for g in grads])
 
 
 def layer_groups(model: tf.keras.Model) -> list[int]:
