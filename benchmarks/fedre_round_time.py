@@ -34,14 +34,14 @@ that scores nothing, e.g. '{"budget_split": "even", "aggregation":
 while it scores the same (timed apart, against the repeats' median FedAvg
 round, which moves from run to run).
 
-The work those scores add does not depend on the implementation: the
-benchmark counts, by TensorFlow's profiler, the floating point operations
-of client 0's training (its batches' forward and backward passes) and of
-its PSI scores, as TensorFlow computes them and at the least any exact
-implementation needs (one forward and backward pass's worth per JVP),
-and prints both as multiples of the training's (`round_flops`;
-`psi_least_over_training`): FedRE's round does at least 1 plus that
-many times FedAvg's client work.
+The benchmark also counts the floating point operations of client 0's
+training (its batches' forward and backward passes) and of its PSI
+scores, as `psi_scores` computes them and as forward-over-reverse
+differentiation with dense tangents needs at least (one forward and
+backward pass per JVP), and prints both as multiples of the training's
+(`round_flops`: `psi_flops_over_training`, `psi_dense_over_training`):
+the work PSI adds to FedAvg's client work whatever the overheads, for
+any implementation of that kind.
 
 The two processes alternate `--repeats` times (FedAvg, FedRE, FedAvg,
 ...): on these 2-core machines one process's rounds can run 30% slower
@@ -63,8 +63,11 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
+import collections
 import dataclasses
+import inspect
 import json
+import math
 import statistics
 import time
 from typing import Optional
@@ -147,7 +150,8 @@ def scoring(run_config: runner.RunConfig) -> Optional[Scoring]:
   mechanism = run.algorithm.audited_mechanism
   settings = {**{p.name: p.default for p in fedre.PARAMETERS},
               **run.config.method_kwargs}
-  own = mechanism is not None and mechanism.budget_split == "psi"
+  own = (mechanism is not None and mechanism.budget_split == "psi"
+         and mechanism.perturbation == "gradient")
   public = None
   masks = [run.algorithm.client_inputs(c, 1)[fedre.MASK_KEY] > 0.5
            for c in range(len(run.federation.client_sizes))]
@@ -203,19 +207,19 @@ def psi_seconds(run_config: runner.RunConfig, repeats: int = 5
 
 
 def round_flops(run_config: runner.RunConfig) -> tuple[int, int, int]:
-  """(training, PSI, PSI's least) floating point operations of client 0's
-  round in the run `run_config`, by TensorFlow's profiler
-  (`round_timing.graph_flops`): its batches' forward and backward passes;
-  its PSI scores (`scoring`; 0 where it scores nothing), each sample's
-  forward and backward pass once plus one Jacobian-vector product per
-  region pixel scored and channel (`psi.pixel_jvp_squares` as TensorFlow
-  runs it, less the forward and backward pass it repeats, which
-  `psi_scores` computes once per chunk of JVPs); and the least any exact
-  implementation needs for those scores: a JVP through the gradient takes
-  at least one operation of the same size per operation of the sample's
-  forward and backward pass (each depends on the input), so at least that
-  pass's count per JVP. The work PSI adds per client, whatever the
-  overheads."""
+  """(training, PSI, PSI dense) floating point operations of client 0's
+  round in the run `run_config`, by the counts TensorFlow registers
+  (`round_timing.graph_flops`):
+  * its batches' forward and backward passes;
+  * its PSI scores (`scoring`; 0 where it scores nothing) as `psi_scores`
+    computes them: per chunk of JVPs through the gradient, once what does
+    not depend on the tangent (the sample's forward and backward pass) and
+    per JVP, padding included, what does (`psi.pixel_jvp_squares`);
+  * one forward and backward pass of the sample per JVP (padding
+    excluded): what forward-over-reverse differentiation with dense
+    tangents needs at least, whose every op depends on the tangent. An
+    implementation that used the one-hot tangents' sparsity (a pixel
+    reaches few of the first layers' outputs) could need less."""
   scored = scoring(run_config)
   run = scored.run if scored else runner.Run(run_config)
   spec = run.spec
@@ -234,30 +238,33 @@ def round_flops(run_config: runner.RunConfig) -> tuple[int, int, int]:
         step, weights, tf.TensorSpec((batch, *spec.input_shape)),
         tf.TensorSpec((batch, *label), tf.int32))
 
-  client = run.round_data(1)[0]
-  training = sum(step_flops(b) for b in local_batches(
-      len(client.samples), run.algorithm, run.config))
+  sizes = local_batches(len(run.fed.client_indices[0]), run.algorithm, run.config)
+  training = sum(count * step_flops(b) for b, count in collections.Counter(sizes).items())
   if scored is None:
     return training, 0, 0
 
-  def one_jvp(w, x1, y1):
-    return psi.pixel_jvp_squares(model, w, x1, y1, tf.zeros([3], tf.int32),
-                                 spec.task_object.loss)
+  def one_jvp(w, x1, y1, triple):
+    return psi.pixel_jvp_squares(model, w, x1, y1, triple, spec.task_object.loss)
 
-  jvp = round_timing.graph_flops(one_jvp, weights, tf.TensorSpec(spec.input_shape),
-                                 tf.TensorSpec(label, tf.int32))
+  jvp_specs = (weights, tf.TensorSpec(spec.input_shape), tf.TensorSpec(label, tf.int32),
+               tf.TensorSpec([3], tf.int32))
+  per_jvp = round_timing.graph_flops(one_jvp, *jvp_specs, depending_on=3)
+  per_chunk = round_timing.graph_flops(one_jvp, *jvp_specs) - per_jvp
   primal = step_flops(1)
-  channels = spec.input_shape[-1]
+  height, width, channels = spec.input_shape
+  most = (height * width if scored.pixels is None else scored.pixels) * channels
+  chunk = min(inspect.signature(psi.psi_scores).parameters["chunk"].default, most)
 
   def jvps(mask) -> int:
     pixels = int(np.sum(mask))
     return (pixels if scored.pixels is None else min(scored.pixels, pixels)) * channels
 
-  masks = [scored.mask] * min(scored.samples, len(client.samples)) if scored.own else []
+  masks = [scored.mask] * min(scored.samples, sum(sizes)) if scored.own else []
   if scored.public is not None:
     masks += list(scored.public.masks)
-  psi_flops = sum(primal + jvps(m) * (jvp - primal) for m in masks)
-  return training, psi_flops, sum(jvps(m) * primal for m in masks)
+  chunks = [math.ceil(jvps(m) / chunk) for m in masks]
+  return (training, sum(c * (per_chunk + chunk * per_jvp) for c in chunks),
+          sum(jvps(m) * primal for m in masks))
 
 
 def measured(method: str, args) -> tuple[list[float], int]:
@@ -322,11 +329,11 @@ def main() -> None:
         + " ".join(f"peak_rss_mb_{m}={peaks[m] // 2**20}" for m in METHODS))
   fedavg_median = statistics.median(fedavg_seconds)
   run_config = config(args.setting, "fedre", "unused", fedre_kwargs, args.data_kwargs)
-  training, psi_flops, least = round_flops(run_config)
+  training, psi_flops, dense = round_flops(run_config)
   print(f"flops_per_client_round: training={training:.3g} psi={psi_flops:.3g} "
-        f"psi_least={least:.3g} (client 0, TensorFlow's profiler)")
+        f"psi_dense={dense:.3g} (client 0, TensorFlow's op counts)")
   print(f"psi_flops_over_training={psi_flops / training:.2f} "
-        f"psi_least_over_training={least / training:.2f}")
+        f"psi_dense_over_training={dense / training:.2f}")
   one_client = psi_seconds(run_config)
   if one_client is None:
     print("psi_s_per_round=n/a (this FedRE scores no PSI)")

@@ -15,6 +15,7 @@ import time
 import tensorflow as tf
 # Grappler's function inlining, which TensorFlow exports no public form of
 from tensorflow.core.protobuf import config_pb2
+from tensorflow.python.framework import ops
 from tensorflow.python.grappler import tf_optimizer
 
 from fedre_memory import watch  # this folder's
@@ -57,23 +58,49 @@ def measured(script: str, arguments: list[str], limit_mb: int, what: str,
       return json.load(f), peak
 
 
-def graph_flops(fn, *specs) -> int:
-  """The floating point operations TensorFlow's profiler counts in the
-  graph of `fn` traced at `specs`, with the functions it calls inlined
+def graph_flops(fn, *specs, depending_on: "int | None" = None) -> int:
+  """The floating point operations of the graph of `fn` traced at `specs`
+  by the counts TensorFlow registers for its ops (those its profiler
+  adds; ops without one add none), with the functions it calls inlined
   (the profiler does not look inside a call: a `ForwardAccumulator`'s JVPs
-  run in such calls); ops the profiler has no count for add none."""
+  run in such calls) and only the ops its outputs need (the inlined
+  functions hold ops whose results nothing reads). With `depending_on`
+  (the index of one of `specs`), only the ops that depend on that input:
+  what a vectorised map over that input computes once per element, the
+  rest once per map."""
   traced = tf.function(fn).get_concrete_function(*specs)
   meta_graph = tf.compat.v1.train.export_meta_graph(
       graph_def=traced.graph.as_graph_def(), graph=traced.graph)
-  fetches = meta_graph.collection_def["train_op"].node_list.value
-  fetches.extend(t.name for t in traced.outputs)
+  outputs = [t.op.name for t in traced.outputs]
+  meta_graph.collection_def["train_op"].node_list.value.extend(outputs)
   config = config_pb2.ConfigProto()
   config.graph_options.rewrite_options.optimizers[:] = ["function"]
   config.graph_options.rewrite_options.min_graph_nodes = -1
-  inlined = tf.Graph()
-  with inlined.as_default():
-    tf.graph_util.import_graph_def(tf_optimizer.OptimizeGraph(config, meta_graph),
-                                   name="")
-  options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
-  options["output"] = "none"
-  return tf.compat.v1.profiler.profile(inlined, options=options).total_float_ops
+  needed = tf.compat.v1.graph_util.extract_sub_graph(
+      tf_optimizer.OptimizeGraph(config, meta_graph), outputs)
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(needed, name="")
+  counted = graph.get_operations()
+  if depending_on is not None:
+    counted = _dependents(graph, traced.inputs[depending_on].op.name)
+  return sum(_op_flops(graph, op) for op in counted)
+
+
+def _dependents(graph: tf.Graph, name: str) -> list:
+  """The ops of `graph` that depend on the op `name` (itself included)."""
+  reached, frontier = set(), [graph.get_operation_by_name(name)]
+  while frontier:
+    op = frontier.pop()
+    if op.name not in reached:
+      reached.add(op.name)
+      frontier += [c for out in op.outputs for c in out.consumers()]
+      frontier += op._control_outputs  # pylint: disable=protected-access
+  return [graph.get_operation_by_name(n) for n in reached]
+
+
+def _op_flops(graph: tf.Graph, op) -> int:
+  try:
+    return int(ops.get_stats_for_node_def(graph, op.node_def, "flops").value or 0)
+  except ValueError:  # an op whose shapes the count needs are unknown
+    return 0

@@ -225,8 +225,9 @@ def test_client_data_samples_are_normalised_like_the_data_set():
 
 
 def _batches(sizes, seed=0):
-  """One-sample-per-row batches of the given sizes: x [b, 2], y [b], a
-  per-client 'seed' [2] alike in every batch."""
+  """Batches of the given sizes: x [b, 2], y [b] and a 'seed' [2] that
+  names the batch's first sample (7, its index), so that a read shows
+  which batch it took."""
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(sum(sizes), 2)).astype(np.float32)
   y = np.arange(sum(sizes), dtype=np.int32)

@@ -1,5 +1,7 @@
 """benchmarks/fedre_round_time.py: its estimate of the PSI a round scores
-times the run's own scoring, and reports none for a run that scores none."""
+times the run's own scoring, and reports none for a run that scores none;
+its operation counts (and `round_timing.graph_flops`'s) count what the run
+computes."""
 
 import os
 
@@ -20,15 +22,28 @@ def test_the_psi_estimate_times_what_the_run_scores_and_nothing_else(monkeypatch
     assert bench.psi_seconds(run(**scored), repeats=1) > 0
 
 
-def test_graph_flops_counts_inside_the_functions_a_graph_calls(monkeypatch):
+def test_graph_flops_counts_inside_called_functions_what_the_outputs_need(monkeypatch):
   monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
   import tensorflow as tf
   round_timing = load_script("benchmarks/round_timing.py")
   specs = (tf.TensorSpec([2, 3]), tf.TensorSpec([3, 4]))
   inner = tf.function(tf.matmul)
-  # a [2, 3] x [3, 4] product: 2 x 4 outputs of 3 multiplications and 3 additions
+  # a [2, 3] x [3, 4] product: 8 outputs, each of 3 products and their sum,
+  # which TensorFlow counts as 2 x 3 operations
   assert round_timing.graph_flops(tf.matmul, *specs) == 48
   assert round_timing.graph_flops(lambda a, b: inner(a, b), *specs) == 48
+
+  def unused_product(a, b):
+    tf.matmul(a, b)
+    return a + 1.0  # 6 additions
+
+  assert round_timing.graph_flops(unused_product, *specs) == 6
+
+  def two_products(a, b):  # the second does not depend on a
+    return tf.matmul(a, b) + tf.matmul(tf.ones([2, 3]), b)
+
+  assert round_timing.graph_flops(two_products, *specs) == 48 + 48 + 8
+  assert round_timing.graph_flops(two_products, *specs, depending_on=0) == 48 + 8
 
 
 def test_round_flops_count_the_jvps_the_run_scores(monkeypatch):
@@ -39,8 +54,11 @@ def test_round_flops_count_the_jvps_the_run_scores(monkeypatch):
     return bench.round_flops(bench.config("digits", "fedre", "unused",
                                           {"epsilon": 50.0, **fedre_kwargs}, {}))
 
-  training, psi, least = flops()
-  assert training > 0 and psi > least > 0
-  # the compact row scores 2 own and 2 public samples at psi_pixels JVPs each
-  assert flops(psi_pixels=4)[2] * 2 == least
+  training, psi, dense = flops()
+  assert training > 0 and psi > 0 and dense > 0
+  # the compact row scores 2 of the client's samples and PDA-PAM 2 public
+  # ones, each at psi_pixels (8) JVPs
+  assert flops(aggregation="mean")[2] * 2 == dense
+  assert flops(psi_samples=1)[2] * 4 == dense * 3
+  assert flops(psi_pixels=4)[2] * 2 == dense
   assert flops(budget_split="even", aggregation="mean") == (training, 0, 0)

@@ -24,8 +24,8 @@ _ALL = 2**62
 def first_or(dataset: tf.data.Dataset, empty):
   """The first element of `dataset`, or `empty` (of its structure and
   types, shapes compatible) where it has none."""
-  return dataset.concatenate(tf.data.Dataset.from_tensors(empty)).take(1
-                                                                      ).get_single_element()
+  return (dataset.concatenate(tf.data.Dataset.from_tensors(empty))
+          .take(1).get_single_element())
 
 
 def count_samples(dataset: tf.data.Dataset, key: str = "x") -> tf.Tensor:
@@ -35,7 +35,7 @@ def count_samples(dataset: tf.data.Dataset, key: str = "x") -> tf.Tensor:
 
 
 def count_batches(dataset: tf.data.Dataset) -> tf.Tensor:
-  """The elements of `dataset` (int64)."""
+  """The number of elements of `dataset` (int64)."""
   ones = dataset.map(lambda *_: tf.constant(1, tf.int64)).batch(_ALL)
   return tf.reduce_sum(first_or(ones, tf.zeros([0], tf.int64)))
 

@@ -8,4 +8,5 @@ from tff_privacy.psi.scores import (PsiScores, layer_groups, mean_by_format,
 
 __all__ = ["PsiScores", "box_mask", "check_box", "check_mask", "parse_boxes",
            "layer_groups", "mean_by_format", "pixel_jvp_squares",
-           "pixel_norms_nested_tape", "psi_scores", "psi_scores_nested_tape", "region_pixel_norms"]
+           "pixel_norms_nested_tape", "psi_scores", "psi_scores_nested_tape",
+           "region_pixel_norms"]
