@@ -150,8 +150,7 @@ def scoring(run_config: runner.RunConfig) -> Optional[Scoring]:
   mechanism = run.algorithm.audited_mechanism
   settings = {**{p.name: p.default for p in fedre.PARAMETERS},
               **run.config.method_kwargs}
-  own = (mechanism is not None and mechanism.budget_split == "psi"
-         and mechanism.perturbation == "gradient")
+  own = mechanism is not None and mechanism.budget_split == "psi"
   public = None
   masks = [run.algorithm.client_inputs(c, 1)[fedre.MASK_KEY] > 0.5
            for c in range(len(run.federation.client_sizes))]
@@ -219,7 +218,10 @@ def round_flops(run_config: runner.RunConfig) -> tuple[int, int, int]:
     excluded): what forward-over-reverse differentiation with dense
     tangents needs at least, whose every op depends on the tangent. An
     implementation that used the one-hot tangents' sparsity (a pixel
-    reaches few of the first layers' outputs) could need less."""
+    reaches few of the first layers' outputs) could need less.
+  Half of the PSI scored is the server's (PDA-PAM's scores of the client's
+  upload), placed beside the uploads. The training counted is FedAvg's
+  local update, as FedRE's noise_on='update' runs it."""
   scored = scoring(run_config)
   run = scored.run if scored else runner.Run(run_config)
   spec = run.spec

@@ -67,7 +67,7 @@ def graph_flops(fn, *specs, depending_on: "int | None" = None) -> int:
   functions hold ops whose results nothing reads). With `depending_on`
   (the index of one of `specs`), only the ops that depend on that input:
   what a vectorised map over that input computes once per element, the
-  rest once per map."""
+  rest once per map (`specs[depending_on]` may be a structure of specs)."""
   traced = tf.function(fn).get_concrete_function(*specs)
   meta_graph = tf.compat.v1.train.export_meta_graph(
       graph_def=traced.graph.as_graph_def(), graph=traced.graph)
@@ -83,24 +83,31 @@ def graph_flops(fn, *specs, depending_on: "int | None" = None) -> int:
     tf.graph_util.import_graph_def(needed, name="")
   counted = graph.get_operations()
   if depending_on is not None:
-    counted = _dependents(graph, traced.inputs[depending_on].op.name)
+    start = len(tf.nest.flatten(specs[:depending_on]))
+    given = traced.inputs[start:start + len(tf.nest.flatten(specs[depending_on]))]
+    counted = _dependents(graph, [t.op.name for t in given])
   return sum(_op_flops(graph, op) for op in counted)
 
 
-def _dependents(graph: tf.Graph, name: str) -> list:
-  """The ops of `graph` that depend on the op `name` (itself included)."""
-  reached, frontier = set(), [graph.get_operation_by_name(name)]
+def _dependents(graph: tf.Graph, names: list[str]) -> list:
+  """The ops of `graph` whose data inputs depend on the ops `names`
+  (themselves included). Control edges are not followed: a vectorised map
+  runs an op once whose data inputs do not vary, whatever its control
+  inputs do."""
+  reached, frontier = set(), [graph.get_operation_by_name(n) for n in names]
   while frontier:
     op = frontier.pop()
     if op.name not in reached:
       reached.add(op.name)
       frontier += [c for out in op.outputs for c in out.consumers()]
-      frontier += op._control_outputs  # pylint: disable=protected-access
   return [graph.get_operation_by_name(n) for n in reached]
 
 
 def _op_flops(graph: tf.Graph, op) -> int:
+  """The operations TensorFlow registers for `op`; 0 where the count needs
+  shapes the graph does not know (in the graphs measured here, scalar
+  bookkeeping such as a vectorised map's loop counters)."""
   try:
     return int(ops.get_stats_for_node_def(graph, op.node_def, "flops").value or 0)
-  except ValueError:  # an op whose shapes the count needs are unknown
+  except ValueError:
     return 0

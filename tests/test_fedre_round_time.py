@@ -44,6 +44,38 @@ def test_graph_flops_counts_inside_called_functions_what_the_outputs_need(monkey
 
   assert round_timing.graph_flops(two_products, *specs) == 48 + 48 + 8
   assert round_timing.graph_flops(two_products, *specs, depending_on=0) == 48 + 8
+  # an input after a structure of inputs: its place among the flat inputs
+  def three_products(pair, b):  # two depend on b, and both sums
+    return (tf.matmul(pair[0], b) + tf.matmul(pair[1], tf.ones([3, 4]))
+            + tf.matmul(tf.ones([2, 3]), b))
+
+  assert round_timing.graph_flops(three_products, [specs[0]] * 2, specs[1],
+                                  depending_on=1) == 48 + 48 + 8 + 8
+
+
+def test_what_depends_on_the_tangent_is_what_a_vectorised_map_repeats(monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+  import tensorflow as tf
+  from tff_privacy import psi, runner
+  bench = load_script("benchmarks/fedre_round_time.py")
+  round_timing = load_script("benchmarks/round_timing.py")
+  spec = runner.Run(bench.config("digits", "fedre", "unused", {"epsilon": 50.0}, {})).spec
+  model = spec.keras()
+  specs = ([tf.TensorSpec(v.shape) for v in model.trainable_variables],
+           tf.TensorSpec(spec.input_shape), tf.TensorSpec([], tf.int32))
+
+  def jvp(w, x1, y1, triple):
+    return psi.pixel_jvp_squares(model, w, x1, y1, triple, spec.task_object.loss)
+
+  def jvps(k):  # k JVPs as psi_scores runs them: TensorFlow's own vectorised map
+    return round_timing.graph_flops(
+        lambda w, x1, y1, triples: tf.vectorized_map(lambda t: jvp(w, x1, y1, t),
+                                                     triples),
+        *specs, tf.TensorSpec([k, 3], tf.int32))
+
+  per_jvp = round_timing.graph_flops(jvp, *specs, tf.TensorSpec([3], tf.int32),
+                                     depending_on=3)
+  assert jvps(4) - jvps(2) == 2 * per_jvp > 0
 
 
 def test_round_flops_count_the_jvps_the_run_scores(monkeypatch):
