@@ -219,7 +219,7 @@ def round_flops(run_config: runner.RunConfig) -> tuple[int, int, int]:
     tangents needs at least, whose every op depends on the tangent. An
     implementation that used the one-hot tangents' sparsity (a pixel
     reaches few of the first layers' outputs) could need less.
-  Half of the PSI scored is the server's (PDA-PAM's scores of the client's
+  Part of the PSI scored is the server's (PDA-PAM's scores of the client's
   upload), placed beside the uploads. The training counted is FedAvg's
   local update, as FedRE's noise_on='update' runs it."""
   scored = scoring(run_config)

@@ -195,7 +195,7 @@ def _read_inputs(dataset: tf.data.Dataset, input_types: dict, names: list,
   inputs = reads.first_or(dataset.take(1).map(
       lambda b: collections.OrderedDict((k, b[k]) for k in input_types)), zeros)
   # one read after another: run at once, they put about 45 MB on the
-  # compact FedRE benchmark's peak (1,240 and 1,227 MB against 1,192 and 1,195)
+  # compact FedRE benchmark's peak (1,239 and 1,240 MB against 1,192 to 1,195)
   with tf.control_dependencies(tf.nest.flatten(inputs)):
     head = reads.first_samples(dataset, head_size, names) if head_size else None
   with tf.control_dependencies(tf.nest.flatten(inputs if head is None else head)):
