@@ -33,7 +33,7 @@ def _process_and_data(method: str, out: str, **method_kwargs):
       batch_size=32, seed=0, method_kwargs=method_kwargs))
   process = run.process(capture=False)
   # the run with its datasets: they may read files it owns
-  return process, process.initialize(), [c.dataset for c in run.round_data(1)], run
+  return process, process.initialize(), [c.process_data for c in run.round_data(1)], run
 
 
 def main() -> None:

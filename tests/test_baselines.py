@@ -12,7 +12,7 @@ import tensorflow_privacy as tfp_privacy
 
 from tff_privacy import algorithms, cli, models, runner
 from tff_privacy.algorithms import local_dp_sgd
-from tff_privacy.algorithms.defended import SEED_KEY
+from tff_privacy.algorithms.client_data import SEED_KEY, with_inputs
 from tff_privacy.dp import accounting, dp_sgd
 from tff_privacy.protocol import local_batch_sizes
 from tff_privacy.models.functional import forward
@@ -61,20 +61,20 @@ def test_private_gradient_divides_by_the_expected_batch_size_given():
   assert empty.std() == pytest.approx(3.0 * 2.0 / 10, rel=0.03)
 
 
-def _client_data(x, y, batch_size, epochs, seed):
+def _client_data(x, y, batch_size, epochs):
   """A client's round as the runner cuts it: `epochs` passes in batches."""
   sizes = local_batch_sizes(len(y), batch_size, epochs)
   return runner.client_dataset(np.concatenate([x] * epochs),
-                               np.concatenate([y] * epochs), sizes,
-                               {SEED_KEY: np.array(seed, np.int64)})
+                               np.concatenate([y] * epochs), sizes)
 
 
 def test_poisson_batches_take_each_example_with_probability_batch_over_n():
   n, b, epochs = 50, 10, 200  # q = 0.2; 5 batches a pass: 1000 steps
   x = np.arange(n, dtype=np.float32).reshape(n, 1, 1, 1)  # x: the index
+  seed = tf.constant([5, 6], tf.int64)
   batches = list(local_dp_sgd.poisson_batches(
-      _client_data(x, np.zeros(n, np.int32), b, epochs, [5, 6]),
-      epochs).as_numpy_iterator())
+      _client_data(x, np.zeros(n, np.int32), b, epochs), epochs,
+      seed).as_numpy_iterator())
   assert len(batches) == 1000
   counts, sizes = np.zeros(n), []
   for batch in batches:
@@ -83,7 +83,6 @@ def test_poisson_batches_take_each_example_with_probability_batch_over_n():
     counts[index] += 1
     sizes.append(len(index))
     assert batch[local_dp_sgd.EXPECTED_SIZE_KEY] == b
-    np.testing.assert_array_equal(batch[SEED_KEY], [5, 6])
   # 50 000 independent draws at q = 0.2: the overall frequency has sd
   # 0.0018, each example's (1000 draws) sd 0.0126; tolerances 5 sd
   assert counts.sum() / (n * 1000) == pytest.approx(0.2, abs=0.009)
@@ -93,9 +92,10 @@ def test_poisson_batches_take_each_example_with_probability_batch_over_n():
   assert np.var(sizes) == pytest.approx(8.0, abs=2.0)
   # the draws follow the round's seed
   again = local_dp_sgd.poisson_batches(
-      _client_data(x, np.zeros(n, np.int32), b, epochs, [5, 6]), epochs)
+      _client_data(x, np.zeros(n, np.int32), b, epochs), epochs, seed)
   other = local_dp_sgd.poisson_batches(
-      _client_data(x, np.zeros(n, np.int32), b, epochs, [5, 7]), epochs)
+      _client_data(x, np.zeros(n, np.int32), b, epochs), epochs,
+      tf.constant([5, 7], tf.int64))
   first = [batch["x"].reshape(-1) for batch in batches[:20]]
   assert all(np.array_equal(a, c["x"].reshape(-1))
              for a, c in zip(first, again.take(20).as_numpy_iterator()))
@@ -106,7 +106,8 @@ def test_poisson_batches_take_each_example_with_probability_batch_over_n():
 def test_a_client_smaller_than_the_batch_takes_every_example_every_step():
   x = np.arange(3, dtype=np.float32).reshape(3, 1, 1, 1)
   batches = list(local_dp_sgd.poisson_batches(
-      _client_data(x, np.zeros(3, np.int32), 8, 4, [1, 2]), 4).as_numpy_iterator())
+      _client_data(x, np.zeros(3, np.int32), 8, 4), 4,
+      tf.constant([1, 2], tf.int64)).as_numpy_iterator())
   assert len(batches) == 4  # q = min(1, 8 / 3)
   for batch in batches:
     np.testing.assert_array_equal(np.sort(batch["x"].reshape(-1)), [0, 1, 2])
@@ -273,10 +274,10 @@ def _check_round(method, given, batch_size, empty_batches=False):
     x = rng.random((n, 8, 8, 1), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int32)
     sizes = local_batch_sizes(n, batch_size)
-    extra = {SEED_KEY: np.array([0, n], np.int64)} if alg.client_inputs else None
-    clients.append(runner.client_dataset(np.concatenate([x] * epochs),
-                                         np.concatenate([y] * epochs),
-                                         sizes * epochs, extra))
+    dataset = runner.client_dataset(np.concatenate([x] * epochs),
+                                    np.concatenate([y] * epochs), sizes * epochs)
+    clients.append(with_inputs(dataset, {SEED_KEY: np.array([0, n], np.int64)})
+                   if alg.client_inputs else dataset)
     cuts = np.cumsum([0] + sizes)
     batches.append([(x[a:b], y[a:b]) for a, b in zip(cuts[:-1], cuts[1:])] * epochs)
     # the DP steps: one per batch of the DP epochs (centaur: 2 of 3)

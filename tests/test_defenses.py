@@ -291,7 +291,7 @@ def test_a_defended_client_uploads_tffs_own_update_defended(local):
   import tensorflow_federated as tff
   from tensorflow_federated.python.learning.algorithms import fed_sgd
 
-  from tff_privacy.algorithms import defended
+  from tff_privacy.algorithms import client_data, defended
   from tff_privacy.aggregation.wide_sum import wide_sum_then_finalize
 
   spec = ModelSpec("mlp", (8, 8, 1), 3, {"hidden": (5,)})
@@ -314,9 +314,9 @@ def test_a_defended_client_uploads_tffs_own_update_defended(local):
       [v.numpy() for v in weights.trainable], [v.numpy() for v in weights.non_trainable])
 
   def batches(c, seeded):
-    data = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x[c], y=y[c]))
-    return data.batch(3).map(lambda b: collections.OrderedDict(
-        b, seed=tf.constant([c, 1], tf.int64))) if seeded else data.batch(3)
+    data = tf.data.Dataset.from_tensor_slices(
+        collections.OrderedDict(x=x[c], y=y[c])).batch(3)
+    return client_data.with_inputs(data, {"seed": np.array([c, 1])}) if seeded else data
 
   want = plain.next(plain.initialize(), [weights] * 2, [batches(c, False) for c in (0, 1)])
   got = work.next(work.initialize(), [weights] * 2, [batches(c, True) for c in (0, 1)])
@@ -398,26 +398,50 @@ def test_a_client_view_reads_its_first_samples_or_takes_the_callers():
   np.testing.assert_array_equal(short.head(4)["x"], x[:4])
 
 
+class _Viewing(defenses.UpdateDefense):
+  """Uploads the update as it is and measures what its view shows: the
+  sample count, the sum of its first `view_samples` samples' x, and its
+  seed input."""
+  name = "viewing"
+  needs_client_view = True
+
+  def __init__(self, head_size):
+    self.view_samples = head_size
+
+  def apply(self, update, seed, client=None):
+    return list(update)
+
+  def apply_measured(self, update, seed, client=None):
+    head = (tf.reduce_sum(client.head(self.view_samples)["x"])
+            if self.view_samples else tf.constant(-1.0))
+    return list(update), {"count": client.sample_count(), "head_sum": head,
+                          "seed_sum": tf.reduce_sum(client.inputs["seed"])}
+
+
 @pytest.mark.parametrize("head_size", [0, 4, 10])
-def test_the_client_works_pass_reads_inputs_count_and_first_samples(head_size):
-  """Batches of 2, 3 and 1 samples, each with the client's seed: the seed,
-  6 samples and the first 4 of them (all 6 where 10 are asked; none kept
-  where 0 are)."""
+def test_a_defended_clients_view_counts_its_samples_and_reads_its_first(head_size):
+  """Batches of 2, 3 and 1 samples beside the seed [4, 5]: the view counts
+  6 samples, reads the first 4 (all 6 where 10 are asked) and holds the
+  seed."""
   import collections
 
-  from tff_privacy.algorithms import defended
+  import tensorflow_federated as tff
 
+  from tff_privacy.aggregation.wide_sum import wide_sum_then_finalize
+  from tff_privacy.algorithms import client_data, defended
+
+  spec = ModelSpec("mlp", (2,), 3, {"hidden": (4,)})
+  update = defended.model_delta_update(spec.tff_model_fn(),
+                                       tff.learning.optimizers.build_sgdm(0.1))
+  work = defended.with_update_defense(update, _Viewing(head_size),
+                                      wide_sum_then_finalize)
   x = np.arange(12, dtype=np.float32).reshape(6, 2)
   samples = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-      x=x, y=np.arange(6, dtype=np.int32)))
-  seeded = samples.take(2).batch(2).concatenate(samples.skip(2).batch(3)).map(
-      lambda b: collections.OrderedDict(b, seed=tf.constant([4, 5], tf.int64)))
-  inputs, count, head = defended._read_inputs(
-      seeded, {"seed": defended.SEED_TYPE}, ["x", "y"], head_size)
-  np.testing.assert_array_equal(inputs["seed"], [4, 5])
-  assert int(count) == 6
-  if head_size == 0:
-    assert head is None
-  else:
-    np.testing.assert_array_equal(head["x"], x[:min(head_size, 6)])
-    np.testing.assert_array_equal(head["y"], np.arange(min(head_size, 6)))
+      x=x, y=np.arange(6, dtype=np.int32) % 3))
+  batches = samples.take(2).batch(2).concatenate(samples.skip(2).batch(3))
+  weights = tff.learning.models.ModelWeights(list(spec.initial_weights(0)), [])
+  out = work.next(work.initialize(), [weights],
+                  [client_data.with_inputs(batches, {"seed": np.array([4, 5])})])
+  seen = out.measurements["defense"]["viewing"]
+  assert seen["count"] == 6 and seen["seed_sum"] == 9
+  assert seen["head_sum"] == (x[:min(head_size, 6)].sum() if head_size else -1)

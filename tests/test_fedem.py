@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tff_privacy import algorithms, models, runner
-from tff_privacy.algorithms.defended import client_seed
+from tff_privacy.algorithms.client_data import client_seed
 from tff_privacy.algorithms.fedem import project
 from tff_privacy.models import functional
 from tff_privacy.updates import GroundTruthStore, UpdateStore

@@ -15,7 +15,7 @@ import tensorflow_federated as tff
 
 from tff_privacy import data, evaluate, models, psi, runner
 from tff_privacy.aggregation import PublicRegions, build_pda_pam
-from tff_privacy.algorithms import fedre, local_dp_sgd
+from tff_privacy.algorithms import client_data, fedre, local_dp_sgd
 from tff_privacy.defenses import ClientView
 from tff_privacy.updates import UpdateStore
 
@@ -198,12 +198,10 @@ def test_the_client_work_scores_the_samples_its_data_set_starts_with():
   y = rng.integers(0, 3, size=(2, 7)).astype(np.int32)
 
   def client(c):
-    inputs = [("seed", tf.constant([c, 7], tf.int64)),
-              (fedre.MASK_KEY, tf.constant(MASK, tf.float32)),
-              (fedre.PROFILE_KEY, tf.constant(0, tf.int32)),
-              (fedre.CLIENT_KEY, tf.constant(c, tf.int32))]
-    return tf.data.Dataset.from_tensor_slices({"x": x[c], "y": y[c]}).batch(3).map(
-        lambda b: collections.OrderedDict([("x", b["x"]), ("y", b["y"])] + inputs))
+    inputs = {"seed": np.array([c, 7], np.int64), fedre.MASK_KEY: MASK.astype(np.float32),
+              fedre.PROFILE_KEY: np.int32(0), fedre.CLIENT_KEY: np.int32(c)}
+    return client_data.with_inputs(tf.data.Dataset.from_tensor_slices(
+        collections.OrderedDict(x=x[c], y=y[c])).batch(3), inputs)
 
   fewer = _mechanism(psi_samples=4, num_clients=2)
   uploads = []
@@ -236,12 +234,10 @@ def test_one_public_set_for_every_profile_scores_alike_without_reading_profiles(
   y = rng.integers(0, 3, size=(2, 4)).astype(np.int32)
 
   def client(c):
-    inputs = [("seed", tf.constant([c, 3], tf.int64)),
-              (fedre.MASK_KEY, tf.constant(MASK, tf.float32)),
-              (fedre.PROFILE_KEY, tf.constant(c, tf.int32)),
-              (fedre.CLIENT_KEY, tf.constant(c, tf.int32))]
-    return tf.data.Dataset.from_tensor_slices({"x": x[c], "y": y[c]}).batch(2).map(
-        lambda b: collections.OrderedDict([("x", b["x"]), ("y", b["y"])] + inputs))
+    inputs = {"seed": np.array([c, 3], np.int64), fedre.MASK_KEY: MASK.astype(np.float32),
+              fedre.PROFILE_KEY: np.int32(c), fedre.CLIENT_KEY: np.int32(c)}
+    return client_data.with_inputs(tf.data.Dataset.from_tensor_slices(
+        collections.OrderedDict(x=x[c], y=y[c])).batch(2), inputs)
 
   def one_round(model_aggregator=None):
     process = fedre.build_fedre(SPEC, _mechanism(num_clients=2),
@@ -764,10 +760,12 @@ def _steps_round(mechanism, x, y, learning_rate, seed=(5, 6)):
       trainable=SPEC.initial_weights(0), non_trainable=[])
   update = fedre.steps_client_update(SPEC, mechanism, initial.type_signature.result,
                                      learning_rate)
-  batch = {"x": x, "y": y.astype(np.int32), fedre.SEED_KEY: np.array(seed, np.int64),
-           fedre.MASK_KEY: MASK.astype(np.float32), fedre.PROFILE_KEY: np.int32(0),
-           fedre.CLIENT_KEY: np.int32(0)}
-  result, sums = update(weights, [batch])
+  batch = tf.data.Dataset.from_tensors(collections.OrderedDict(
+      x=x, y=y.astype(np.int32)))
+  inputs = {fedre.SEED_KEY: np.array(seed, np.int64),
+            fedre.MASK_KEY: MASK.astype(np.float32), fedre.PROFILE_KEY: np.int32(0),
+            fedre.CLIENT_KEY: np.int32(0)}
+  result, sums = update(weights, client_data.with_inputs(batch, inputs))
   assert sums[2] == len(y)
   return [np.asarray(u) for u in result.update]
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import io, models, runner
-from tff_privacy.algorithms.defended import client_seed
+from tff_privacy.algorithms.client_data import client_seed
 from tff_privacy.attacks import attribute
 from tff_privacy.defenses import ClientView, defender_zoo, recupfl
 from tff_privacy.updates import GroundTruthStore, UpdateStore

@@ -519,9 +519,7 @@ def test_client_files_are_removed_only_once_their_process_ended(tmp_path, monkey
 
 
 @pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1]])
-@pytest.mark.parametrize("extra", [None, {"budget": np.float32(0.5),
-                                          "mask": np.array([1, 0, 1], np.int32)}])
-def test_a_client_dataset_read_from_files_has_the_in_memory_batches(sizes, extra):
+def test_a_client_dataset_read_from_files_has_the_in_memory_batches(sizes):
   x = np.random.default_rng(0).normal(size=(30, 2, 3)).astype(np.float32)
   y = np.arange(30, dtype=np.int32)
   idx = np.array([29, 3, 17, 8, 11, 0])  # the client's samples
@@ -532,8 +530,8 @@ def test_a_client_dataset_read_from_files_has_the_in_memory_batches(sizes, extra
     assert files.folder(7) == folder and len(os.listdir(folder)) == len(idx)
     ds = runner.file_client_dataset(folder, (tf.TensorSpec((None, 2, 3), tf.float32),
                                             tf.TensorSpec((None,), tf.int32)),
-                                    order, sizes, extra)
-    expected = runner.client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
+                                    order, sizes)
+    expected = runner.client_dataset(x[idx[order]], y[idx[order]], sizes)
     assert ds.element_spec == expected.element_spec
     # each pass would rewrite the pipeline: a few ms a client on a worker
     for d in (ds, expected):
@@ -561,32 +559,33 @@ def test_client_files_read_with_other_specs_fail():
     files.close()
 
 
-def test_client_inputs_join_every_batch():
+def test_client_inputs_travel_beside_the_batches():
+  from tff_privacy.algorithms import client_data
   x = np.zeros((5, 2), np.float32)
   y = np.arange(5, dtype=np.int32)
-  ds = runner.client_dataset(x, y, [2, 2, 1], {"budget": np.float32(0.5)})
-  batches = list(ds)
+  ds = runner.client_dataset(x, y, [2, 2, 1])
+  inputs = {"budget": np.float32(0.5), "mask": np.array([1, 0, 1], np.int32)}
+  batches, got = tf.function(client_data.split)(client_data.with_inputs(ds, inputs))
   assert [len(b["y"]) for b in batches] == [2, 2, 1]
-  assert all(float(b["budget"]) == 0.5 for b in batches)
+  assert list(got) == ["budget", "mask"] and float(got["budget"]) == 0.5
+  np.testing.assert_array_equal(got["mask"], [1, 0, 1])
+  client = runner.RoundClient(0, np.arange(5), ds, {}, None, inputs)
+  assert client.process_data.keys() == {"batches", "inputs"}
+  assert runner.RoundClient(0, np.arange(5), ds, {}, None).process_data is ds
 
 
 @pytest.mark.parametrize("sizes", [[1], [3, 3, 3], [4, 4, 2, 4, 4, 2], [3, 1, 3, 1],
                                    [2, 2, 2, 2], [5, 2, 2]])
-@pytest.mark.parametrize("extra", [None, {"budget": np.float32(0.5),
-                                          "mask": np.array([1, 0, 1], np.int32)}])
-def test_client_batches_are_consecutive_slices_of_the_given_sizes(sizes, extra):
+def test_client_batches_are_consecutive_slices_of_the_given_sizes(sizes):
   x = np.arange(sum(sizes) * 2, dtype=np.float32).reshape(-1, 2)
   y = np.arange(sum(sizes), dtype=np.int32)
-  ds = runner.client_dataset(x, y, sizes, extra)
+  ds = runner.client_dataset(x, y, sizes)
   ends = np.cumsum(sizes)
   expected = [y[end - size:end] for size, end in zip(sizes, ends)]
   batches = list(ds)
   assert [b["y"].numpy().tolist() for b in batches] == [e.tolist() for e in expected]
   assert all(np.array_equal(b["x"].numpy(), x[b["y"].numpy()]) for b in batches)
   assert ds.element_spec["x"].shape.as_list() == [None, 2]
-  for name, value in (extra or {}).items():
-    assert ds.element_spec[name].shape == np.shape(value)
-    assert all(np.array_equal(b[name].numpy(), value) for b in batches)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -668,7 +667,7 @@ def test_attack_round_scores_the_region_crop(fedsgd_run, tmp_path):
 @pytest.mark.slow
 def test_captured_upload_is_the_defended_gradient(tmp_path, defense, kwargs):
   from tff_privacy import defenses
-  from tff_privacy.algorithms.defended import client_seed
+  from tff_privacy.algorithms.client_data import client_seed
   config = runner.RunConfig(out=str(tmp_path), method="fedsgd", rounds=2,
                             capture_rounds=(2,), defense=defense,
                             defense_kwargs=kwargs, **SMALL)

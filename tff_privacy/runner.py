@@ -53,6 +53,7 @@ import tqdm
 
 from tff_privacy import algorithms, data, defenses, io, models, runtime
 from tff_privacy.aggregation import wide_sum
+from tff_privacy.algorithms import client_data
 from tff_privacy.attacks import attribute as attribute_inference
 from tff_privacy.dp import accounting
 from tff_privacy.runs.checkpoints import (checkpoint_manager, load_latest,
@@ -109,15 +110,26 @@ class RoundClient:
   samples' indices into the run's training arrays (`source`), in their
   first-epoch order; the dataset it trains on (those samples in training
   order, every local epoch); the sensitive attributes of its distinct
-  samples, by name (empty if the data set has none). `x` and `y` (the
-  ground truth) gather the samples when asked, so a round holds none of
-  them beforehand."""
+  samples, by name (empty if the data set has none); the method's inputs
+  for it this round (`Algorithm.client_inputs`; None without). `x` and `y`
+  (the ground truth) gather the samples when asked, so a round holds none
+  of them beforehand."""
 
   index: int
   samples: np.ndarray
   dataset: Any
   attributes: dict[str, np.ndarray]
   source: data.Source = dataclasses.field(repr=False)
+  inputs: Optional[dict[str, np.ndarray]] = None
+
+  @property
+  def process_data(self):
+    """What the method's process takes as this client's data: `dataset`,
+    with `inputs` beside it where there are any
+    (`tff_privacy.algorithms.client_data`)."""
+    if self.inputs is None:
+      return self.dataset
+    return client_data.with_inputs(self.dataset, self.inputs)
 
   @property
   def x(self) -> np.ndarray:
@@ -287,7 +299,7 @@ class Run:
   def step(self, state, clients, capture: bool):
     """One round on `clients` (from `round_data`); returns (state, metrics).
     Private states go in and come back CLIENTS-placed, in client order."""
-    datasets = [c.dataset for c in clients]
+    datasets = [c.process_data for c in clients]
     if not self.personalized:
       output = self.process(capture).next(state, datasets)
       return output.state, output.metrics
@@ -393,19 +405,19 @@ class Run:
     for client in sample_clients(self.config, round_num):
       idx = self.fed.client_indices[client]
       order = local_order(len(idx), self.algorithm, self.config, round_num, client)
-      extra = (self.algorithm.client_inputs(int(client), round_num)
-               if self.algorithm.client_inputs else None)
+      inputs = (self.algorithm.client_inputs(int(client), round_num)
+                if self.algorithm.client_inputs else None)
       distinct = idx[order[: min(len(idx), len(order))]]
       sizes = local_batches(len(distinct), self.algorithm, self.config)
       if runtime.runs_on_this_machine() and len(order) >= len(idx):
         dataset = file_client_dataset(self._client_files.folder(int(client)),
-                                      (spec_of(x), spec_of(y)), order, sizes, extra)
+                                      (spec_of(x), spec_of(y)), order, sizes)
       else:  # workers elsewhere; or a round on part of the client's samples
-        dataset = client_dataset(x[idx[order]], y[idx[order]], sizes, extra)
+        dataset = client_dataset(x[idx[order]], y[idx[order]], sizes)
       out.append(RoundClient(
           int(client), distinct, dataset,
           {a: v[distinct] for a, v in attributes.train.items()} if attributes else {},
-          self.fed.source))
+          self.fed.source, inputs))
     return out
 
   @functools.cached_property

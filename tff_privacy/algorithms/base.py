@@ -7,11 +7,12 @@ A method module exposes a TFF-style `build_*` function returning a
 that says how the runner feeds it and what its clients upload. New defences
 plug in here without touching the runner:
 
-* per-client configuration (a privacy budget, a region box, attributes) comes
-  from `client_inputs(client_index, round_num)`; the runner adds the returned
-  arrays to every batch of that client, where the method's client work reads
-  them (TFF rejects plain CLIENTS-placed tensors next to a `LearningProcess`'s
-  data);
+* per-client configuration (a noise seed, a region box, attributes) comes
+  from `client_inputs(client_index, round_num)`; the runner passes the
+  returned arrays beside that client's batches, as a data set of one element
+  (`tff_privacy.algorithms.client_data`: TFF's learning templates take a
+  client's data as a structure of sequences only), where the method's
+  client work reads them;
 * what leaves a client is declared by `upload_kind`, recorded in the update
   store, so attacks know whether they face a gradient or a model delta;
 * server-side resources (a public data set for the aggregator) are arguments of
@@ -37,7 +38,7 @@ import tensorflow_federated as tff
 from tff_privacy import params
 from tff_privacy.disclosure import Disclosure
 from tff_privacy.listing import Listing
-from tff_privacy.algorithms.defended import SEED_KEY, client_seed
+from tff_privacy.algorithms.client_data import SEED_KEY, client_seed
 
 UPLOAD_KINDS = ("gradient", "model_delta", "hypernetwork_weights",
                 "body_weights", "body_delta", "none")

@@ -99,7 +99,7 @@ def build_centaur(
                           batch_sampling=batch_sampling)
   total_epochs = classifier_epochs + local_epochs
 
-  def local_training(target, body, head, dataset):
+  def local_training(target, body, head, dataset, seed):
     num_batches = reads.count_batches(dataset)
     classifier_batches = num_batches // total_epochs * classifier_epochs
 
@@ -119,7 +119,7 @@ def build_centaur(
       weights = list(body) + list(head)
       _, batch_sums = personalized.batch_loss(target, weights, batch)
       grad = local_dp_sgd.private_gradient(target, weights, range(len(body)),
-                                           batch, dp, i)
+                                           batch, dp, i, seed)
       body, buffers = personalized.sgd_step(body, grad, buffers, learning_rate,
                                             momentum, weight_decay)
       return body, buffers, sums + batch_sums, i + 1
@@ -128,7 +128,7 @@ def build_centaur(
     head, _, sums = dataset.take(classifier_batches).reduce(
         (tuple(head), zeros(head), tf.zeros([3])), classifier_step)
     dp_part = local_dp_sgd.dp_batches(dataset.skip(classifier_batches), dp,
-                                      local_epochs)
+                                      local_epochs, seed)
     body, _, sums, _ = dp_part.reduce(
         (tuple(body), zeros(body), sums, tf.constant(0, tf.int64)), body_step)
     return list(body), list(head), sums

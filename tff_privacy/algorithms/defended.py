@@ -14,9 +14,10 @@ whose update the defence left exactly as it was ('unperturbed_share', for
 a defence that acts on the update), and the defence's own measurements
 (`UpdateDefense.apply_measured`) averaged over the clients, under its
 name; its `per_client_measurements`, one row per client, are summed
-instead, under 'defense_per_client'. The client's noise seed travels in its
-data (a 'seed' entry in every batch, see `Algorithm.client_inputs`), so a
-run is reproducible while every client and round gets fresh noise.
+instead, under 'defense_per_client'. The client's noise seed travels beside
+its batches (`tff_privacy.algorithms.client_data`, see
+`Algorithm.client_inputs`), so a run is reproducible while every client
+and round gets fresh noise.
 
 `compose_defended` builds the full `LearningProcess` around such a client
 work with TFF's own distributor, aggregator and optimizer finalizer, the same
@@ -28,7 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -40,11 +41,11 @@ from tensorflow_federated.python.learning.algorithms import fed_sgd
 from tensorflow_federated.python.learning.templates import model_delta_client_work
 
 from tff_privacy.aggregation.wide_sum import wide_mean_factory
+from tff_privacy.algorithms import client_data
+from tff_privacy.algorithms.client_data import SEED_KEY
 from tff_privacy.data import reads
 from tff_privacy.defenses import ClientView, UpdateDefense
 
-SEED_KEY = "seed"
-SEED_TYPE = tff.TensorType(np.int64, [2])
 # How TFF's client updates step through a client's batches: a loop over
 # the dataset's iterator (a graph while-loop over iterator ops) rather than
 # TFF's default `Dataset.reduce`. The same batches in the same order, the
@@ -52,12 +53,6 @@ SEED_TYPE = tff.TensorType(np.int64, [2])
 # takes about a third less time (benchmarks/hyperfl_authors_fedavg.py's TFF
 # side: 1.66-2.01 s against 2.70-3.11 s).
 CLIENT_LOOP = tff.learning.LoopImplementation.DATASET_ITERATOR
-
-
-def client_seed(run_seed: int, round_num: int, client: int) -> np.ndarray:
-  """The stateless-RNG seed of one client in one round."""
-  state = np.random.SeedSequence([run_seed, round_num, client]).generate_state(2)
-  return state.astype(np.int64)
 
 
 def measured_defense(defense: UpdateDefense, update: list[tf.Tensor], seed,
@@ -129,30 +124,31 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
   defence with `per_client_measurements`, their sum under
   'defense_per_client'.
 
-  The client's seed, and the per-client inputs the defence declares in
-  `client_input_types` (e.g. FedRE's region mask), travel in every batch;
-  the defence finds the latter in `ClientView.inputs`."""
+  A client's data is `client_data.data_type`'s: its batches, and beside
+  them its seed and the inputs the defence declares in
+  `client_input_types` (e.g. FedRE's region mask), which the defence finds
+  in `ClientView.inputs`. The view's sample count is the model's
+  'num_examples' metric over the round (TFF's Keras models count every
+  example they train on) where the model has one, else a read of the
+  batches: the same number where `transform_batch` keeps batch sizes."""
   with tf.Graph().as_default():  # the model's variables stay out of the caller's graph
     model = local.model_fn()
     aggregate_metrics = metrics_aggregator(model.metric_finalizers())
   weights_type = tff.learning.models.weights_type_from_model(model)
   element = tff.types.tensorflow_to_type(model.input_spec)
   names = [name for name, _ in tff.structure.iter_elements(element)]
-  input_types = collections.OrderedDict(
-      [(SEED_KEY, SEED_TYPE)] + list(defense.client_input_types.items()))
-  seeded_data_type = tff.SequenceType(collections.OrderedDict(
-      [(k, element[k]) for k in names] + list(input_types.items())))
+  data_type = client_data.data_type(element, collections.OrderedDict(
+      [(SEED_KEY, client_data.SEED_TYPE)] + list(defense.client_input_types.items())))
 
-  @tff.tensorflow.computation(weights_type, seeded_data_type)
-  def client_update(weights, dataset):
-    inputs, num_samples, head = _read_inputs(dataset, input_types, names,
-                                             defense.view_samples)
-    batches = dataset.map(lambda b: defense.transform_batch(
-        collections.OrderedDict((k, b[k]) for k in names),
-        {k: b[k] for k in input_types}))
+  @tff.tensorflow.computation(weights_type, data_type)
+  def client_update(weights, data):
+    dataset, inputs = client_data.split(data)
+    head = (reads.first_samples(dataset, defense.view_samples, names)
+            if defense.view_samples else None)
+    batches = dataset.map(lambda b: defense.transform_batch(b, inputs))
     result, model_outputs = local.build()(weights, batches)
-    view = (ClientView(list(weights.trainable), batches, dict(inputs), num_samples,
-                       head, defense.view_samples)
+    view = (ClientView(list(weights.trainable), batches, dict(inputs),
+                       _trained_examples(model_outputs), head, defense.view_samples)
             if defense.needs_client_view else None)
     upload, measured, per_client = measured_defense(
         defense, list(result.update), inputs[SEED_KEY], view)
@@ -166,7 +162,7 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
 
   @tff.federated_computation(init_fn.type_signature.result,
                              tff.FederatedType(weights_type, tff.CLIENTS),
-                             tff.FederatedType(seeded_data_type, tff.CLIENTS))
+                             tff.FederatedType(data_type, tff.CLIENTS))
   def next_fn(state, weights, data):
     result, model_outputs, measured, per_client = tff.federated_map(
         client_update, (weights, data))
@@ -181,26 +177,12 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
   return tff.learning.templates.ClientWorkProcess(init_fn, next_fn)
 
 
-def _read_inputs(dataset: tf.data.Dataset, input_types: dict, names: list,
-                 head_size: int):
-  """A client's inputs (alike in every batch: its first batch's, zeros
-  where it has none), its number of samples and, for `head_size` > 0, its
-  first `head_size` samples of `names` as one batch (else None), each by
-  a single-element read (`tff_privacy.data.reads`). The count and the
-  samples are also those of the batches it trains on where
-  `transform_batch` keeps batch sizes and, for the samples, leaves them as
-  they are (see `UpdateDefense.view_samples`)."""
-  zeros = collections.OrderedDict((k, tf.zeros(t.shape, t.dtype))
-                                  for k, t in input_types.items())
-  inputs = reads.first_or(dataset.take(1).map(
-      lambda b: collections.OrderedDict((k, b[k]) for k in input_types)), zeros)
-  # one read after another: run at once, they put about 45 MB on the
-  # compact FedRE benchmark's peak (1,239 and 1,240 MB against 1,192 to 1,195)
-  with tf.control_dependencies(tf.nest.flatten(inputs)):
-    head = reads.first_samples(dataset, head_size, names) if head_size else None
-  with tf.control_dependencies(tf.nest.flatten(inputs if head is None else head)):
-    count = reads.count_samples(dataset)
-  return inputs, count, head
+def _trained_examples(model_outputs) -> Optional[tf.Tensor]:
+  """The examples a round trained on (int32), from the model's unfinalized
+  'num_examples' metric (a Keras `Sum`: [total]); None without one."""
+  if "num_examples" not in model_outputs:
+    return None
+  return tf.cast(model_outputs["num_examples"][0], tf.int32)
 
 
 def compose_defended(model_fn: Callable, client_work, server_optimizer,

@@ -20,7 +20,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_privacy import params
-from tff_privacy.algorithms import defended, local_dp_sgd, personalized
+from tff_privacy.algorithms import client_data, defended, local_dp_sgd, personalized
+from tff_privacy.algorithms.client_data import SEED_KEY
 from tff_privacy.algorithms.base import (Algorithm, Method,
                                          broadcast_minus_upload, check_positive,
                                          refuse_defense, server_learning_rate)
@@ -45,7 +46,8 @@ def build_dp_sgd_client_work(
   data_type = local_dp_sgd.data_type(input_shape)
 
   @tff.tensorflow.computation(weights_type, data_type)
-  def client_update(weights, dataset):
+  def client_update(weights, data):
+    dataset, inputs = client_data.split(data)
     target = keras_model_fn()
     start = list(weights.trainable)
     every = range(len(start))
@@ -53,12 +55,14 @@ def build_dp_sgd_client_work(
     def step(carry, batch):
       w, buffers, sums, i = carry
       _, batch_sums = personalized.batch_loss(target, w, batch)
-      grad = local_dp_sgd.private_gradient(target, w, every, batch, dp, i)
+      grad = local_dp_sgd.private_gradient(target, w, every, batch, dp, i,
+                                           inputs[SEED_KEY])
       w, buffers = personalized.sgd_step(w, grad, buffers, learning_rate,
                                          momentum, weight_decay)
       return w, buffers, sums + batch_sums, i + 1
 
-    w, _, sums, _ = local_dp_sgd.dp_batches(dataset, dp, local_epochs).reduce(
+    w, _, sums, _ = local_dp_sgd.dp_batches(dataset, dp, local_epochs,
+                                            inputs[SEED_KEY]).reduce(
         (tuple(start), personalized.zeros_like(start), tf.zeros([3]),
          tf.constant(0, tf.int64)), step)
     update = [s - e for s, e in zip(start, w)]

@@ -47,10 +47,10 @@ import tensorflow_federated as tff
 
 from tff_privacy import params
 from tff_privacy.aggregation.wide_sum import wide_sum_then_finalize
-from tff_privacy.algorithms import defended, fedsgd
+from tff_privacy.algorithms import client_data, defended, fedsgd
 from tff_privacy.algorithms.base import (Algorithm, Method, check_positive,
                                          refuse_defense, server_learning_rate)
-from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
+from tff_privacy.algorithms.client_data import SEED_KEY, client_seed
 from tff_privacy.models import loss_fn
 from tff_privacy.disclosure import Disclosure
 from tff_privacy.listing import Listing
@@ -147,7 +147,8 @@ def build_fedem_client_work(
 ) -> tff.learning.templates.ClientWorkProcess:
   """FedEM's client work: perturb each batch, upload the FedSGD gradient.
 
-  Batches carry a 'seed' (int64[2]) next to the model's inputs.
+  A client's data carry its round's 'seed' (int64[2]) beside its batches
+  (`tff_privacy.algorithms.client_data`).
   """
   with tf.Graph().as_default():
     model = model_fn()
@@ -155,13 +156,12 @@ def build_fedem_client_work(
         model.metric_finalizers())
   element = collections.OrderedDict(
       (k, tff.types.tensorflow_to_type(v)) for k, v in model.input_spec.items())
-  element[SEED_KEY] = SEED_TYPE
-  data_type = tff.SequenceType(element)
+  data_type = client_data.seeded_type(element)
   weights_type = tff.learning.models.weights_type_from_model(model)
   p = perturbation
   low, high = p.value_range
 
-  def client_update(model, initial_weights, dataset):
+  def client_update(model, initial_weights, dataset, seed):
     weights = tff.learning.models.ModelWeights.from_model(model)
     loss = loss_fn()
 
@@ -176,7 +176,7 @@ def build_fedem_client_work(
       tf.nest.map_structure(lambda v, w: v.assign(w), weights, initial_weights)
       x, y = batch["x"], batch["y"]
       delta = project(tf.random.stateless_uniform(
-          tf.shape(x), tf.cast(batch[SEED_KEY], tf.int64), -p.rho_max, p.rho_max),
+          tf.shape(x), tf.cast(seed, tf.int64), -p.rho_max, p.rho_max),
           p.rho_min, p.rho_max, p.norm)
       for _ in range(p.perturb_steps):
         with tf.GradientTape() as tape:
@@ -209,15 +209,16 @@ def build_fedem_client_work(
         update_weight=tf.where(finite, 1.0, 0.0))
 
   @tff.tensorflow.computation(weights_type, data_type)
-  def client_update_computation(initial_weights, dataset):
+  def client_update_computation(initial_weights, data):
     fresh = model_fn()
+    dataset, inputs = client_data.split(data)
 
     @tf.function  # orders the variable updates (automatic control dependencies)
-    def run(initial_weights, dataset):
-      result = client_update(fresh, initial_weights, dataset)
+    def run(initial_weights, dataset, seed):
+      result = client_update(fresh, initial_weights, dataset, seed)
       return result, fresh.report_local_unfinalized_metrics()
 
-    return run(initial_weights, dataset)
+    return run(initial_weights, dataset, inputs[SEED_KEY])
 
   @tff.federated_computation
   def init_fn():

@@ -153,8 +153,8 @@ from tff_privacy.algorithms.base import (CLIENT_OPTIMIZER, Algorithm, Federation
                                          Method, build_client_optimizer,
                                          check_positive, refuse_defense,
                                          server_learning_rate)
-from tff_privacy.algorithms.defended import SEED_KEY, client_seed
-from tff_privacy.data import reads
+from tff_privacy.algorithms import client_data
+from tff_privacy.algorithms.client_data import SEED_KEY, client_seed
 from tff_privacy.data.documents import PRIVACY_PREFERENCES
 from tff_privacy.defenses.updates import (LOCAL_RELATION, ClientView,
                                           UpdateDefense, per_tensor_at_norm,
@@ -719,33 +719,34 @@ def steps_client_update(spec, mechanism: FedREMechanism, weights_type,
   of each Poisson batch (`local_dp_sgd.poisson_batches`): per-example,
   per-tensor clipping to `clip`, noise of std clip sigma_l on the sum, over
   the expected batch size. The update is the model change. The client's
-  batches carry its seed and `client_input_types` as for 'update'."""
+  data carry its seed and `client_input_types` as for 'update'."""
   task, epochs, clip = spec.task_object, mechanism.local_epochs, mechanism.clip
-  data_type = tff.SequenceType(collections.OrderedDict(
-      [(k, tff.TensorType(v.dtype.as_numpy_dtype, v.shape))
-       for k, v in spec.input_spec.items()]
-      + [(SEED_KEY, defended.SEED_TYPE)] + list(mechanism.client_input_types.items())))
+  data_type = client_data.data_type(
+      collections.OrderedDict((k, tff.TensorType(v.dtype.as_numpy_dtype, v.shape))
+                              for k, v in spec.input_spec.items()),
+      collections.OrderedDict([(SEED_KEY, client_data.SEED_TYPE)]
+                              + list(mechanism.client_input_types.items())))
 
   @tff.tensorflow.computation(weights_type, data_type)
-  def client_update(weights, dataset):
+  def client_update(weights, data):
+    dataset, inputs = client_data.split(data)
     model = spec.keras()
     start = list(weights.trainable)
-    first = dataset.take(1).get_single_element()
-    view = ClientView(start, dataset.map(lambda b: collections.OrderedDict(
-        x=b["x"], y=b["y"])), {MASK_KEY: first[MASK_KEY]})
+    view = ClientView(start, dataset, {MASK_KEY: inputs[MASK_KEY]})
     sigmas = mechanism.step_noise_multipliers(
-        view, tf.random.experimental.stateless_fold_in(first[SEED_KEY], PSI_STREAM))
+        view, tf.random.experimental.stateless_fold_in(inputs[SEED_KEY], PSI_STREAM))
 
     def step(carry, batch):
       w, sums, i = carry
       _, batch_sums = personalized.batch_loss(model, w, batch, task)
       grads = dp_sgd.layerwise_private_gradient(
           per_example_gradients(model, w, batch, task.loss), clip, sigmas,
-          local_dp_sgd.step_seed(batch, i), batch[local_dp_sgd.EXPECTED_SIZE_KEY])
+          local_dp_sgd.step_seed(inputs[SEED_KEY], i),
+          batch[local_dp_sgd.EXPECTED_SIZE_KEY])
       return (tuple(p - learning_rate * g for p, g in zip(w, grads)),
               sums + batch_sums, i + 1)
 
-    w, sums, _ = local_dp_sgd.poisson_batches(dataset, epochs).reduce(
+    w, sums, _ = local_dp_sgd.poisson_batches(dataset, epochs, inputs[SEED_KEY]).reduce(
         (tuple(start), tf.zeros([3]), tf.constant(0, tf.int64)), step)
     return (tff.learning.templates.ClientResult(
         update=[s - e for s, e in zip(start, w)],
@@ -798,7 +799,8 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
 
   Returns:
     A `tff.learning.templates.LearningProcess` whose client data carry a
-    'seed', a 'psi_mask' and a 'public_profile' in every batch.
+    'seed', a 'psi_mask', a 'public_profile' and a 'client_index' beside
+    the batches (`tff_privacy.algorithms.client_data`).
 
   Raises:
     ValueError: for a learning rate <= 0, an unknown `pda_pam_rule` or
@@ -825,10 +827,8 @@ def build_fedre(spec, mechanism: FedREMechanism, *,
     public, client_profile = one_set, None
   else:
     @tff.tensorflow.computation(client_work.next.type_signature.parameter[2].member)
-    def client_profile(dataset):
-      # every batch carries the profile: the first's, without reading the rest
-      return reads.first_or(dataset.take(1).map(lambda b: b[PROFILE_KEY]),
-                            tf.constant(0, tf.int32))
+    def client_profile(data):
+      return client_data.split(data)[1][PROFILE_KEY]
 
   return compose_with_server_aggregation(
       initial_model_weights_fn, client_work,

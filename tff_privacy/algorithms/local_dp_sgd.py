@@ -58,7 +58,8 @@ from tff_privacy import params
 from tff_privacy.aggregation.wide_sum import federated_wide_sum
 from tff_privacy.algorithms import personalized
 from tff_privacy.algorithms.base import Federation, PrivateState
-from tff_privacy.algorithms.defended import SEED_KEY, SEED_TYPE, client_seed
+from tff_privacy.algorithms import client_data
+from tff_privacy.algorithms.client_data import SEED_KEY, client_seed
 from tff_privacy.data import reads
 from tff_privacy.defenses.updates import UpdateDefense, per_tensor_at_norm
 from tff_privacy.dp import accounting, dp_sgd
@@ -329,10 +330,10 @@ def algorithm_fields(dp: DPSGD, run_seed: int,
 def local_training_client_work(
     client_update: tff.Computation) -> tff.learning.templates.ClientWorkProcess:
   """A stateless client work whose clients run `client_update(weights,
-  dataset) -> (ClientResult, summed train_sums)`: one TensorFlow
-  computation over the broadcast weights and the client's whole data set
-  (every input its batches carry), so it may compute what the round needs
-  before its local steps. Measurements: `personalized.train_metrics`."""
+  data) -> (ClientResult, summed train_sums)`: one TensorFlow computation
+  over the broadcast weights and the client's whole data (its batches and
+  inputs, `client_data`), so it may compute what the round needs before
+  its local steps. Measurements: `personalized.train_metrics`."""
   weights_type, data_type = client_update.type_signature.parameter
 
   @tff.federated_computation
@@ -359,11 +360,12 @@ def split_declared(declared: dict) -> tuple[dict, dict]:
           {k: v for k, v in declared.items() if k in names})
 
 
-def data_type(input_shape: Sequence[int]) -> tff.SequenceType:
-  """A client's batches: inputs, labels and the round's noise seed."""
-  return tff.SequenceType(collections.OrderedDict(
+def data_type(input_shape: Sequence[int]) -> tff.StructType:
+  """A client's data: batches of inputs and labels, and beside them the
+  round's noise seed (`client_data.seeded_type`)."""
+  return client_data.seeded_type(collections.OrderedDict(
       x=tff.TensorType(np.float32, (None,) + tuple(input_shape)),
-      y=tff.TensorType(np.int32, (None,)), **{SEED_KEY: SEED_TYPE}))
+      y=tff.TensorType(np.int32, (None,))))
 
 
 def seed_inputs(run_seed: int):
@@ -372,9 +374,10 @@ def seed_inputs(run_seed: int):
                                                           client)}
 
 
-def step_seed(batch, step: tf.Tensor) -> tf.Tensor:
-  """The noise seed of local step `step` (the batch carries the round's)."""
-  return tf.random.experimental.stateless_fold_in(batch[SEED_KEY], step)
+def step_seed(seed: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+  """The noise seed of local step `step` of a client whose round's seed is
+  `seed`."""
+  return tf.random.experimental.stateless_fold_in(seed, step)
 
 
 def examples_per_pass(dataset: tf.data.Dataset, passes: int) -> tf.Tensor:
@@ -383,23 +386,25 @@ def examples_per_pass(dataset: tf.data.Dataset, passes: int) -> tf.Tensor:
   return tf.cast(reads.count_samples(dataset, "y"), tf.float32) / passes
 
 
-def dp_batches(dataset: tf.data.Dataset, dp: DPSGD,
-               passes: int) -> tf.data.Dataset:
+def dp_batches(dataset: tf.data.Dataset, dp: DPSGD, passes: int,
+               seed: tf.Tensor) -> tf.data.Dataset:
   """The batches of a client's DP steps: `dataset`'s own (shuffled, fixed
-  size) or, for 'poisson', `poisson_batches` in their place."""
-  return poisson_batches(dataset, passes) if dp.poisson else dataset
+  size) or, for 'poisson', `poisson_batches` in their place, drawn under
+  the client's round seed `seed`."""
+  return poisson_batches(dataset, passes, seed) if dp.poisson else dataset
 
 
-def poisson_batches(dataset: tf.data.Dataset, passes: int) -> tf.data.Dataset:
+def poisson_batches(dataset: tf.data.Dataset, passes: int,
+                    seed: tf.Tensor) -> tf.data.Dataset:
   """Poisson-sampled batches in place of `dataset`'s.
 
   `dataset` holds `passes` passes over a client's n examples in batches of
-  B (its first batch holds min(B, n)), every batch with the round's seed.
-  The result has as many batches; into each, every one of the n examples
-  enters independently with probability q = min(B, n) / n
-  (`dp_sgd.poisson_sample`, step s drawn from the round's seed folded with
-  `SAMPLING_STREAM`, then s as int64). Each batch carries the round's seed
-  and its expected size q n (`EXPECTED_SIZE_KEY`).
+  B (its first batch holds min(B, n)). The result has as many batches;
+  into each, every one of the n examples enters independently with
+  probability q = min(B, n) / n (`dp_sgd.poisson_sample`, step s drawn
+  from the client's round seed `seed` folded with `SAMPLING_STREAM`, then
+  s as int64). Each batch carries its expected size q n
+  (`EXPECTED_SIZE_KEY`).
   """
   first = dataset.take(1).get_single_element()
   steps = reads.count_batches(dataset)
@@ -407,7 +412,7 @@ def poisson_batches(dataset: tf.data.Dataset, passes: int) -> tf.data.Dataset:
   x, y = dataset.map(lambda b: (b["x"], b["y"])).unbatch().take(n).batch(
       n).get_single_element()
   expected = tf.cast(tf.shape(first["y"])[0], tf.float32)
-  key = tf.random.experimental.stateless_fold_in(first[SEED_KEY], SAMPLING_STREAM)
+  key = tf.random.experimental.stateless_fold_in(seed, SAMPLING_STREAM)
 
   def draw(step):
     keep = dp_sgd.poisson_sample(
@@ -415,18 +420,19 @@ def poisson_batches(dataset: tf.data.Dataset, passes: int) -> tf.data.Dataset:
         tf.random.experimental.stateless_fold_in(key, step))
     return collections.OrderedDict(
         x=tf.boolean_mask(x, keep), y=tf.boolean_mask(y, keep),
-        **{SEED_KEY: first[SEED_KEY], EXPECTED_SIZE_KEY: expected})
+        **{EXPECTED_SIZE_KEY: expected})
 
   return tf.data.Dataset.range(steps).map(draw)
 
 
 def private_gradient(model: tf.keras.Model, weights: Sequence[tf.Tensor],
                      wrt: Sequence[int], batch, dp: DPSGD,
-                     step: tf.Tensor) -> list[tf.Tensor]:
+                     step: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
   """DP-SGD's gradient of the batch's loss for `weights[i]`, i in `wrt`
-  (the others fixed): per-example gradients (one vectorised map) clipped
-  together and noised (`tff_privacy.dp.dp_sgd.private_gradient`), divided
-  by a Poisson batch's expected size."""
+  (the others fixed) at local step `step` of a client whose round's seed
+  is `seed`: per-example gradients (one vectorised map) clipped together
+  and noised (`tff_privacy.dp.dp_sgd.private_gradient`), divided by a
+  Poisson batch's expected size."""
   wrt = list(wrt)
 
   def one_example(example):
@@ -444,7 +450,7 @@ def private_gradient(model: tf.keras.Model, weights: Sequence[tf.Tensor],
   with _quiet_tf_logger():  # pfor warns of its while_loop for conv filters
     grads = tf.vectorized_map(one_example, (batch["x"], batch["y"]))
   return dp_sgd.private_gradient(
-      grads, dp.l2_norm_clip, dp.noise_multiplier, step_seed(batch, step),
+      grads, dp.l2_norm_clip, dp.noise_multiplier, step_seed(seed, step),
       batch[EXPECTED_SIZE_KEY] if dp.poisson else None)
 
 
@@ -483,9 +489,9 @@ def build_body_head_process(keras_model_fn, local_training, epochs: int,
   """The `PersonalizedProcess` of a shared-body, private-head method: the
   server holds the body (initially `keras_model_fn()`'s), each client its
   classifier (`OrderedDict(classifier=[kernel, bias])`);
-  `local_training(target, body, head, dataset) -> (body, head, sums)` is a
-  client's round over `epochs` passes; the client uploads its body,
-  weighted by its examples per pass."""
+  `local_training(target, body, head, dataset, seed) -> (body, head,
+  sums)` is a client's round over `epochs` passes under its round's noise
+  seed; the client uploads its body, weighted by its examples per pass."""
   model = keras_model_fn()  # eager: its initial weights are the server's
   split = num_extractor_tensors(model)
   initial = [v.numpy() for v in model.trainable_variables]
@@ -493,9 +499,10 @@ def build_body_head_process(keras_model_fn, local_training, epochs: int,
   head_type = collections.OrderedDict(classifier=[
       tff.TensorType(np.float32, w.shape) for w in initial[split:]])
 
-  def client_round(body, state, dataset):
-    body, head, sums = local_training(keras_model_fn(), body,
-                                      state["classifier"], dataset)
+  def client_round(body, state, data):
+    dataset, inputs = client_data.split(data)
+    body, head, sums = local_training(keras_model_fn(), body, state["classifier"],
+                                      dataset, inputs[SEED_KEY])
     return (body, examples_per_pass(dataset, epochs),
             collections.OrderedDict(classifier=list(head)), sums)
 

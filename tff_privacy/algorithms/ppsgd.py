@@ -89,7 +89,7 @@ def build_ppsgd(
   dp = local_dp_sgd.DPSGD(l2_norm_clip, noise_multiplier,
                           batch_sampling=batch_sampling)
 
-  def local_training(target, body, head, dataset):
+  def local_training(target, body, head, dataset, seed):
     num_body = len(body)
 
     def step(carry, batch):
@@ -100,7 +100,7 @@ def build_ppsgd(
         loss, batch_sums = personalized.batch_loss(target, weights, batch)
       head_grad = tape.gradient(loss, head)
       body_grad = local_dp_sgd.private_gradient(
-          target, weights, range(num_body), batch, dp, i)
+          target, weights, range(num_body), batch, dp, i, seed)
       head, head_buffers = personalized.sgd_step(
           head, head_grad, head_buffers, classifier_learning_rate, momentum,
           weight_decay)
@@ -109,7 +109,7 @@ def build_ppsgd(
       return body, head, body_buffers, head_buffers, sums + batch_sums, i + 1
 
     zeros = personalized.zeros_like
-    batches = local_dp_sgd.dp_batches(dataset, dp, local_epochs)
+    batches = local_dp_sgd.dp_batches(dataset, dp, local_epochs, seed)
     body, head, _, _, sums, _ = batches.reduce(
         (tuple(body), tuple(head), zeros(body), zeros(head), tf.zeros([3]),
          tf.constant(0, tf.int64)), step)

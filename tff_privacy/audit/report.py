@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tff_privacy import defenses, io, provenance, runner
-from tff_privacy.algorithms.defended import SEED_KEY
+from tff_privacy.algorithms.client_data import SEED_KEY
 from tff_privacy.audit import clients, membership, uploads
 from tff_privacy.defenses.central import DPFedAvg
 from tff_privacy.defenses.updates import ClientView

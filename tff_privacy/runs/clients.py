@@ -13,7 +13,7 @@ import stat
 import sys
 import tempfile
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -50,21 +50,14 @@ def local_batches(num_samples: int, algorithm: algorithms.Algorithm,
                            one_batch=algorithm.local_data == "one_batch")
 
 
-def client_dataset(x: np.ndarray, y: np.ndarray, batch_sizes: Sequence[int],
-                   extra: Optional[dict[str, np.ndarray]] = None) -> tf.data.Dataset:
-  """(x, y) in order, cut into consecutive batches of `batch_sizes`; `extra`
-  per-client inputs join every batch."""
+def client_dataset(x: np.ndarray, y: np.ndarray,
+                   batch_sizes: Sequence[int]) -> tf.data.Dataset:
+  """(x, y) in order, cut into consecutive batches of `batch_sizes`."""
   # Dataset.batch cuts each run of equal batches ending in a smaller one (a
-  # local epoch). Joining `extra` needs Dataset.map, whose function would be
-  # traced for every client: `_batches_with` traces it once per signature.
-  if not extra:
-    return _concatenated_runs(batch_sizes, lambda start, count, size: (
-        tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
-            x=x[start:start + count], y=y[start:start + count])).batch(size)))
-  extra = _as_arrays(extra)
-  join = _batches_with(spec_of(x), spec_of(y), _specs_of(extra))
-  return _concatenated_runs(batch_sizes, lambda start, count, size: join(
-      x[start:start + count], y[start:start + count], size, extra))
+  # local epoch)
+  return _concatenated_runs(batch_sizes, lambda start, count, size: (
+      tf.data.Dataset.from_tensor_slices(collections.OrderedDict(
+          x=x[start:start + count], y=y[start:start + count])).batch(size)))
 
 
 def _concatenated_runs(batch_sizes: Sequence[int], run_of: Callable) -> tf.data.Dataset:
@@ -89,23 +82,6 @@ def unoptimized(dataset: tf.data.Dataset) -> tf.data.Dataset:
   options = tf.data.Options()
   options.experimental_optimization.apply_default_optimizations = False
   return dataset.with_options(options)
-
-
-def _as_arrays(extra: dict) -> collections.OrderedDict:
-  return collections.OrderedDict((k, np.asarray(v)) for k, v in extra.items())
-
-
-def _specs_of(extra: collections.OrderedDict) -> tuple:
-  """(name, spec) of each of `extra`'s arrays: a hashable signature."""
-  return tuple((k, tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)))
-               for k, v in extra.items())
-
-
-def _joined(batches: tf.data.Dataset, extra) -> tf.data.Dataset:
-  """`batches` with the tensors of `extra` joined to each batch."""
-  consts = tf.data.Dataset.from_tensors(extra).repeat()
-  return tf.data.Dataset.zip((batches, consts)).map(
-      lambda batch, c: collections.OrderedDict(**batch, **c))
 
 
 class ClientFiles:
@@ -232,25 +208,21 @@ def _process_runs(pid: int) -> bool:
 
 
 def file_client_dataset(folder: str, specs: tuple[tf.TensorSpec, ...],
-                        order: np.ndarray, batch_sizes: Sequence[int],
-                        extra: Optional[dict[str, np.ndarray]] = None
+                        order: np.ndarray, batch_sizes: Sequence[int]
                         ) -> tf.data.Dataset:
   """`client_dataset` of the samples x[order], y[order], read one at a time
   from `folder` (`ClientFiles.folder`; x and y with `specs`) when the
   dataset is iterated."""
-  extra = _as_arrays(extra or {})
-  batches = _file_batches(*specs, _specs_of(extra))
+  batches = _file_batches(*specs)
   order = np.asarray(order, np.int64)
   return _concatenated_runs(batch_sizes, lambda start, count, size: batches(
-      folder, order[start:start + count], size, extra))
+      folder, order[start:start + count], size))
 
 
 @functools.lru_cache(maxsize=None)
-def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
-  """A tf.function (folder, order, batch size, extra) -> batches of the
-  samples `order` read from the folder's files, joined by `extra`; traced
-  once for these specs."""
-  extra_spec = collections.OrderedDict(extra_specs)
+def _file_batches(x_spec, y_spec) -> Callable:
+  """A tf.function (folder, order, batch size) -> batches of the samples
+  `order` read from the folder's files; traced once for these specs."""
   shapes = [s.shape[1:] for s in (x_spec, y_spec)]
   sizes = [s.dtype.size * shape.num_elements() for s, shape in zip((x_spec, y_spec), shapes)]
 
@@ -269,12 +241,11 @@ def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
         y=decoded(raw, sizes[0], y_spec, shapes[1], sizes[1]))
 
   @tf.function(input_signature=(tf.TensorSpec([], tf.string), tf.TensorSpec([None], tf.int64),
-                                tf.TensorSpec([], tf.int64), extra_spec))
-  def batches(folder, order, size, extra):
-    samples = tf.data.Dataset.from_tensor_slices(order).map(
+                                tf.TensorSpec([], tf.int64)))
+  def batches(folder, order, size):
+    return tf.data.Dataset.from_tensor_slices(order).map(
         lambda k: sample(folder, k), num_parallel_calls=tf.data.AUTOTUNE,
         deterministic=True).batch(size)
-    return _joined(samples, extra) if extra_spec else samples
 
   return batches
 
@@ -282,21 +253,6 @@ def _file_batches(x_spec, y_spec, extra_specs: tuple) -> Callable:
 def spec_of(samples: np.ndarray) -> tf.TensorSpec:
   """The spec of `samples`, their number left open."""
   return tf.TensorSpec((None, *samples.shape[1:]), tf.as_dtype(samples.dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def _batches_with(x_spec, y_spec, extra_specs: tuple) -> Callable:
-  """A tf.function (x, y, batch size, extra) -> batches of (x, y) joined by
-  `extra`, traced once for these specs."""
-  extra_spec = collections.OrderedDict(extra_specs)
-
-  @tf.function(input_signature=(x_spec, y_spec, tf.TensorSpec([], tf.int64),
-                                extra_spec))
-  def batches(x, y, size, extra):
-    ds = tf.data.Dataset.from_tensor_slices(collections.OrderedDict(x=x, y=y))
-    return _joined(ds.batch(size), extra)
-
-  return batches
 
 
 def _batch_runs(batch_sizes: Sequence[int]) -> list[tuple[int, int]]:
