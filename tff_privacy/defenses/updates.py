@@ -122,8 +122,8 @@ class UpdateDefense(abc.ABC):
   # run's workers must share this machine's file system
   reads_run_files = False
   # the first samples of its data set its `ClientView` reads (`head`), which
-  # the client work then reads with its inputs (`defended`): only
-  # for a defence whose `transform_batch` leaves the samples as they are
+  # the client work then reads before it trains (`defended`): only for a
+  # defence whose `transform_batch` leaves the samples as they are
   view_samples = 0
   # per-client inputs beyond the noise seed: {name: tff.TensorType}, given
   # by the method's `client_inputs` and read from `ClientView.inputs`
