@@ -315,6 +315,34 @@ def _check_round(method, given, batch_size, empty_batches=False):
     close(got["classifier"], expected[2:])
 
 
+@pytest.mark.slow
+def test_dp_sgd_steps_draw_their_noise_from_the_clients_seed_beside_its_batches():
+  """One client, one shuffled batch of 4, one DP-SGD step (server lr 1):
+  the round with noise minus the round without is -lr times the step's
+  noise, which `dp_sgd.private_gradient` draws for zero gradients under the
+  client's seed folded with step 0 as int64 (`fold_in` called here)."""
+  x = np.random.default_rng(1).random((4, 8, 8, 1), dtype=np.float32)
+  y = np.arange(4, dtype=np.int32)
+  seed = np.array([3, 9], np.int64)
+  data = with_inputs(runner.client_dataset(x, y, [4]), {SEED_KEY: seed})
+  given = {"local_epochs": 1, "batch_sampling": "shuffle", "l2_norm_clip": 0.5}
+  weights = []
+  for sigma in (0.0, 2.0):
+    declared = algorithms.method("dp_sgd_fedavg").resolve(
+        {**given, "noise_multiplier": sigma})
+    process = algorithms.get("dp_sgd_fedavg", SPEC, batch_size=4, seed=0,
+                             **declared).build_process(None)
+    out = process.next(process.initialize(), [data])
+    weights.append(process.get_model_weights(out.state).trainable)
+  step_seed = tf.random.experimental.stateless_fold_in(tf.constant(seed), np.int64(0))
+  noise = dp_sgd.private_gradient([tf.zeros([4, *w.shape]) for w in weights[0]],
+                                  0.5, 2.0, step_seed)
+  assert float(tf.linalg.global_norm(noise)) > 0.1
+  lr = declared["learning_rate"]
+  for clean, noisy, n in zip(*weights, noise):
+    np.testing.assert_allclose(noisy - clean, -lr * n.numpy(), atol=2e-6)
+
+
 def _config(out, **kw):
   base = dict(out=str(out), method="ppsgd", dataset="digits", model="mlp",
               model_kwargs={"hidden": (16,)}, clients=3, rounds=2,

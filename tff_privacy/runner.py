@@ -127,7 +127,7 @@ class RoundClient:
     """What the method's process takes as this client's data: `dataset`,
     with `inputs` beside it where there are any
     (`tff_privacy.algorithms.client_data`)."""
-    if self.inputs is None:
+    if not self.inputs:
       return self.dataset
     return client_data.with_inputs(self.dataset, self.inputs)
 

@@ -548,7 +548,7 @@ class FedREMechanism(UpdateDefense):
     [num_clients, L] array holding, in the client's row (its `CLIENT_KEY`
     input), the epsilon_l eq. 9 assigns to each tensor's noise this round
     (`spent_epsilons`), zeros elsewhere; all zeros for a client without
-    samples, whose inputs read as zeros (client 0's index)."""
+    samples, whose upload depends on no data."""
     if not self.acts_on_update:
       return list(update), {}
     upload, spent = self._noised(update, seed, client)
@@ -842,8 +842,8 @@ def one_public_set(public: Sequence[PublicRegions]) -> Optional[PublicRegions]:
   """The set every profile holds where `public`'s sets are all equal (the
   same samples, labels and regions, e.g. clients of one data category with
   one default region), else None. PDA-PAM then scores every upload on it
-  and no client reads its profile from its first batch (a computation of
-  its own per client, and a read of its data set)."""
+  and no client's profile is read from its inputs (a computation of its
+  own per client)."""
   if not public:
     return None
   first = public[0]

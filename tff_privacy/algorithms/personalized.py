@@ -221,7 +221,7 @@ def build_personalized_process(
     *,
     initial_shared: Sequence[np.ndarray],
     client_state_type: tff.types.Type,
-    data_type: tff.SequenceType,
+    data_type: tff.Type,
     local_training: Callable,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
     clients_per_call: Optional[int] = None,
@@ -231,8 +231,8 @@ def build_personalized_process(
   replaces it each round by the weighted mean of the clients' uploads.
 
   Round t: the server broadcasts the shared part S; each client runs
-  `local_training(S, own_state, dataset) -> (upload, weight, new_state,
-  sums)` (a TensorFlow function: the upload has the shape of S, `sums` is the
+  `local_training(S, own_state, data) -> (upload, weight, new_state,
+  sums)` (a TensorFlow function of the client's data of `data_type`: the upload has the shape of S, `sums` is the
   sum of its `train_sums`); the model aggregator combines the uploads with
   the weights, and its result is the next S. With no shared part
   (`initial_shared` empty: local-only training) nothing is broadcast,
@@ -241,7 +241,8 @@ def build_personalized_process(
   Args:
     initial_shared: S before round 1.
     client_state_type: the TFF type of one client's private state.
-    data_type: the TFF type of one client's data set.
+    data_type: the TFF type of one client's data: a data set, or a data
+      set beside its inputs (`client_data.data_type`).
     local_training: one client's round, see above.
     model_aggregator: aggregates the uploads, weighted (default
       `aggregation.wide_sum.wide_mean_factory`); a `ClientPlacedCapture`:
@@ -270,8 +271,8 @@ def build_personalized_process(
   aggregator = factory.create(tff.to_type(shared_type), tff.TensorType(np.float32))
 
   @tff.tensorflow.computation(shared_type, client_state_type, data_type)
-  def client_update(shared, state, dataset):
-    upload, weight, new_state, sums = local_training(list(shared), state, dataset)
+  def client_update(shared, state, data):
+    upload, weight, new_state, sums = local_training(list(shared), state, data)
     return list(upload), weight, new_state, sums
 
   @tff.tensorflow.computation
@@ -372,8 +373,8 @@ def _unshared_process(client_state_type, data_type, local_training):
   """`build_personalized_process` with nothing shared (see there)."""
 
   @tff.tensorflow.computation(client_state_type, data_type)
-  def client_update(state, dataset):
-    _, _, new_state, sums = local_training([], state, dataset)
+  def client_update(state, data):
+    _, _, new_state, sums = local_training([], state, data)
     return new_state, sums
 
   @tff.federated_computation
