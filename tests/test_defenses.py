@@ -445,3 +445,15 @@ def test_a_defended_clients_view_counts_its_samples_and_reads_its_first(head_siz
   seen = out.measurements["defense"]["viewing"]
   assert seen["count"] == 6 and seen["seed_sum"] == 9
   assert seen["head_sum"] == (x[:min(head_size, 6)].sum() if head_size else -1)
+
+
+def test_a_model_without_an_examples_metric_leaves_the_count_to_the_view():
+  """TFF's Keras models report 'num_examples' as a Sum's [total]; a model
+  without it gives no count, and the view then reads its batches."""
+  from tff_privacy.algorithms import defended
+
+  count = defended._trained_examples({"num_examples": [tf.constant(6, tf.int64)]})
+  assert count.dtype == tf.int32 and int(count) == 6
+  assert defended._trained_examples({"loss": [tf.constant(1.0)]}) is None
+  batches = tf.data.Dataset.from_tensor_slices({"x": np.zeros((5, 2)), "y": np.arange(5)})
+  assert int(defenses.ClientView([], batches.batch(2), {}, None).sample_count()) == 5
