@@ -221,13 +221,17 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
   gradient, and the kernel is formed once at the end. The small tensors
   (hidden layer, head biases, embedding) take plain SGD steps. The global
   gradient norm that is clipped includes the kernels' |h_s| |g_s|.
+
+  K_0 is read head by head where it lies in `varphi`, never concatenated:
+  a concatenated copy (57 MiB for hyperfl_cnn), and the final kernel split
+  back into heads, would be held by every client the worker runs at once.
   """
   num_heads = len(target_shapes)
   sizes = [int(np.prod(shape)) for shape in target_shapes]
-  kernel0 = tf.concat([varphi[2 + 2 * i] for i in range(num_heads)], axis=1)
+  kernels0 = [varphi[2 + 2 * i] for i in range(num_heads)]
   small = (varphi[0], varphi[1],
            tf.concat([varphi[3 + 2 * i] for i in range(num_heads)], axis=0))
-  hidden_dim = kernel0.shape[0]
+  hidden_dim = kernels0[0].shape[0]
 
   def step(carry, batch):
     small, small_buffers, v, v_buffers, a, b, rows, coef, coef_buffers, sums = carry
@@ -236,7 +240,8 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
       tape.watch([hidden_kernel, hidden_bias, v])
       h = tf.nn.relu(tf.linalg.matvec(hidden_kernel, v[0], transpose_a=True)
                      + hidden_bias)
-      theta = (a * tf.linalg.matvec(kernel0, h, transpose_a=True)
+      theta = (a * tf.concat([tf.linalg.matvec(k, h, transpose_a=True)
+                              for k in kernels0], 0)
                + tf.linalg.matvec(coef, tf.linalg.matvec(rows, h),
                                   transpose_a=True)
                + head_bias)
@@ -266,17 +271,15 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
             sums + batch_sums)
 
   zeros = personalized.zeros_like
-  no_rows = tf.zeros([0, kernel0.shape[1]])
+  no_rows = tf.zeros([0, sum(sizes)])
   small, _, v, _, a, _, rows, coef, _, sums = dataset.reduce(
       (small, zeros(small), tuple(v), zeros(v), tf.constant(1.0),
        tf.constant(0.0), tf.zeros([0, hidden_dim]), no_rows, no_rows, sums),
       step)
-  kernels = tf.split(a * kernel0 + tf.matmul(rows, coef, transpose_a=True),
-                     sizes, axis=1)
-  biases = tf.split(small[2], sizes)
   varphi = [small[0], small[1]]
-  for kernel, bias in zip(kernels, biases):
-    varphi += [kernel, bias]
+  for kernel0, head_coef, bias in zip(kernels0, tf.split(coef, sizes, axis=1),
+                                      tf.split(small[2], sizes)):
+    varphi += [a * kernel0 + tf.matmul(rows, head_coef, transpose_a=True), bias]
   return varphi, v, sums
 
 
