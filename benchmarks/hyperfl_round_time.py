@@ -136,23 +136,25 @@ def _step_flops(spec, hyper: Hypernetwork, batch: int) -> tuple[int, int, int]:
 
 def head_reads_seconds(hyper: Hypernetwork, repeats: int = 20) -> float:
   """Median seconds of one hypernetwork step's two products with the head
-  kernel (`_hypernetwork_phase`'s K^T h and the backward pass's K g)."""
-  split = len(hyper.target_shapes)
-  kernel = tf.concat([tf.random.stateless_normal(hyper.shapes[2 + 2 * i], (0, i))
-                      for i in range(split)], axis=1)
-  h = tf.random.stateless_normal(kernel.shape[:1], (1, 0))
-  g = tf.random.stateless_normal(kernel.shape[1:], (2, 0))
+  kernels, each head read in place as `_hypernetwork_phase` reads them
+  (K^T h, one matvec per head, and the backward pass's K g, their sum)."""
+  kernels = [tf.random.stateless_normal(hyper.shapes[2 + 2 * i], (0, i))
+             for i in range(len(hyper.target_shapes))]
+  h = tf.random.stateless_normal(kernels[0].shape[:1], (1, 0))
+  gs = [tf.random.stateless_normal(k.shape[1:], (2, i))
+        for i, k in enumerate(kernels)]
 
   @tf.function
-  def reads(h, g):
-    theta = tf.linalg.matvec(kernel, h, transpose_a=True)
-    return theta[0] + tf.reduce_sum(tf.linalg.matvec(kernel, g))
+  def reads(h, gs):
+    theta = tf.concat([tf.linalg.matvec(k, h, transpose_a=True) for k in kernels], 0)
+    return theta[0] + tf.reduce_sum(tf.add_n(
+        [tf.linalg.matvec(k, g) for k, g in zip(kernels, gs)]))
 
-  reads(h, g)
+  reads(h, gs)
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    reads(h, g).numpy()
+    reads(h, gs).numpy()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
 

@@ -218,9 +218,9 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
   b K_0 + H^T D, with K_0 the broadcast kernel, scalars a and b, and one row
   of H (h_s), C and D per step. A step updates the scalars and the S x P
   rows (S the steps so far) instead of the hidden x P kernel, buffer and
-  gradient, and the kernel is formed once at the end. The small tensors
-  (hidden layer, head biases, embedding) take plain SGD steps. The global
-  gradient norm that is clipped includes the kernels' |h_s| |g_s|.
+  gradient, and each head's kernel is formed once at the end. The small
+  tensors (hidden layer, head biases, embedding) take plain SGD steps. The
+  global gradient norm that is clipped includes the kernels' |h_s| |g_s|.
 
   K_0 is read head by head where it lies in `varphi`, never concatenated:
   a concatenated copy (57 MiB for hyperfl_cnn), and the final kernel split
