@@ -1,9 +1,12 @@
 """benchmarks/fedre_round_time.py: its estimate of the PSI a round scores
 times the run's own scoring, and reports none for a run that scores none;
 its operation counts (and `round_timing.graph_flops`'s) count what the run
-computes."""
+computes; benchmarks/psi_tangent_support.py's shares and multiply-adds
+are the hand-counted ones."""
 
 import os
+
+import pytest
 
 from conftest import load_script
 
@@ -94,3 +97,33 @@ def test_round_flops_count_the_jvps_the_run_scores(monkeypatch):
   assert flops(psi_samples=1)[2] * 4 == dense * 3
   assert flops(psi_pixels=4)[2] * 2 == dense
   assert flops(budget_split="even", aggregation="mean") == (training, 0, 0)
+
+
+def test_tangent_supports_and_multiply_adds_by_hand(monkeypatch):
+  monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+  import tensorflow as tf
+  bench = load_script("benchmarks/psi_tangent_support.py")
+  layers = tf.keras.layers
+  model = tf.keras.Sequential([
+      layers.InputLayer((5, 5, 1)),
+      layers.Conv2D(1, 3, padding="same", kernel_initializer="ones", name="spread"),
+      layers.Conv2D(1, 1, kernel_initializer="ones", name="pointwise")])
+  dense = layers.Dense(3)
+  # 5 x 5 positions, a 3 x 3 kernel, 1 channel in, 1 out; 50 inputs to 3 outputs
+  assert bench.multiply_adds(model.layers[0], (5, 5, 1)) == 25 * 9
+  assert bench.multiply_adds(dense, (50,)) == 150
+  weights = [tf.convert_to_tensor(w) for w in model.trainable_variables]
+  loss = lambda outputs, labels: 0.5 * tf.reduce_sum(tf.square(outputs))
+  x1 = tf.random.stateless_uniform((5, 5, 1), (0, 1), 0.1, 1.0)
+  center = tf.constant([2, 2, 0])
+
+  def shares(name):
+    f, b = bench.nonzero_shares(model, weights, loss, name, x1, tf.constant(0), center)
+    return float(f), float(b)
+
+  # The one-hot tangent reaches the 3 x 3 square around the centre after the
+  # first layer. The loss gradient at the output is the output, so its
+  # tangent fills that square too; the first layer's transpose spreads it
+  # over the 5 x 5 square.
+  assert shares("spread") == pytest.approx((1 / 25, 1.0))  # float32 means
+  assert shares("pointwise") == pytest.approx((9 / 25, 9 / 25))
