@@ -115,8 +115,8 @@ def main() -> None:
     forward_shares.append(np.mean([s[0] for s in shares]))
     backward_shares.append(np.mean([s[1] for s in shares]))
     print(f"{layer.name}: multiply_adds={costs[-1]} input_tangent_nonzero="
-          f"{forward_shares[-1]:.3f} input_gradient_tangent_nonzero="
-          f"{backward_shares[-1]:.3f}", flush=True)
+          f"{forward_shares[-1]:.3g} input_gradient_tangent_nonzero="
+          f"{backward_shares[-1]:.3g}", flush=True)
   costs = np.array(costs, float)
   fraction = float(np.sum(costs * (np.array(forward_shares) + np.array(backward_shares)))
                    / (3 * np.sum(costs)))
