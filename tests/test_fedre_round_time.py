@@ -104,26 +104,31 @@ def test_tangent_supports_and_multiply_adds_by_hand(monkeypatch):
   import tensorflow as tf
   bench = load_script("benchmarks/psi_tangent_support.py")
   layers = tf.keras.layers
+  # 5 x 5 outputs of a 3 x 3 kernel, 1 channel in and out; 3 x 3 x 4
+  # outputs of a 3 x 3 kernel over 2 channels; 2 x 5 positions of 4 x 3
+  assert bench.multiply_adds(layers.Conv2D(1, 3, padding="same"), (5, 5, 1)) == 25 * 9
+  assert bench.multiply_adds(layers.Conv2D(4, 3, strides=2), (7, 7, 2)) == 36 * 9 * 2
+  assert bench.multiply_adds(layers.Dense(3), (2, 5, 4)) == 10 * 12
   model = tf.keras.Sequential([
       layers.InputLayer((5, 5, 1)),
       layers.Conv2D(1, 3, padding="same", kernel_initializer="ones", name="spread"),
       layers.Conv2D(1, 1, kernel_initializer="ones", name="pointwise")])
-  dense = layers.Dense(3)
-  # 5 x 5 positions, a 3 x 3 kernel, 1 channel in, 1 out; 50 inputs to 3 outputs
-  assert bench.multiply_adds(model.layers[0], (5, 5, 1)) == 25 * 9
-  assert bench.multiply_adds(dense, (50,)) == 150
   weights = [tf.convert_to_tensor(w) for w in model.trainable_variables]
   loss = lambda outputs, labels: 0.5 * tf.reduce_sum(tf.square(outputs))
   x1 = tf.random.stateless_uniform((5, 5, 1), (0, 1), 0.1, 1.0)
-  center = tf.constant([2, 2, 0])
 
-  def shares(name):
-    f, b = bench.nonzero_shares(model, weights, loss, name, x1, tf.constant(0), center)
-    return float(f), float(b)
+  def shares(layer):
+    spatial, bias = bench.with_spatial_bias(model, weights, layer, (5, 5, 1))
+    f, s = bench.nonzero_shares(model, spatial, loss, layer.name, bias, x1,
+                                tf.constant(0), tf.constant([2, 2, 0]))
+    return float(f), float(s)
 
   # The one-hot tangent reaches the 3 x 3 square around the centre after the
-  # first layer. The loss gradient at the output is the output, so its
-  # tangent fills that square too; the first layer's transpose spreads it
-  # over the 5 x 5 square.
-  assert shares("spread") == pytest.approx((1 / 25, 1.0))  # float32 means
-  assert shares("pointwise") == pytest.approx((9 / 25, 9 / 25))
+  # first layer. The loss gradient at the output is the output, and the
+  # pointwise layer passes it back as it is: its tangent fills that square
+  # at both layers' outputs.
+  spread, pointwise = model.layers
+  assert shares(spread) == pytest.approx((1 / 25, 9 / 25))  # float32 means
+  assert shares(pointwise) == pytest.approx((9 / 25, 9 / 25))
+  assert not bench.depends_on_weights(model, weights, "spread", x1[None])
+  assert bench.depends_on_weights(model, weights, "pointwise", x1[None])
