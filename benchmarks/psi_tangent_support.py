@@ -7,7 +7,9 @@ channel) of its input. For every convolution and dense layer l of the
 run's model, with c_l its multiply-adds per sample, x_l its input and z_l
 its output before the activation, let f_l be the nonzero share of the
 tangent of x_l and s_l that of the tangent of the loss gradient with
-respect to z_l. The multiply-adds whose operands are both nonzero are then
+respect to z_l. The multiply-adds whose tangent operand is nonzero (the
+primal operands, the weights and x_l and z_l's gradient, count as dense)
+are then
 * f_l c_l for the forward tangent (scattered from x_l's nonzero entries);
 * s_l c_l for the tangent of the gradient with respect to x_l (scattered
   from the nonzero entries of z_l's), where x_l depends on a weight (PSI
@@ -15,9 +17,11 @@ respect to z_l. The multiply-adds whose operands are both nonzero are then
 * (f_l + s_l) c_l for the tangent of the weight gradient, the sum over
   positions of x_l times z_l's gradient (one term per factor's tangent);
 where `fedre_round_time.round_flops` counts a JVP as the sample's forward
-and backward pass, (2 + [x_l depends on a weight]) c_l. The benchmark
-measures f_l and s_l (z_l's gradient read as the gradient of a per-position
-copy of the layer's bias) at the region pixels client 0 scores
+and backward pass, (2 + [x_l depends on a weight]) c_l: a floor for dense
+tangents, whose weight-gradient tangent alone takes 2 c_l, so the share
+below can exceed 1. The benchmark measures f_l and s_l (z_l's gradient
+read as the gradient of a per-position copy of the layer's bias) at the
+region pixels client 0 scores
 (`fedre_round_time.scoring`: its first PSI samples, `psi_pixels` of its
 region each), at the run's initial weights, and prints each layer's shares,
 
