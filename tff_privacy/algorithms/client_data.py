@@ -23,7 +23,7 @@ one-sample batches) that was about 50 ms of a round of about 250 ms
 from __future__ import annotations
 
 import collections
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -49,9 +49,12 @@ def data_type(element, input_types: Mapping[str, tff.TensorType]) -> tff.StructT
       collections.OrderedDict)
 
 
-def seeded_type(element) -> tff.StructType:
-  """`data_type` of a client whose only input is its noise seed."""
-  return data_type(element, {SEED_KEY: SEED_TYPE})
+def seeded_type(element, inputs: Optional[Mapping[str, tff.TensorType]] = None
+                ) -> tff.StructType:
+  """`data_type` of a client whose inputs are its noise seed, then
+  `inputs` (e.g. a defence's `client_input_types`)."""
+  return data_type(element, collections.OrderedDict(
+      [(SEED_KEY, SEED_TYPE), *(inputs or {}).items()]))
 
 
 def with_inputs(batches: tf.data.Dataset,

@@ -137,8 +137,7 @@ def with_update_defense(local: LocalUpdate, defense: UpdateDefense,
   weights_type = tff.learning.models.weights_type_from_model(model)
   element = tff.types.tensorflow_to_type(model.input_spec)
   names = [name for name, _ in tff.structure.iter_elements(element)]
-  data_type = client_data.data_type(element, collections.OrderedDict(
-      [(SEED_KEY, client_data.SEED_TYPE)] + list(defense.client_input_types.items())))
+  data_type = client_data.seeded_type(element, defense.client_input_types)
 
   @tff.tensorflow.computation(weights_type, data_type)
   def client_update(weights, data):

@@ -721,11 +721,10 @@ def steps_client_update(spec, mechanism: FedREMechanism, weights_type,
   the expected batch size. The update is the model change. The client's
   data carry its seed and `client_input_types` as for 'update'."""
   task, epochs, clip = spec.task_object, mechanism.local_epochs, mechanism.clip
-  data_type = client_data.data_type(
+  data_type = client_data.seeded_type(
       collections.OrderedDict((k, tff.TensorType(v.dtype.as_numpy_dtype, v.shape))
                               for k, v in spec.input_spec.items()),
-      collections.OrderedDict([(SEED_KEY, client_data.SEED_TYPE)]
-                              + list(mechanism.client_input_types.items())))
+      mechanism.client_input_types)
 
   @tff.tensorflow.computation(weights_type, data_type)
   def client_update(weights, data):

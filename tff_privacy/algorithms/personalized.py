@@ -232,8 +232,8 @@ def build_personalized_process(
 
   Round t: the server broadcasts the shared part S; each client runs
   `local_training(S, own_state, data) -> (upload, weight, new_state,
-  sums)` (a TensorFlow function of the client's data of `data_type`: the upload has the shape of S, `sums` is the
-  sum of its `train_sums`); the model aggregator combines the uploads with
+  sums)` (a TensorFlow function of the client's data of `data_type`: the
+  upload has the shape of S, `sums` is the sum of its `train_sums`); the model aggregator combines the uploads with
   the weights, and its result is the next S. With no shared part
   (`initial_shared` empty: local-only training) nothing is broadcast,
   uploaded or aggregated, and `local_training` receives an empty list.
