@@ -68,14 +68,13 @@ from tensorflow_federated.python.core.impl.execution_contexts import compiler_pi
 from tensorflow_federated.python.core.impl.execution_contexts import mergeable_comp_execution_context
 from tensorflow_federated.python.core.impl.execution_contexts import sync_execution_context
 from tensorflow_federated.python.core.impl.executor_stacks import python_executor_stacks
-from tensorflow_federated.python.core.impl.executors import remote_executor
 from tensorflow_federated.python.core.impl.executors import remote_executor_grpc_stub
 from tensorflow_federated.python.core.impl.types import computation_types
 from tensorflow_federated.python.core.impl.types import placements
 from tensorflow_federated.python.core.impl.types import type_analysis
 from tensorflow_federated.python.core.impl.types import type_conversions
 
-from tff_privacy import private_worker
+from tff_privacy import private_worker, worker_values
 
 _GRPC_OPTIONS = [
     ("grpc.max_message_length", 2 * 10**9),
@@ -374,7 +373,8 @@ def _executor_factory(worker):
     cardinalities.setdefault(placements.CLIENTS, 0)
     # TFF's default batches 20 disposals, so a worker would keep the values
     # of the last few rounds (with HyperFL's, every client's upload) alive
-    executor = remote_executor.RemoteExecutor(worker.stub, dispose_batch_size=1)
+    executor = worker_values.InPlaceRemoteExecutor(worker.stub,
+                                                   dispose_batch_size=1)
     executor.set_cardinalities(cardinalities)
     return executor
   return python_executor_stacks.ResourceManagingExecutorFactory(
