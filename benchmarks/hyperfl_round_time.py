@@ -40,6 +40,14 @@ FedAvg's plus both (`floor_ratio_hyperfl_over_fedavg`, an estimate: the
 reads are timed in the driver, not on the worker, and both move from run
 to run), whatever else is made faster.
 
+`client_training_s` times one client's local training alone, in this
+process and without TFF, on the dataset round 1 gives client 0 (median of
+5 calls of a `tf.function`): FedAvg's arithmetic (`personalized.local_sgd`,
+TFF's SGD with momentum) and HyperFL's (`hyperfl.local_training`, what its
+client update runs). Their ratio is what the round ratio would come down to
+if everything TFF adds (the state's trip, the uploads' aggregation) cost
+nothing; TFF's worker runs two clients at a time, so it is an estimate.
+
   python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
       [--samples 150] [--baselines dp_sgd_fedavg,ppsgd,centaur]
       [--limit-mb 12000]
@@ -52,7 +60,9 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import argparse
+import dataclasses
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -61,6 +71,7 @@ import tensorflow_federated as tff
 
 import round_timing  # this folder's
 from tff_privacy import runner, runtime
+from tff_privacy.algorithms import hyperfl, personalized
 from tff_privacy.cli import _positive_int
 from tff_privacy.models.functional import forward
 from tff_privacy.models.hypernetwork import Hypernetwork
@@ -159,6 +170,45 @@ def head_reads_seconds(hyper: Hypernetwork, repeats: int = 20) -> float:
   return statistics.median(times)
 
 
+def client_training_seconds(args, repeats: int = 5) -> dict[str, float]:
+  """Median seconds of one client's local training in this process, without
+  TFF, on the dataset round 1's process gives client 0: FedAvg's
+  (`personalized.local_sgd`, TFF's SGD with momentum, its client's
+  arithmetic) and HyperFL's (`hyperfl.local_training`, what its client
+  update runs), each a `tf.function` traced once."""
+  out = {}
+  for method in ("fedavg", "hyperfl"):
+    with tempfile.TemporaryDirectory() as tmp:
+      config = dataclasses.replace(_config(method, args.clients, args.samples),
+                                   out=tmp)
+      run = runner.Run(config)
+      client = run.round_data(1)[0]
+      target = run.spec.keras()
+      if method == "fedavg":
+        weights = [tf.constant(w) for w in run.spec.initial_weights(config.seed)]
+        train = tf.function(lambda dataset: personalized.local_sgd(
+            target, weights, dataset, 0.02, 0.5, 0.0))
+      else:
+        declared = hyperfl.PARAMETERS.defaults()  # what the config runs
+        hyper = Hypernetwork.for_model(target, declared["embedding_dim"],
+                                       declared["hidden_dim"])
+        varphi = [tf.constant(w) for w in hyper.initial_weights(config.seed)]
+        state = tf.nest.map_structure(
+            tf.constant, run.algorithm.private_state.initial(client.index))
+        settings = {k: v for k, v in declared.items()
+                    if k not in ("embedding_dim", "hidden_dim")}
+        train = tf.function(lambda dataset: hyperfl.local_training(
+            target, hyper, varphi, state, dataset, **settings))
+      train(client.process_data)
+      times = []
+      for _ in range(repeats):
+        start = time.perf_counter()
+        tf.nest.map_structure(np.asarray, train(client.process_data))
+        times.append(time.perf_counter() - start)
+      out[method] = statistics.median(times)
+  return out
+
+
 def state_trip_seconds(shapes, repeats: int = 5) -> float:
   """Median seconds of one call of a computation on TFF's worker that
   returns the float32 tensors of `shapes` it is given (a server state)."""
@@ -240,6 +290,11 @@ def main() -> None:
         "FedAvg's model)")
   print(f"floor_ratio_hyperfl_over_fedavg={(fedavg + reads + trip) / fedavg:.2f} "
         "(an estimate: FedAvg's round plus both, each timed apart)")
+  client = client_training_seconds(args)
+  print(f"client_training_s: fedavg={client['fedavg']:.3f} "
+        f"hyperfl={client['hyperfl']:.3f} (one client, in this process, no TFF) "
+        f"ratio_client_training_hyperfl_over_fedavg="
+        f"{client['hyperfl'] / client['fedavg']:.2f}")
   runtime.stop()
 
 

@@ -156,7 +156,6 @@ def build_hyperfl(
     split = num_extractor_tensors(model)
     classifier_shapes = [tuple(v.shape) for v in model.trainable_variables[split:]]
     input_shape = tuple(model.input_shape[1:])
-  total_epochs = classifier_epochs + hypernetwork_epochs
   client_state_type = collections.OrderedDict(
       classifier=_tensor_types(classifier_shapes),
       embedding=_tensor_types([(embedding_dim,)]))
@@ -164,44 +163,74 @@ def build_hyperfl(
       x=tff.TensorType(_F32, (None,) + input_shape),
       y=tff.TensorType(np.int32, (None,))))
 
-  def local_training(varphi, state, dataset):
-    """Eqs. 4-5 on one client."""
-    target = keras_model_fn()
-    phi, v = state["classifier"], state["embedding"]
-    num_batches = reads.count_batches(dataset)
-    classifier_batches = num_batches // total_epochs * classifier_epochs
+  settings = dict(
+      classifier_learning_rate=classifier_learning_rate,
+      classifier_epochs=classifier_epochs,
+      hypernetwork_learning_rate=hypernetwork_learning_rate,
+      hypernetwork_epochs=hypernetwork_epochs, momentum=momentum,
+      weight_decay=weight_decay, max_grad_norm=max_grad_norm)
 
-    def loss_and_sums(extractor, phi, batch):
-      return personalized.batch_loss(target, list(extractor) + list(phi), batch)
-
-    extractor = hyper.generate(varphi, v[0])
-
-    def classifier_step(carry, batch):
-      phi, buffers, sums = carry
-      with tf.GradientTape() as tape:
-        tape.watch(phi)
-        loss, batch_sums = loss_and_sums(extractor, phi, batch)
-      phi, buffers = personalized.sgd_step(
-          phi, tape.gradient(loss, phi), buffers, classifier_learning_rate,
-          momentum, weight_decay)
-      return phi, buffers, sums + batch_sums
-
-    phi, _, sums = dataset.take(classifier_batches).reduce(
-        (tuple(phi), personalized.zeros_like(phi), tf.zeros([3])),
-        classifier_step)
-    varphi, v, sums = _hypernetwork_phase(
-        dataset.skip(classifier_batches), varphi, v, phi, loss_and_sums, sums,
-        hyper.target_shapes, hypernetwork_learning_rate, momentum, weight_decay,
-        max_grad_norm)
-    # sums[2] counts every example of every local epoch
-    return (varphi, sums[2] / total_epochs,
-            collections.OrderedDict(classifier=list(phi), embedding=list(v)), sums)
+  def client_training(varphi, state, dataset):
+    return local_training(keras_model_fn(), hyper, varphi, state, dataset,
+                          **settings)
 
   return personalized.build_personalized_process(
       initial_shared=hyper.initial_weights(seed),
       client_state_type=client_state_type, data_type=data_type,
-      local_training=local_training, model_aggregator=model_aggregator,
+      local_training=client_training, model_aggregator=model_aggregator,
       clients_per_call=clients_per_call)
+
+
+def local_training(target: tf.keras.Model, hyper: Hypernetwork, varphi, state,
+                   dataset, *, classifier_learning_rate: float,
+                   classifier_epochs: int, hypernetwork_learning_rate: float,
+                   hypernetwork_epochs: int, momentum: float,
+                   weight_decay: float, max_grad_norm: float):
+  """Eqs. 4-5 on one client (what `build_hyperfl`'s client update runs):
+  the classifier phase on the first `classifier_epochs` of the epochs of
+  batches in `dataset`, then the hypernetwork phase on the rest.
+
+  Args:
+    target: the target model, whose weights are given functionally.
+    hyper: the hypernetwork generating its feature extractor.
+    varphi: the broadcast hypernetwork weights (`hyper.shapes`).
+    state: the client's `OrderedDict(classifier=[...], embedding=[v])`.
+    dataset: `classifier_epochs + hypernetwork_epochs` epochs of batches.
+    The rest: as in `build_hyperfl`.
+
+  Returns:
+    (varphi_i, examples of one epoch, new state, summed `train_sums`).
+  """
+  phi, v = state["classifier"], state["embedding"]
+  total_epochs = classifier_epochs + hypernetwork_epochs
+  num_batches = reads.count_batches(dataset)
+  classifier_batches = num_batches // total_epochs * classifier_epochs
+
+  def loss_and_sums(extractor, phi, batch):
+    return personalized.batch_loss(target, list(extractor) + list(phi), batch)
+
+  extractor = hyper.generate(varphi, v[0])
+
+  def classifier_step(carry, batch):
+    phi, buffers, sums = carry
+    with tf.GradientTape() as tape:
+      tape.watch(phi)
+      loss, batch_sums = loss_and_sums(extractor, phi, batch)
+    phi, buffers = personalized.sgd_step(
+        phi, tape.gradient(loss, phi), buffers, classifier_learning_rate,
+        momentum, weight_decay)
+    return phi, buffers, sums + batch_sums
+
+  phi, _, sums = dataset.take(classifier_batches).reduce(
+      (tuple(phi), personalized.zeros_like(phi), tf.zeros([3])),
+      classifier_step)
+  varphi, v, sums = _hypernetwork_phase(
+      dataset.skip(classifier_batches), varphi, v, phi, loss_and_sums, sums,
+      hyper.target_shapes, hypernetwork_learning_rate, momentum, weight_decay,
+      max_grad_norm)
+  # sums[2] counts every example of every local epoch
+  return (varphi, sums[2] / total_epochs,
+          collections.OrderedDict(classifier=list(phi), embedding=list(v)), sums)
 
 
 def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
