@@ -327,3 +327,21 @@ def test_only_the_default_mean_runs_a_round_in_calls():
   assert build(clients_per_call=2, model_aggregator=other)._in_calls is None
   with pytest.raises(ValueError, match="clients_per_call=0; give a positive"):
     build(clients_per_call=0)
+
+
+@pytest.mark.parametrize("capture", [False, True])
+def test_the_initial_state_assembled_in_python_is_what_initialize_returns(capture):
+  """`PersonalizedProcess.initial_state` (HyperFL's Python form, which the
+  runner starts from) against TFF's `initialize`, to the bit and in
+  structure, with the default mean and with a capturing aggregator."""
+  declared = algorithms.method("hyperfl").resolve(SMALL)
+  inner = wide_sum.wide_mean_factory()
+  process = build_hyperfl(
+      MLP.keras, seed=3, **declared,
+      model_aggregator=ClientPlacedCapture(inner, 2) if capture else inner)
+  python, tffs = process.initial_state(), process.initialize()
+  tf.nest.assert_same_structure(python, tffs)
+  _assert_same(python, tffs)
+  assert [w.dtype for w in python["shared"]] == [np.float32] * len(tffs["shared"])
+  assert not np.array_equal(python["shared"][0], build_hyperfl(
+      MLP.keras, seed=4, **declared).initial_state()["shared"][0])

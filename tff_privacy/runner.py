@@ -259,7 +259,7 @@ class Run:
     process = self._built_process()
     if self.personalized:
       return collections.OrderedDict(
-          server=process.initialize(),
+          server=process.initial_state(),
           clients=[self.algorithm.private_state.initial(c)
                    for c in range(self.config.clients)])
     return process.set_model_weights(
