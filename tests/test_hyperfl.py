@@ -345,3 +345,37 @@ def test_the_initial_state_assembled_in_python_is_what_initialize_returns(captur
   assert [w.dtype for w in python["shared"]] == [np.float32] * len(tffs["shared"])
   assert not np.array_equal(python["shared"][0], build_hyperfl(
       MLP.keras, seed=4, **declared).initial_state()["shared"][0])
+
+
+@pytest.mark.parametrize("part_elements", [wide_sum.PART_ELEMENTS, 100])
+def test_the_mean_folded_from_compact_uploads_is_the_mean_of_the_uploads(
+    monkeypatch, part_elements):
+  """HyperFL's clients hand their hypernetworks to the default mean in a
+  compact form that the fold expands part by part (`upload_rows`): the new
+  hypernetwork equals the weighted mean of the uploads a capture returns
+  (formed whole), computed here in numpy as the mean weighs them (each
+  product in float32, the sums in float64, rounded once, then divided).
+  With 100 entries a part, the heads' kernels are folded in blocks of rows."""
+  monkeypatch.setattr(wide_sum, "PART_ELEMENTS", part_elements)
+  declared = algorithms.method("hyperfl").resolve(dict(SMALL, hypernetwork_epochs=2))
+  process = build_hyperfl(MLP.keras, seed=0, **declared,
+                          model_aggregator=ClientPlacedCapture(
+                              wide_sum.wide_mean_factory(), 3))
+  alg = algorithms.get("hyperfl", MLP, batch_size=4, seed=0, **declared)
+  rng = np.random.default_rng(1)
+  clients = []
+  for n in (6, 9, 5):
+    x = rng.random((n, 8, 8, 1), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    clients.append(runner.client_dataset(np.concatenate([x] * 3),
+                                         np.concatenate([y] * 3), [4, n - 4] * 3))
+  state = process.initial_state()
+  out = process.next(state, clients, [alg.private_state.initial(c) for c in range(3)])
+  weights = np.asarray(out["upload_weights"], np.float32)
+  assert sorted(weights) == [5, 6, 9]
+  for i, got in enumerate(out["state"]["shared"]):
+    total = sum((u[i] * w).astype(np.float64)
+                for u, w in zip(out["uploads"], weights))
+    want = total.astype(np.float32) / np.float32(weights.sum(dtype=np.float64))
+    np.testing.assert_array_equal(got, want)
+  assert not np.array_equal(out["state"]["shared"][2], state["shared"][2])

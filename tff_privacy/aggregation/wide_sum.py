@@ -30,6 +30,7 @@ types are.
 from __future__ import annotations
 
 import collections
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -82,9 +83,11 @@ def _slice(tensor, first: int, end: int):
   return tensor[first:end] if tensor.shape.rank else tensor
 
 
-def _wide_part(value, part, specs, leaves, weighted: bool):
+def _wide_part(value, part, specs, leaves, weighted: bool, rows=None):
   """The float64 total of one part (see `_parts`) of a CLIENTS value (of
-  (value, weight) pairs if `weighted`), SERVER-placed: a list of its slices."""
+  (value, weight) pairs if `weighted`), SERVER-placed: a list of its slices.
+  With `rows` (see `federated_weighted_totals`), each slice is formed from
+  the client's compact value by `rows(value, leaf, first, end)`."""
   wide = [tf.TensorSpec([b - a, *specs[i].shape[1:]] if specs[i].shape.rank else [],
                         tf.float64 if leaves[i] else specs[i].dtype)
           for i, a, b in part]
@@ -96,10 +99,11 @@ def _wide_part(value, part, specs, leaves, weighted: bool):
   @tff.tensorflow.computation(zeros.type_signature.result,
                               value.type_signature.member)
   def accumulate(total, client_value):
-    flat = tf.nest.flatten(client_value[0] if weighted else client_value)
+    own = client_value[0] if weighted else client_value
+    flat = None if rows else tf.nest.flatten(own)
     out = []
     for t, (i, a, b) in zip(total, part):
-      v = _slice(flat[i], a, b)
+      v = rows(own, i, a, b) if rows else _slice(flat[i], a, b)
       if weighted:  # as `tff.aggregators.MeanFactory` weighs
         v = v * tf.cast(client_value[1], v.dtype)
       out.append(t + (tf.cast(v, tf.float64) if leaves[i] else v))
@@ -117,7 +121,7 @@ def _wide_part(value, part, specs, leaves, weighted: bool):
   return tff.federated_aggregate(value, zeros(), accumulate, merge, report)
 
 
-def _wide_total(value, weighted: bool = False):
+def _wide_total(value, weighted: bool = False, expansion=None):
   """The sum of a CLIENTS value (with `weighted`, of (value, weight) pairs:
   the sum of value * weight as `tff.aggregators.MeanFactory` forms each
   product), its float32 leaves accumulated in float64: (the SERVER-placed
@@ -129,13 +133,19 @@ def _wide_total(value, weighted: bool = False):
   over the whole value would hold a float64 copy of it per client. The
   value is folded in parts of at most `PART_ELEMENTS` entries instead, one
   aggregation each, which the runtime runs one after another; every entry
-  is summed by the same client-by-client fold either way."""
+  is summed by the same client-by-client fold either way. With an
+  `Expansion`, the value is each client's compact form of a value of
+  `expansion.value_type`, expanded part by part in the fold."""
   value_type = value.type_signature.member
-  summed_type = value_type[0] if weighted else value_type
+  if expansion:
+    summed_type = expansion.value_type
+  else:
+    summed_type = value_type[0] if weighted else value_type
   specs = tf.nest.flatten(tff.types.type_to_tf_tensor_specs(summed_type))
   leaves = [spec.dtype == tf.float32 for spec in specs]
   parts = _parts(specs)
-  totals = tff.federated_zip([_wide_part(value, part, specs, leaves, weighted)
+  rows = expansion.rows if expansion else None
+  totals = tff.federated_zip([_wide_part(value, part, specs, leaves, weighted, rows)
                               for part in parts])
 
   @tff.tensorflow.computation(totals.type_signature.member)
@@ -266,14 +276,34 @@ class WideMeanFactory(tff.aggregators.WeightedAggregationFactory):
 MEAN_MEASUREMENTS = collections.OrderedDict(mean_value=(), mean_weight=())
 
 
-def federated_weighted_totals(value, weight):
+class Expansion(NamedTuple):
+  """Client values given in a compact form that the fold expands (see
+  `federated_weighted_totals`).
+
+  Attributes:
+    value_type: the TFF type of one client's expanded value.
+    rows: a TensorFlow function (compact value, leaf, first, end) -> rows
+      [first, end) of the expanded value's `leaf`-th tensor (in `tf.nest`
+      order; a scalar is its one row).
+  """
+  value_type: tff.Type
+  rows: Callable
+
+
+def federated_weighted_totals(value, weight, expansion: Optional[Expansion] = None):
   """`WideMeanFactory`'s sums before it rounds and divides them: the
   SERVER-placed `OrderedDict(value=..., weight=...)` of the float64 totals
   (as `federated_wide_total` gives them) of value * weight, each product
   formed inside the fold, and of the weights. Totals of disjoint sets of
-  clients add to their union's; `mean_of_totals` finishes the mean."""
+  clients add to their union's; `mean_of_totals` finishes the mean.
+
+  With an `expansion`, `value` holds each client's compact form, and the
+  fold forms each part of the client's value from it by `expansion.rows`
+  just before adding it: TFF's runtime then holds the compact forms of the
+  clients, not their values, until the aggregation ends."""
   return tff.federated_zip(collections.OrderedDict(
-      value=_wide_total(tff.federated_zip((value, weight)), weighted=True)[0],
+      value=_wide_total(tff.federated_zip((value, weight)), weighted=True,
+                        expansion=expansion)[0],
       weight=federated_wide_total(weight)))
 
 

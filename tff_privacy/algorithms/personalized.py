@@ -70,6 +70,21 @@ class RoundInCalls(NamedTuple):
   finish: tff.Computation
 
 
+class CompactUpload(NamedTuple):
+  """An upload that a client's `local_training` returns in a smaller form
+  from which the server, knowing the shared part S it broadcast, forms the
+  upload exactly: `rows(compact, S, leaf, first, end)` (TensorFlow) forms
+  rows [first, end) of the upload's `leaf`-th tensor (a scalar is its one
+  row) as the client would have formed them.
+
+  The default mean then forms each client's upload part by part inside its
+  fold (`wide_sum.federated_weighted_totals`), so that TFF's runtime holds
+  the round's compact forms rather than its uploads; other aggregators, and
+  a capture's returned uploads, get the uploads formed whole. What the
+  upload is, and what attacks read, does not change."""
+  rows: Callable
+
+
 class PersonalizedProcess(tff.templates.IterativeProcess):
   """An `IterativeProcess` whose clients keep private state across rounds
   (see the module docstring for the type signatures).
@@ -237,6 +252,7 @@ def build_personalized_process(
     local_training: Callable,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
     clients_per_call: Optional[int] = None,
+    compact_upload: Optional[CompactUpload] = None,
 ) -> PersonalizedProcess:
   """The `PersonalizedProcess` of a method whose server holds one shared
   part (HyperFL's hypernetwork, PPSGD's and CENTAUR's feature extractor) and
@@ -264,6 +280,8 @@ def build_personalized_process(
       of at most this many (`PersonalizedProcess`), bounding the uploads
       TFF's runtime holds at once. Only the default mean adds over calls:
       with another model aggregator the round runs in one call.
+    compact_upload: if set, `local_training` returns its upload's compact
+      form (see `CompactUpload`).
 
   Returns:
     A `PersonalizedProcess` whose server state is
@@ -286,7 +304,10 @@ def build_personalized_process(
   @tff.tensorflow.computation(shared_type, client_state_type, data_type)
   def client_update(shared, state, data):
     upload, weight, new_state, sums = local_training(list(shared), state, data)
-    return list(upload), weight, new_state, sums
+    return (upload if compact_upload else list(upload)), weight, new_state, sums
+
+  uploads_of = _Uploads(compact_upload, shared_type,
+                        *client_update.type_signature.result[:2])
 
   @tff.tensorflow.computation
   def initial_shared_fn():
@@ -306,7 +327,15 @@ def build_personalized_process(
     shared = tff.federated_broadcast(state.shared)
     uploads, weights, new_states, sums = tff.federated_map(
         client_update, (shared, client_states, data))
-    aggregated = aggregator.next(state.aggregator, uploads, weights)
+    if compact_upload and isinstance(factory, wide_sum.WideMeanFactory):
+      aggregated = tff.templates.MeasuredProcessOutput(
+          state=state.aggregator,
+          result=tff.federated_map(uploads_of.mean, uploads_of.totals(
+              uploads, shared, weights)),
+          measurements=tff.federated_value(wide_sum.MEAN_MEASUREMENTS, tff.SERVER))
+    else:
+      aggregated = aggregator.next(state.aggregator,
+                                   uploads_of.whole(uploads, shared), weights)
     new_state = tff.federated_zip(collections.OrderedDict(
         shared=aggregated.result, aggregator=aggregated.state))
     metrics = tff.federated_zip(collections.OrderedDict(
@@ -316,7 +345,8 @@ def build_personalized_process(
     result = collections.OrderedDict(state=new_state, client_states=new_states,
                                      metrics=metrics)
     if to_driver:
-      result.update(uploads=uploads, upload_weights=weights)
+      result.update(uploads=uploads_of.whole(uploads, shared),
+                    upload_weights=weights)
     return result
 
   @tff.tensorflow.computation(state_type.member)
@@ -331,13 +361,51 @@ def build_personalized_process(
   in_calls = None
   if clients_per_call is not None and isinstance(factory, wide_sum.WideMeanFactory):
     in_calls = _round_in_calls(clients_per_call, state_type, data_type,
-                               client_state_type, client_update, to_driver)
+                               client_state_type, client_update, to_driver,
+                               uploads_of)
   return PersonalizedProcess(initialize, next_fn, get_model_weights, in_calls,
                              initial_state)
 
 
+class _Uploads:
+  """The uploads of `build_personalized_process`'s clients, whole or in a
+  `CompactUpload`'s form: their default mean's float64 `totals` and its
+  `mean`, and the uploads formed `whole`."""
+
+  def __init__(self, compact: Optional[CompactUpload], shared_type, upload_type,
+               weight_type):
+    self._compact = compact
+    self.mean = wide_sum.mean_of_totals(
+        tff.to_type(shared_type) if compact else upload_type, weight_type)
+    if compact:
+      sizes = [s.shape[0] if s.shape else 1 for s in shared_type]
+
+      @tff.tensorflow.computation(upload_type, shared_type)
+      def form(upload, shared):
+        return [compact.rows(upload, list(shared), i, 0, n)
+                for i, n in enumerate(sizes)]
+      self._form = form
+      self._expansion = wide_sum.Expansion(
+          tff.to_type(shared_type),
+          lambda pair, leaf, first, end: compact.rows(
+              pair[0], list(pair[1]), leaf, first, end))
+
+  def totals(self, uploads, shared, weights):
+    """`wide_sum.federated_weighted_totals` of the uploads."""
+    if not self._compact:
+      return wide_sum.federated_weighted_totals(uploads, weights)
+    return wide_sum.federated_weighted_totals(
+        tff.federated_zip((uploads, shared)), weights, self._expansion)
+
+  def whole(self, uploads, shared):
+    """The CLIENTS-placed uploads, formed whole."""
+    if not self._compact:
+      return uploads
+    return tff.federated_map(self._form, (uploads, shared))
+
+
 def _round_in_calls(clients_per_call, state_type, data_type, client_state_type,
-                    client_update, to_driver) -> RoundInCalls:
+                    client_update, to_driver, uploads_of) -> RoundInCalls:
   """`next_fn` of `build_personalized_process` with the default mean, cut
   into `RoundInCalls`: the uploads' and training sums' float64 totals are
   what add over calls."""
@@ -349,11 +417,12 @@ def _round_in_calls(clients_per_call, state_type, data_type, client_state_type,
     uploads, weights, new_states, sums = tff.federated_map(
         client_update, (shared, client_states, data))
     totals = tff.federated_zip(collections.OrderedDict(
-        uploads=wide_sum.federated_weighted_totals(uploads, weights),
+        uploads=uploads_of.totals(uploads, shared, weights),
         sums=wide_sum.federated_wide_total(sums)))
     clients = collections.OrderedDict(client_states=new_states)
     if to_driver:
-      clients.update(uploads=uploads, upload_weights=weights)
+      clients.update(uploads=uploads_of.whole(uploads, shared),
+                     upload_weights=weights)
     return totals, clients
 
   clients_types = (state_type, tff.FederatedType(data_type, tff.CLIENTS),
@@ -365,8 +434,6 @@ def _round_in_calls(clients_per_call, state_type, data_type, client_state_type,
     return collections.OrderedDict(totals=totals, **clients)
 
   totals_type = update.type_signature.result.totals
-  mean = wide_sum.mean_of_totals(client_update.type_signature.result[0],
-                                 client_update.type_signature.result[1])
   narrow_sums = wide_sum.narrow_total(SUMS_TYPE)
 
   @tff.tensorflow.computation(totals_type.member, totals_type.member)
@@ -378,7 +445,8 @@ def _round_in_calls(clients_per_call, state_type, data_type, client_state_type,
     totals, clients = clients_part(state, data, client_states)
     totals = tff.federated_map(add, (earlier, totals))
     new_state = tff.federated_zip(collections.OrderedDict(
-        shared=tff.federated_map(mean, totals.uploads), aggregator=state.aggregator))
+        shared=tff.federated_map(uploads_of.mean, totals.uploads),
+        aggregator=state.aggregator))
     metrics = tff.federated_zip(collections.OrderedDict(
         client_work=tff.federated_map(train_metrics, tff.federated_map(
             narrow_sums, totals.sums)),
