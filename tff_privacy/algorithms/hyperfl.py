@@ -79,12 +79,13 @@ _F32 = np.float32
 
 # `PersonalizedProcess.run_round` runs a round in TFF calls of at most
 # `clients_per_call_for` clients, whose float32 uploads (whole hypernetworks,
-# which TFF's runtime holds until the call ends) total at most this many
-# bytes: 21 of hyperfl_cnn's 60 MB (14,943,424 parameters), so that the
-# paper's 20 clients run in one call. Each further call re-sends the server
-# state and the float64 totals through the Python client: at 02e765b, 20
-# clients x 150 samples, batch 50, one run each, calls of 7 took 13.02 s a
-# round at a 4,152 MiB peak, one call 5.57 s at 4,000 MiB
+# which TFF's runtime holds until the call ends in rounds that capture them;
+# other rounds hold their compact forms, see `upload_rows`) total at most
+# this many bytes: 21 of hyperfl_cnn's 60 MB (14,943,424 parameters), so
+# that the paper's 20 clients run in one call. Each further call re-sends
+# the server state and the float64 totals through the Python client: at
+# 02e765b, 20 clients x 150 samples, batch 50, one run each, calls of 7
+# took 13.02 s a round at a 4,152 MiB peak, one call 5.57 s at 4,000 MiB
 # (benchmarks/hyperfl_round_time.py)
 UPLOAD_BYTES_PER_CALL = 1200 * 2**20
 
@@ -258,7 +259,7 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
 
   The client returns varphi_i in that form, `OrderedDict(coefficients=C per
   head, head_biases, hidden=[kernel, bias], rows=H, scale=a)` (for
-  hyperfl_cnn and 15 steps 7.4 MiB where varphi_i takes 57 MiB), and
+  hyperfl_cnn and 15 steps 7.1 MiB where varphi_i takes 57 MiB), and
   `upload_rows` forms any rows of its tensors.
 
   K_0 is read head by head where it lies in `varphi`, never concatenated:

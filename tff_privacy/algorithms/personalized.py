@@ -30,8 +30,9 @@ aggregates with the capture's inner aggregator.
 
 A round can also run in several calls (`run_round`, for a process built with
 `clients_per_call`): TFF's runtime holds every client's upload of a call
-until the call ends (for HyperFL's CNN 60 MB each; at 20 clients a round
-that was not the peak's larger part, see `hyperfl.UPLOAD_BYTES_PER_CALL`).
+until the call ends (for HyperFL's CNN 60 MB each, see
+`hyperfl.UPLOAD_BYTES_PER_CALL`; with a `CompactUpload`, the uploads'
+compact forms, except in rounds whose uploads a capture returns).
 Each call but the last returns its clients' results and the float64 totals
 of the default mean (`aggregation.wide_sum`); the last adds them to
 its own and finishes the round as `next` does.
