@@ -44,7 +44,8 @@ to run), whatever else is made faster.
 process and without TFF, on the dataset round 1 gives client 0 (median of
 5 calls of a `tf.function`): FedAvg's arithmetic (`personalized.local_sgd`,
 TFF's SGD with momentum) and HyperFL's (`hyperfl.local_training`, what its
-client update runs). Their ratio is what the round ratio would come down to
+client update runs, and the whole upload formed from its compact form,
+`hyperfl.upload_rows`, which the round's aggregation does). Their ratio is what the round ratio would come down to
 if everything TFF adds (the state's trip, the uploads' aggregation) cost
 nothing; TFF's worker runs two clients at a time, so it is an estimate.
 
@@ -175,7 +176,8 @@ def client_training_seconds(args, repeats: int = 5) -> dict[str, float]:
   TFF, on the dataset round 1's process gives client 0: FedAvg's
   (`personalized.local_sgd`, TFF's SGD with momentum, its client's
   arithmetic) and HyperFL's (`hyperfl.local_training`, what its client
-  update runs), each a `tf.function` traced once."""
+  update runs, then the whole upload formed from its compact form, which
+  the round's aggregation does), each a `tf.function` traced once."""
   out = {}
   for method in ("fedavg", "hyperfl"):
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,8 +199,12 @@ def client_training_seconds(args, repeats: int = 5) -> dict[str, float]:
             tf.constant, run.algorithm.private_state.initial(client.index))
         settings = {k: v for k, v in declared.items()
                     if k not in ("embedding_dim", "hidden_dim")}
-        train = tf.function(lambda dataset: hyperfl.local_training(
-            target, hyper, varphi, state, dataset, **settings))
+        def train(dataset):
+          compact = hyperfl.local_training(target, hyper, varphi, state,
+                                           dataset, **settings)[0]
+          return [hyperfl.upload_rows(compact, varphi, i, 0, shape[0])
+                  for i, shape in enumerate(hyper.shapes)]
+        train = tf.function(train)
       train(client.process_data)
       times = []
       for _ in range(repeats):

@@ -10,7 +10,7 @@ import tensorflow_federated as tff
 
 from tff_privacy import algorithms, data, io, models, runner
 from tff_privacy.aggregation import wide_sum
-from tff_privacy.algorithms import personalized
+from tff_privacy.algorithms import hyperfl, personalized
 from tff_privacy.algorithms.hyperfl import build_hyperfl
 from tff_privacy.data import partitioners
 from tff_privacy.models.functional import forward
@@ -379,3 +379,47 @@ def test_the_mean_folded_from_compact_uploads_is_the_mean_of_the_uploads(
     want = total.astype(np.float32) / np.float32(weights.sum(dtype=np.float64))
     np.testing.assert_array_equal(got, want)
   assert not np.array_equal(out["state"]["shared"][2], state["shared"][2])
+
+
+@pytest.mark.parametrize("hidden_dim", [16, 4])
+def test_captured_uploads_are_the_plain_reference_clients_hypernetworks(hidden_dim):
+  """The uploads a capture returns, formed whole from the clients' compact
+  forms (`upload_rows`), against `_reference_client`'s hypernetworks, with
+  a weight decay large enough that the kernels' scale a moves (to about
+  0.93 in 6 steps). With 4 hidden units the client of 6 steps hands H^T C
+  over formed (more steps than hidden units), the client of 4 its rows."""
+  sizes = dict(embedding_dim=8, hidden_dim=hidden_dim)
+  declared = algorithms.method("hyperfl").resolve(
+      dict(sizes, hypernetwork_epochs=2, weight_decay=0.5))
+  process = build_hyperfl(MLP.keras, seed=0, **declared,
+                          model_aggregator=ClientPlacedCapture(
+                              wide_sum.wide_mean_factory(), 2))
+  alg = algorithms.get("hyperfl", MLP, batch_size=4, seed=0, **declared)
+  rng = np.random.default_rng(2)
+  clients, batches = [], []
+  for n in (6, 9):  # 2 and 3 batches an epoch: 4 and 6 hypernetwork steps
+    x = rng.random((n, 8, 8, 1), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    sizes_ = [4] * (n // 4) + [n % 4]
+    clients.append(runner.client_dataset(np.concatenate([x] * 3),
+                                         np.concatenate([y] * 3), sizes_ * 3))
+    cuts = np.cumsum([0] + sizes_)
+    batches.append([(x[a:b], y[a:b]) for a, b in zip(cuts[:-1], cuts[1:])])
+  states = [alg.private_state.initial(c) for c in range(2)]
+  out = process.next(process.initial_state(), clients, states)
+
+  model = MLP.keras()
+  hyper = Hypernetwork.for_model(model, **sizes)
+  varphi0 = hyper.initial_weights(0)
+  settings = {k: v for k, v in declared.items() if k not in sizes}
+  formed = []
+  for upload, state, b, data_ in zip(out["uploads"], states, batches, clients):
+    want, _, _ = _reference_client(model, hyper, varphi0, state["classifier"],
+                                   state["embedding"][0], b, b * 2, declared)
+    for got, w in zip(upload, want):
+      np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    compact = hyperfl.local_training(
+        model, hyper, [tf.constant(w) for w in varphi0],
+        tf.nest.map_structure(tf.constant, state), data_, **settings)[0]
+    formed.append(bool(compact["formed"]))
+  assert formed == [False, hidden_dim == 4]

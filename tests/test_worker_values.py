@@ -40,9 +40,15 @@ CASES = {
         tff.FederatedType(collections.OrderedDict(
             w=tff.TensorType(F32, (2, 2)), n=tff.TensorType(F32)), tff.CLIENTS)),
     "unknown dimension": (np.zeros((5, 3), F32), tff.TensorType(F32, (None, 3))),
-    # left to TFF: a Python list, and an array of a narrower dtype
+    # left to TFF: a Python list, and arrays of a narrower dtype, of the
+    # other byte order, and masked
     "int16 given": (np.ones((2, 2), np.int16), tff.TensorType(np.int32, (2, 2))),
     "list given": ([[1.0, 2.0]], tff.TensorType(F32, (1, 2))),
+    "big-endian given": (np.arange(6, dtype=">f4").reshape(2, 3),
+                         tff.TensorType(F32, (2, 3))),
+    "masked array given": (np.ma.masked_array(np.arange(4, dtype=F32),
+                                              [0, 1, 0, 1]),
+                           tff.TensorType(F32, (4,))),
     "unnamed struct of tensors": (
         (np.ones(3, np.int64), np.zeros((1, 1), F32)),
         tff.StructType([tff.TensorType(np.int64, (3,)),

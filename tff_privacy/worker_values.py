@@ -7,10 +7,11 @@ tensor three levels deep is copied five times or more before gRPC sends it,
 which for HyperFL's 57 MiB server state cost about 0.6 s of a 5.9 s round
 and several copies of the state in the driver's memory. `serialize_into`
 writes the same `executor_pb2.Value` into a message in place, each tensor's
-bytes once; `InPlaceRemoteExecutor` sends its values that way.
+bytes copied twice (by `tobytes` and into the message);
+`InPlaceRemoteExecutor` sends its values that way.
 
-Numeric tensors of rank one or more given as numpy arrays of the type's own
-dtype are written here. Everything else (scalars, strings, Python lists,
+Numeric tensors of rank one or more given as plain numpy arrays of the
+type's own dtype, in the machine's byte order, are written here. Everything else (scalars, strings, Python lists,
 arrays of another dtype, sequences, computations, values that do not match
 their type) is left to TFF's serializer, whose checks and errors therefore
 still apply; its result is merged in at that point of the message.
@@ -32,7 +33,12 @@ from tensorflow_federated.python.core.impl.types import type_serialization
 def serialize_into(proto: executor_pb2.Value, value,
                    type_spec: computation_types.Type) -> None:
   """Writes `value` of TFF type `type_spec` into the empty `proto`: the
-  message `value_serialization.serialize_value(value, type_spec)` returns."""
+  message `value_serialization.serialize_value(value, type_spec)` returns.
+
+  Raises:
+    TypeError, ValueError: TFF's own, where TFF's serializer raises them;
+      `proto` is then partly written and must be dropped.
+  """
   if isinstance(type_spec, computation_types.StructType):
     _struct_into(proto, value, type_spec)
   elif isinstance(type_spec, computation_types.FederatedType):
@@ -46,9 +52,11 @@ def serialize_into(proto: executor_pb2.Value, value,
 
 
 def _plain_array(value, type_spec) -> bool:
+  # `==` on dtypes also compares byte order; subclasses such as masked
+  # arrays write other bytes than TFF sends
   return (isinstance(type_spec, computation_types.TensorType)
-          and isinstance(value, np.ndarray) and value.ndim > 0
-          and value.dtype.type is type_spec.dtype.type
+          and type(value) is np.ndarray and value.ndim > 0
+          and value.dtype == type_spec.dtype
           and value.dtype.type is not np.str_
           and array_shape.is_compatible_with(value.shape, type_spec.shape))
 
@@ -88,7 +96,10 @@ def _by_tff(proto, value, type_spec) -> None:
 
 class InPlaceRemoteExecutor(remote_executor.RemoteExecutor):
   """TFF's `RemoteExecutor`, sending values written by `serialize_into`
-  (computations, and values without a type, the way TFF does)."""
+  (computations, and values without a type, the way TFF does). It sends
+  each value in one request, as TFF's does unless built with
+  `stream_structs`, which the runtime does not use, and leaves out TFF's
+  tracing spans."""
 
   async def create_value(self, value, type_spec=None):
     if type_spec is None or not isinstance(

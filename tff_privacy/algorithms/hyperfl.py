@@ -258,9 +258,12 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
   global gradient norm that is clipped includes the kernels' |h_s| |g_s|.
 
   The client returns varphi_i in that form, `OrderedDict(coefficients=C per
-  head, head_biases, hidden=[kernel, bias], rows=H, scale=a)` (for
-  hyperfl_cnn and 15 steps 7.1 MiB where varphi_i takes 57 MiB), and
-  `upload_rows` forms any rows of its tensors.
+  head, formed=False, head_biases, hidden=[kernel, bias], rows=H, scale=a)`
+  (for hyperfl_cnn and 15 steps 7.1 MiB where varphi_i takes 57 MiB), and
+  `upload_rows` forms any rows of its tensors. After more steps than
+  hidden units, H and C would be the larger; the client then forms H^T C
+  itself and hands it over as `coefficients`, with `formed=True` and no
+  rows.
 
   K_0 is read head by head where it lies in `varphi`, never concatenated:
   a concatenated copy (57 MiB for hyperfl_cnn) would be held by every
@@ -316,8 +319,16 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
       (small, zeros(small), tuple(v), zeros(v), tf.constant(1.0),
        tf.constant(0.0), tf.zeros([0, hidden_dim]), no_rows, no_rows, sums),
       step)
+  coefficients = tf.split(coef, sizes, axis=1)
+  # past hidden_dim steps H^T C is the smaller: hand it over formed
+  formed = tf.shape(rows)[0] > hidden_dim
+  rows, coefficients = tf.cond(
+      formed,
+      lambda: (tf.zeros([0, hidden_dim]),
+               [tf.matmul(rows, c, transpose_a=True) for c in coefficients]),
+      lambda: (rows, coefficients))
   compact = collections.OrderedDict(
-      coefficients=tf.split(coef, sizes, axis=1),
+      coefficients=list(coefficients), formed=formed,
       head_biases=tf.split(small[2], sizes), hidden=[small[0], small[1]],
       rows=rows, scale=a)
   return compact, v, sums
@@ -327,17 +338,21 @@ def upload_rows(compact, varphi, leaf: int, first: int, end: int) -> tf.Tensor:
   """Rows [first, end) of the `leaf`-th tensor (in `Hypernetwork.shapes`'
   order) of the hypernetwork varphi_i a client uploads, formed from its
   compact form (`_hypernetwork_phase`) and the broadcast `varphi`: a head's
-  kernel is a K_0 + H^T C (K_0 its broadcast kernel), the other tensors are
-  in the compact form as they are. The runtime forms the rows it adds
+  kernel is a K_0 + H^T C (K_0 its broadcast kernel; H^T C as given where
+  `formed`), the other tensors are in the compact form as they are. The runtime forms the rows it adds
   when it adds them (`personalized.CompactUpload`)."""
   if leaf < 2:
     return compact["hidden"][leaf][first:end]
   head, is_bias = divmod(leaf - 2, 2)
   if is_bias:
     return compact["head_biases"][head][first:end]
-  return (compact["scale"] * varphi[leaf][first:end]
-          + tf.matmul(compact["rows"][:, first:end],
-                      compact["coefficients"][head], transpose_a=True))
+  coefficients = compact["coefficients"][head]
+  kernel0 = varphi[leaf][first:end]
+  low_rank = tf.cond(
+      compact["formed"], lambda: coefficients[first:end],
+      lambda: tf.matmul(compact["rows"][:, first:end], coefficients,
+                        transpose_a=True))
+  return compact["scale"] * kernel0 + tf.ensure_shape(low_rank, kernel0.shape)
 
 
 def _private_state(spec, seed: int, hyper: Hypernetwork) -> PrivateState:

@@ -328,15 +328,16 @@ def build_personalized_process(
     shared = tff.federated_broadcast(state.shared)
     uploads, weights, new_states, sums = tff.federated_map(
         client_update, (shared, client_states, data))
-    if compact_upload and isinstance(factory, wide_sum.WideMeanFactory):
+    folded = compact_upload and isinstance(factory, wide_sum.WideMeanFactory)
+    whole = None if folded and not to_driver else uploads_of.whole(uploads, shared)
+    if folded:
       aggregated = tff.templates.MeasuredProcessOutput(
           state=state.aggregator,
           result=tff.federated_map(uploads_of.mean, uploads_of.totals(
               uploads, shared, weights)),
           measurements=tff.federated_value(wide_sum.MEAN_MEASUREMENTS, tff.SERVER))
     else:
-      aggregated = aggregator.next(state.aggregator,
-                                   uploads_of.whole(uploads, shared), weights)
+      aggregated = aggregator.next(state.aggregator, whole, weights)
     new_state = tff.federated_zip(collections.OrderedDict(
         shared=aggregated.result, aggregator=aggregated.state))
     metrics = tff.federated_zip(collections.OrderedDict(
@@ -346,8 +347,7 @@ def build_personalized_process(
     result = collections.OrderedDict(state=new_state, client_states=new_states,
                                      metrics=metrics)
     if to_driver:
-      result.update(uploads=uploads_of.whole(uploads, shared),
-                    upload_weights=weights)
+      result.update(uploads=whole, upload_weights=weights)
     return result
 
   @tff.tensorflow.computation(state_type.member)
