@@ -45,9 +45,10 @@ process and without TFF, on the dataset round 1 gives client 0 (median of
 5 calls of a `tf.function`): FedAvg's arithmetic (`personalized.local_sgd`,
 TFF's SGD with momentum) and HyperFL's (`hyperfl.local_training`, what its
 client update runs, and the whole upload formed from its compact form,
-`hyperfl.upload_rows`, which the round's aggregation does). Their ratio is what the round ratio would come down to
-if everything TFF adds (the state's trip, the uploads' aggregation) cost
-nothing; TFF's worker runs two clients at a time, so it is an estimate.
+`hyperfl.upload_rows`, which the round's aggregation does). Their ratio
+is what the round ratio would come down to if everything else TFF does
+(the state's trip, the sums of the aggregation) cost nothing; TFF's worker
+runs two clients at a time, so it is an estimate.
 
   python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
       [--samples 150] [--baselines dp_sgd_fedavg,ppsgd,centaur]

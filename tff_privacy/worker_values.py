@@ -11,10 +11,11 @@ bytes copied twice (by `tobytes` and into the message);
 `InPlaceRemoteExecutor` sends its values that way.
 
 Numeric tensors of rank one or more given as plain numpy arrays of the
-type's own dtype, in the machine's byte order, are written here. Everything else (scalars, strings, Python lists,
-arrays of another dtype, sequences, computations, values that do not match
-their type) is left to TFF's serializer, whose checks and errors therefore
-still apply; its result is merged in at that point of the message.
+type's own dtype, in the machine's byte order, are written here.
+Everything else (scalars, strings, Python lists, other arrays, sequences,
+computations, values that do not match their type) is left to TFF's
+serializer, whose checks and errors therefore still apply; its result is
+merged in at that point of the message.
 """
 
 from __future__ import annotations
