@@ -193,7 +193,8 @@ def local_training(target: tf.keras.Model, hyper: Hypernetwork, varphi, state,
                    weight_decay: float, max_grad_norm: float):
   """Eqs. 4-5 on one client (what `build_hyperfl`'s client update runs):
   the classifier phase on the first `classifier_epochs` of the epochs of
-  batches in `dataset`, then the hypernetwork phase on the rest.
+  batches in `dataset`, then the hypernetwork phase on the rest. The
+  keyword arguments are `build_hyperfl`'s.
 
   Args:
     target: the target model, whose weights are given functionally.
@@ -201,7 +202,6 @@ def local_training(target: tf.keras.Model, hyper: Hypernetwork, varphi, state,
     varphi: the broadcast hypernetwork weights (`hyper.shapes`).
     state: the client's `OrderedDict(classifier=[...], embedding=[v])`.
     dataset: `classifier_epochs + hypernetwork_epochs` epochs of batches.
-    The rest: as in `build_hyperfl`.
 
   Returns:
     (varphi_i in its compact form (`_hypernetwork_phase`), examples of one
