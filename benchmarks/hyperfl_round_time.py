@@ -189,8 +189,10 @@ def client_training_seconds(args, repeats: int = 5) -> dict[str, float]:
       target = run.spec.keras()
       if method == "fedavg":
         weights = [tf.constant(w) for w in run.spec.initial_weights(config.seed)]
+        kwargs = METHOD_KWARGS["fedavg"]
         train = tf.function(lambda dataset: personalized.local_sgd(
-            target, weights, dataset, 0.02, 0.5, 0.0))
+            target, weights, dataset, kwargs["client_learning_rate"],
+            kwargs["client_momentum"], 0.0))
       else:
         declared = hyperfl.PARAMETERS.defaults()  # what the config runs
         hyper = Hypernetwork.for_model(target, declared["embedding_dim"],
