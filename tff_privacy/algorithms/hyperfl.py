@@ -247,23 +247,28 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
 
   The heads' kernels hold almost all of varphi (hidden x P numbers for P
   generated ones), and their gradient at each step is an outer product
-  h_s g_s^T of the hidden activation and the gradient of the generated
-  weights. So, exactly (up to float rounding), the concatenated head kernel
-  K and its momentum buffer B stay of the form a K_0 + H^T C and
+  h_s g_s^T of the hidden activation and the clipped gradient g_s of the
+  generated weights. So, exactly (up to float rounding), the concatenated
+  head kernel K and its momentum buffer B stay of the form a K_0 + H^T C and
   b K_0 + H^T D, with K_0 the broadcast kernel, scalars a and b, and one row
-  of H (h_s), C and D per step. A step updates the scalars and the S x P
-  rows (S the steps so far) instead of the hidden x P kernel, buffer and
-  gradient, and each head's kernel is formed once at the end. The small
-  tensors (hidden layer, head biases, embedding) take plain SGD steps. The
-  global gradient norm that is clipped includes the kernels' |h_s| |g_s|.
+  of H (h_s), C and D per step. SGD acts on each row's pair (c_s, d_s) by
+  one fixed linear map (d <- m d + w c, then c <- c - lr d), and the pair
+  starts as (-lr, 1) g_s, so c_s = gamma_s g_s at every step with a scalar
+  gamma_s following the same map. A step updates the scalars and appends
+  h_s and g_s, instead of updating the hidden x P kernel, buffer and
+  gradient (or the S x P rows of C and D, S the steps so far), and each
+  head's kernel is formed once at the end. The small tensors (hidden
+  layer, head biases, embedding) take plain SGD steps. The global gradient
+  norm that is clipped includes the kernels' |h_s| |g_s|.
 
-  The client returns varphi_i in that form, `OrderedDict(coefficients=C per
-  head, formed=False, head_biases, hidden=[kernel, bias], rows=H, scale=a)`
-  (for hyperfl_cnn and 15 steps 7.1 MiB where varphi_i takes 57 MiB), and
-  `upload_rows` forms any rows of its tensors. After more steps than
-  hidden units, H and C would be the larger; the client then forms H^T C
-  itself and hands it over as `coefficients`, with `formed=True` and no
-  rows.
+  The client returns varphi_i in that form, `OrderedDict(coefficients=G per
+  head, formed=False, head_biases, hidden=[kernel, bias], rows=diag(gamma)
+  H, scale=a)`, with H^T C = rows^T G (for hyperfl_cnn and 15 steps
+  7.1 MiB where varphi_i takes 57 MiB); `upload_rows` forms any rows of its
+  tensors. After more steps than
+  hidden units, the rows and G would be the larger; the client then forms
+  rows^T G itself and hands it over as `coefficients`, with `formed=True`
+  and no rows.
 
   K_0 is read head by head where it lies in `varphi`, never concatenated:
   a concatenated copy (57 MiB for hyperfl_cnn) would be held by every
@@ -277,7 +282,7 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
   hidden_dim = kernels0[0].shape[0]
 
   def step(carry, batch):
-    small, small_buffers, v, v_buffers, a, b, rows, coef, coef_buffers, sums = carry
+    small, small_buffers, v, v_buffers, a, b, rows, grads, gammas, deltas, sums = carry
     hidden_kernel, hidden_bias, head_bias = small
     with tf.GradientTape() as tape:
       tape.watch([hidden_kernel, hidden_bias, v])
@@ -285,7 +290,7 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
                      + hidden_bias)
       theta = (a * tf.concat([tf.linalg.matvec(k, h, transpose_a=True)
                               for k in kernels0], 0)
-               + tf.linalg.matvec(coef, tf.linalg.matvec(rows, h),
+               + tf.linalg.matvec(grads, gammas * tf.linalg.matvec(rows, h),
                                   transpose_a=True)
                + head_bias)
       extractor = [tf.reshape(t, shape) for t, shape
@@ -303,24 +308,27 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
     g_v, _ = tf.clip_by_global_norm(g_v, max_grad_norm)
     v, v_buffers = personalized.sgd_step(v, g_v, v_buffers, learning_rate,
                                          momentum, weight_decay)
+    # the coupled SGD step on (K, B), in its scalars: the new row's gradient
+    # enters the buffer with multiplier 1 and the kernel with 0
     b = momentum * b + weight_decay * a
-    coef_buffers = tf.concat([momentum * coef_buffers + weight_decay * coef,
-                              scale * g_theta[tf.newaxis]], 0)
-    coef = tf.concat([coef, tf.zeros_like(g_theta)[tf.newaxis]], 0)
+    deltas = tf.concat([momentum * deltas + weight_decay * gammas, [1.0]], 0)
     a = a - learning_rate * b
-    coef = coef - learning_rate * coef_buffers
+    gammas = tf.concat([gammas, [0.0]], 0) - learning_rate * deltas
     rows = tf.concat([rows, h[tf.newaxis]], 0)
-    return (small, small_buffers, v, v_buffers, a, b, rows, coef, coef_buffers,
-            sums + batch_sums)
+    grads = tf.concat([grads, scale * g_theta[tf.newaxis]], 0)
+    return (small, small_buffers, v, v_buffers, a, b, rows, grads, gammas,
+            deltas, sums + batch_sums)
 
   zeros = personalized.zeros_like
-  no_rows = tf.zeros([0, sum(sizes)])
-  small, _, v, _, a, _, rows, coef, _, sums = dataset.reduce(
+  no_steps = tf.zeros([0])
+  small, _, v, _, a, _, rows, grads, gammas, _, sums = dataset.reduce(
       (small, zeros(small), tuple(v), zeros(v), tf.constant(1.0),
-       tf.constant(0.0), tf.zeros([0, hidden_dim]), no_rows, no_rows, sums),
+       tf.constant(0.0), tf.zeros([0, hidden_dim]), tf.zeros([0, sum(sizes)]),
+       no_steps, no_steps, sums),
       step)
-  coefficients = tf.split(coef, sizes, axis=1)
-  # past hidden_dim steps H^T C is the smaller: hand it over formed
+  rows = gammas[:, tf.newaxis] * rows
+  coefficients = tf.split(grads, sizes, axis=1)
+  # past hidden_dim steps rows^T G is the smaller: hand it over formed
   formed = tf.shape(rows)[0] > hidden_dim
   rows, coefficients = tf.cond(
       formed,
