@@ -2,11 +2,11 @@
 FedAvg round, same process (the HyperFL paper's Table 4).
 
 The paper's setting at a small scale: 20 clients with 150 samples each
-(mnist5k, HyperFL's label-group split), batch 50, the 28x28 target CNN;
-FedAvg runs 5 local epochs (SGD, lr 0.02, momentum 0.5), HyperFL its 1
-classifier epoch and 5 hypernetwork epochs, DP-FedAvg and PPSGD 5 DP-SGD
-epochs, CENTAUR 1 classifier epoch and 5 DP-SGD epochs (`--baselines`
-chooses which of these to time). All run through TFF on the same round's
+(mnist5k, HyperFL's label-group split), batch 50 (`--batch-size`), the
+28x28 target CNN; FedAvg runs 5 local epochs (SGD, lr 0.02, momentum 0.5),
+HyperFL its 1 classifier epoch and 5 hypernetwork epochs, DP-FedAvg and
+PPSGD 5 DP-SGD epochs, CENTAUR 1 classifier epoch and 5 DP-SGD epochs
+(`--baselines` chooses which of these to time). All run through TFF on the same round's
 clients, each method in a process of its own, one after another: one
 compiling round, then `--rounds` timed ones. The whole process tree of each
 (the driver and its TFF worker) is sampled every 0.5 s for its peak
@@ -21,8 +21,9 @@ graph (FedAvg: forward and backward pass of the model; HyperFL's classifier
 step: the same on fixed generated weights; its hypernetwork step: generating
 the extractor, forward and backward pass, and the gradients HyperFL's client
 computes, see `tff_privacy.algorithms.hyperfl`), times the steps of a round;
-HyperFL's per-step low-rank row updates (about 6 S P operations at step S for
-P generated weights) are added by hand.
+HyperFL's low-rank terms (about 4 S P operations at step S for P generated
+weights: the product with the S rows so far and its gradient) are added by
+hand.
 
 FLOPs miss what bounds HyperFL's step on a CPU: each hypernetwork step
 reads the broadcast head kernel (hidden x P float32, 60 MB for hyperfl_cnn)
@@ -51,7 +52,8 @@ is what the round ratio would come down to if everything else TFF does
 runs two clients at a time, so it is an estimate.
 
   python benchmarks/hyperfl_round_time.py [--rounds 3] [--clients 20]
-      [--samples 150] [--baselines dp_sgd_fedavg,ppsgd,centaur]
+      [--samples 150] [--batch-size 50]
+      [--baselines dp_sgd_fedavg,ppsgd,centaur]
       [--limit-mb 12000]
 """
 
@@ -83,11 +85,11 @@ METHOD_KWARGS = {"fedavg": dict(local_epochs=5, client_learning_rate=0.02,
                                 client_momentum=0.5)}
 
 
-def _config(method: str, clients: int, samples: int) -> runner.RunConfig:
+def _config(method: str, args) -> runner.RunConfig:
   return runner.RunConfig(
       out="unused", method=method, dataset="mnist5k", model="hyperfl_cnn",
-      clients=clients, batch_size=50, partition="label_groups",
-      samples_per_client=samples, seed=0,
+      clients=args.clients, batch_size=args.batch_size, partition="label_groups",
+      samples_per_client=args.samples, seed=0,
       method_kwargs=METHOD_KWARGS.get(method, {}))
 
 
@@ -96,7 +98,8 @@ def measured(method: str, args) -> tuple[list[float], int]:
   of `method` in a process of its own (`round_timing`)."""
   return round_timing.measured(
       __file__, ["--time-method", method, "--rounds", str(args.rounds),
-                 "--clients", str(args.clients), "--samples", str(args.samples)],
+                 "--clients", str(args.clients), "--samples", str(args.samples),
+                 "--batch-size", str(args.batch_size)],
       args.limit_mb, method)
 
 
@@ -182,8 +185,7 @@ def client_training_seconds(args, repeats: int = 5) -> dict[str, float]:
   out = {}
   for method in ("fedavg", "hyperfl"):
     with tempfile.TemporaryDirectory() as tmp:
-      config = dataclasses.replace(_config(method, args.clients, args.samples),
-                                   out=tmp)
+      config = dataclasses.replace(_config(method, args), out=tmp)
       run = runner.Run(config)
       client = run.round_data(1)[0]
       target = run.spec.keras()
@@ -243,6 +245,7 @@ def main() -> None:
   parser.add_argument("--rounds", type=_positive_int, default=3)
   parser.add_argument("--clients", type=_positive_int, default=20)
   parser.add_argument("--samples", type=_positive_int, default=150)
+  parser.add_argument("--batch-size", type=_positive_int, default=50)
   parser.add_argument("--baselines", default=",".join(BASELINES),
                       help="comma-separated, from: " + ", ".join(BASELINES))
   parser.add_argument("--limit-mb", type=_positive_int, default=12000,
@@ -251,8 +254,8 @@ def main() -> None:
   parser.add_argument("--times-file", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.time_method:
-    round_timing.time_rounds(_config(args.time_method, args.clients, args.samples),
-                             args.rounds, args.times_file)
+    round_timing.time_rounds(_config(args.time_method, args), args.rounds,
+                             args.times_file)
     return
   baselines = [b for b in args.baselines.split(",") if b]
   if set(baselines) - set(BASELINES):
@@ -261,17 +264,19 @@ def main() -> None:
   for name in ["fedavg", "hyperfl", *baselines]:
     times[name], peaks[name] = measured(name, args)
   fedavg, hyperfl = (statistics.median(times[n]) for n in ("fedavg", "hyperfl"))
-  spec = runner.Run(_config("fedavg", args.clients, args.samples)).spec
+  spec = runner.Run(_config("fedavg", args)).spec
   hyper = Hypernetwork.for_model(spec.keras())
   model_params = sum(int(np.prod(w.shape)) for w in spec.initial_weights(0))
-  steps = -(-args.samples // 50)  # batches per epoch
-  model_step, classifier_step, hyper_step = _step_flops(spec, hyper, 50)
+  steps = -(-args.samples // args.batch_size)  # batches per epoch
+  model_step, classifier_step, hyper_step = _step_flops(spec, hyper,
+                                                        args.batch_size)
   generated = sum(int(np.prod(s)) for s in hyper.target_shapes)
-  rows = sum(6 * s * generated for s in range(1, 5 * steps + 1))
+  rows = sum(4 * s * generated for s in range(1, 5 * steps + 1))
   flops_fedavg = args.clients * 5 * steps * model_step
   flops_hyperfl = args.clients * (steps * classifier_step + 5 * steps * hyper_step
                                   + rows)
-  print(f"setting: {args.clients} clients x {args.samples} samples, batch 50, "
+  print(f"setting: {args.clients} clients x {args.samples} samples, "
+        f"batch {args.batch_size}, "
         "hyperfl_cnn; FedAvg 5 local epochs; HyperFL 1 + 5 epochs")
   print(f"fedavg: {fedavg:.3f} s/round, hyperfl: {hyperfl:.3f} s/round "
         f"(medians of {args.rounds})")
