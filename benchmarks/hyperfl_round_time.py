@@ -21,9 +21,9 @@ graph (FedAvg: forward and backward pass of the model; HyperFL's classifier
 step: the same on fixed generated weights; its hypernetwork step: generating
 the extractor, forward and backward pass, and the gradients HyperFL's client
 computes, see `tff_privacy.algorithms.hyperfl`), times the steps of a round;
-HyperFL's low-rank terms (about 4 S P operations at step S for P generated
-weights: the product with the S rows so far and its gradient) are added by
-hand.
+HyperFL's low-rank terms (about 4 (S - 1) P operations at step S for P
+generated weights: the product with the rows of the steps before it and its
+gradient) are added by hand.
 
 FLOPs miss what bounds HyperFL's step on a CPU: each hypernetwork step
 reads the broadcast head kernel (hidden x P float32, 60 MB for hyperfl_cnn)
@@ -271,7 +271,7 @@ def main() -> None:
   model_step, classifier_step, hyper_step = _step_flops(spec, hyper,
                                                         args.batch_size)
   generated = sum(int(np.prod(s)) for s in hyper.target_shapes)
-  rows = sum(4 * s * generated for s in range(1, 5 * steps + 1))
+  rows = sum(4 * s * generated for s in range(5 * steps))  # s rows before
   flops_fedavg = args.clients * 5 * steps * model_step
   flops_hyperfl = args.clients * (steps * classifier_step + 5 * steps * hyper_step
                                   + rows)

@@ -386,11 +386,13 @@ def test_captured_uploads_are_the_plain_reference_clients_hypernetworks(hidden_d
   """The uploads a capture returns, formed whole from the clients' compact
   forms (`upload_rows`), against `_reference_client`'s hypernetworks, with
   a weight decay large enough that the kernels' scale a moves (to about
-  0.93 in 6 steps). With 4 hidden units the client of 6 steps hands H^T C
+  0.93 in 6 steps) and a clip norm small enough that the gradients are
+  clipped (each row of the low-rank form holds a clipped gradient). With 4
+  hidden units the client of 6 steps hands H^T C
   over formed (more steps than hidden units), the client of 4 its rows."""
   sizes = dict(embedding_dim=8, hidden_dim=hidden_dim)
   declared = algorithms.method("hyperfl").resolve(
-      dict(sizes, hypernetwork_epochs=2, weight_decay=0.5))
+      dict(sizes, hypernetwork_epochs=2, weight_decay=0.5, max_grad_norm=0.5))
   process = build_hyperfl(MLP.keras, seed=0, **declared,
                           model_aggregator=ClientPlacedCapture(
                               wide_sum.wide_mean_factory(), 2))

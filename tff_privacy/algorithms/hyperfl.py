@@ -346,8 +346,9 @@ def upload_rows(compact, varphi, leaf: int, first: int, end: int) -> tf.Tensor:
   """Rows [first, end) of the `leaf`-th tensor (in `Hypernetwork.shapes`'
   order) of the hypernetwork varphi_i a client uploads, formed from its
   compact form (`_hypernetwork_phase`) and the broadcast `varphi`: a head's
-  kernel is a K_0 + H^T C (K_0 its broadcast kernel; H^T C as given where
-  `formed`), the other tensors are in the compact form as they are. The
+  kernel is a K_0 + rows^T G (K_0 its broadcast kernel; rows^T G given as
+  `coefficients` where `formed`), the other tensors are in the compact form
+  as they are. The
   default mean forms the rows it adds when it adds them
   (`personalized.CompactUpload`)."""
   if leaf < 2:
