@@ -259,6 +259,53 @@ def test_reads_count_and_take_what_a_loop_over_the_batches_sees(sizes):
   assert first.numpy().tolist() == ([7, 0] if sizes else [-1, -1])
 
 
+@pytest.mark.parametrize("sizes", [[3, 3, 1], [1], [4, 4, 2, 4, 4, 2], []])
+def test_batch_loops_step_as_dataset_reduce_does(sizes):
+  import tensorflow as tf
+  from tff_privacy.data import reads
+  dataset, _, _ = _batches(sizes)
+
+  def step(carry, batch):  # a running sum and the rows seen, growing
+    total, rows = carry
+    return total + tf.reduce_sum(batch["x"]), tf.concat([rows, batch["x"]], 0)
+
+  initial = (tf.constant(0.0), tf.zeros([0, 2]))
+  head = min(2, len(sizes))
+
+  @tf.function
+  def loops():
+    batches = iter(dataset)
+    first = reads.loop_batches(batches, initial, step, head)
+    return first, reads.loop_batches(batches, first, step)
+
+  @tf.function
+  def reduces():
+    first = dataset.take(head).reduce(initial, step)
+    return first, dataset.skip(head).reduce(first, step)
+
+  for got, expected in zip(tf.nest.flatten(loops()), tf.nest.flatten(reduces())):
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+  eager = reads.loop_over(dataset, initial, step)
+  graph = tf.function(lambda: reads.loop_over(dataset, initial, step))()
+  for got, expected in zip(eager + graph, 2 * tuple(reduces()[1])):
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+
+
+def test_a_batch_loop_past_the_last_batch_fails_and_counts_need_no_cardinality():
+  import tensorflow as tf
+  from tff_privacy.data import reads
+  dataset, _, _ = _batches([3, 3, 1])
+  with pytest.raises(tf.errors.OutOfRangeError):
+    tf.function(lambda: reads.loop_batches(
+        iter(dataset), tf.constant(0), lambda c, _: c + 1, 4))()
+  known = tf.data.Dataset.range(10).batch(4)
+  unknown = known.filter(lambda b: tf.size(b) > 2)
+  assert int(tf.data.experimental.cardinality(known)) == 3
+  assert int(tf.data.experimental.cardinality(unknown)) < 0
+  assert int(reads.count_batches(known)) == 3
+  assert int(reads.count_batches(unknown)) == 2
+
+
 def test_reads_work_inside_a_graph_and_on_tuple_elements():
   import tensorflow as tf
   from tff_privacy.data import reads

@@ -175,8 +175,11 @@ def build_hyperfl(
       weight_decay=weight_decay, max_grad_norm=max_grad_norm)
 
   def client_training(varphi, state, dataset):
-    return local_training(keras_model_fn(), hyper, varphi, state, dataset,
-                          **settings)
+    target = keras_model_fn()  # its weights are given: none of its variables is read
+    # in a tf.function, whose graph may loop over the data set's iterator
+    return tf.function(lambda *args: local_training(
+        target, hyper, *args, **settings), autograph=False)(
+            varphi, state, dataset)
 
   return personalized.build_personalized_process(
       initial_shared=hyper.initial_weights(seed),
@@ -227,23 +230,24 @@ def local_training(target: tf.keras.Model, hyper: Hypernetwork, varphi, state,
         momentum, weight_decay)
     return phi, buffers, sums + batch_sums
 
-  phi, _, sums = dataset.take(classifier_batches).reduce(
-      (tuple(phi), personalized.zeros_like(phi), tf.zeros([3])),
-      classifier_step)
+  # one pass over the batches: the phases continue one iterator
+  batches = iter(dataset)
+  phi, _, sums = reads.loop_batches(
+      batches, (tuple(phi), personalized.zeros_like(phi), tf.zeros([3])),
+      classifier_step, classifier_batches)
   varphi, v, sums = _hypernetwork_phase(
-      dataset.skip(classifier_batches), varphi, v, phi, loss_and_sums, sums,
-      hyper.target_shapes, hypernetwork_learning_rate, momentum, weight_decay,
-      max_grad_norm)
+      batches, varphi, v, phi, loss_and_sums, sums, hyper.target_shapes,
+      hypernetwork_learning_rate, momentum, weight_decay, max_grad_norm)
   # sums[2] counts every example of every local epoch
   return (varphi, sums[2] / total_epochs,
           collections.OrderedDict(classifier=list(phi), embedding=list(v)), sums)
 
 
-def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
+def _hypernetwork_phase(batches, varphi, v, phi, loss_and_sums, sums,
                         target_shapes, learning_rate, momentum, weight_decay,
                         max_grad_norm):
-  """Eq. 5: SGD on (varphi, v) over `dataset` with phi fixed; returns
-  (varphi in its compact form, v, sums).
+  """Eq. 5: SGD on (varphi, v) over the batches the iterator `batches` has
+  left, with phi fixed; returns (varphi in its compact form, v, sums).
 
   The heads' kernels hold almost all of varphi (hidden x P numbers for P
   generated ones), and their gradient at each step is an outer product
@@ -321,7 +325,8 @@ def _hypernetwork_phase(dataset, varphi, v, phi, loss_and_sums, sums,
 
   zeros = personalized.zeros_like
   no_steps = tf.zeros([0])
-  small, _, v, _, a, _, rows, grads, gammas, _, sums = dataset.reduce(
+  small, _, v, _, a, _, rows, grads, gammas, _, sums = reads.loop_batches(
+      batches,
       (small, zeros(small), tuple(v), zeros(v), tf.constant(1.0),
        tf.constant(0.0), tf.zeros([0, hidden_dim]), tf.zeros([0, sum(sizes)]),
        no_steps, no_steps, sums),

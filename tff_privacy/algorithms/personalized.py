@@ -53,6 +53,7 @@ import tensorflow_federated as tff
 
 from tff_privacy import tasks
 from tff_privacy.aggregation import wide_sum
+from tff_privacy.data import reads
 from tff_privacy.models.functional import forward
 from tff_privacy.updates.capture import ClientPlacedCapture
 
@@ -214,7 +215,7 @@ def local_steps(model: tf.keras.Model, weights: Sequence[tf.Tensor], dataset,
     return w, state, sums + batch_sums
 
   state = optimizer.initialize(tuple(tf.TensorSpec(v.shape, v.dtype) for v in w))
-  w, _, sums = dataset.reduce((w, state, tf.zeros([3])), step)
+  w, _, sums = reads.loop_over(dataset, (w, state, tf.zeros([3])), step)
   return list(w), sums
 
 
