@@ -179,9 +179,10 @@ def client_training_seconds(args, repeats: int = 5) -> dict[str, float]:
   """Median seconds of one client's local training in this process, without
   TFF, on the dataset round 1's process gives client 0: FedAvg's
   (`personalized.local_sgd`, TFF's SGD with momentum, its client's
-  arithmetic, stepping by the data set's iterator as TFF's FedAvg does) and HyperFL's (`hyperfl.local_training`, what its client
-  update runs, then the whole upload formed from its compact form, which
-  the round's aggregation does), each a `tf.function` traced once."""
+  arithmetic, stepping by the data set's iterator as TFF's FedAvg does)
+  and HyperFL's (`hyperfl.local_training`, what its client update runs,
+  then the whole upload formed from its compact form, which the round's
+  aggregation does), each a `tf.function` traced once."""
   out = {}
   for method in ("fedavg", "hyperfl"):
     with tempfile.TemporaryDirectory() as tmp:

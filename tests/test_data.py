@@ -308,7 +308,8 @@ def test_a_batch_loop_past_the_last_batch_fails_and_counts_need_no_cardinality()
   stated = known.apply(tf.data.experimental.assert_cardinality(5))
   assert int(reads.count_batches(stated)) == 5
   with pytest.raises(tf.errors.FailedPreconditionError):
-    tf.function(lambda: reads.loop_over(stated, tf.constant(0), lambda c, _: c + 1))()
+    tf.function(lambda: reads.loop_over(stated, tf.constant(0),
+                                        lambda c, _: c + 1))()
 
 
 def test_batch_loops_keep_to_reduce_inside_a_plain_graph_and_its_control_flow():
@@ -317,9 +318,10 @@ def test_batch_loops_keep_to_reduce_inside_a_plain_graph_and_its_control_flow():
   step = lambda c, b: c + tf.reduce_sum(b)
   with tf.Graph().as_default():
     dataset = tf.data.Dataset.range(6).batch(4)
-    top = reads.loop_over(dataset, tf.constant(0, tf.int64), step)
+    zero = tf.constant(0, tf.int64)
+    top = reads.loop_over(dataset, zero, step)
     nested = tf.cond(tf.constant(True),
-                     lambda: reads.loop_over(dataset, tf.constant(0, tf.int64), step),
+                     lambda: reads.loop_over(dataset, zero, step),
                      lambda: tf.constant(-1, tf.int64))
     with tf.compat.v1.Session() as session:
       assert session.run([top, nested]) == [15, 15]

@@ -175,8 +175,10 @@ def build_hyperfl(
       weight_decay=weight_decay, max_grad_norm=max_grad_norm)
 
   def client_training(varphi, state, dataset):
-    target = keras_model_fn()  # its weights are given: none of its variables is read
-    # in a tf.function, whose graph may loop over the data set's iterator
+    # in a tf.function, whose graph may loop over the data set's iterator;
+    # the target is built outside it (its weights are given, none of its
+    # variables is read), as tf.function refuses variables made per trace
+    target = keras_model_fn()
     return tf.function(lambda *args: local_training(
         target, hyper, *args, **settings), autograph=False)(
             varphi, state, dataset)
